@@ -1,0 +1,1 @@
+"""kareus_megatron.cli."""

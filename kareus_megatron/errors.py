@@ -1,0 +1,55 @@
+"""Errors raised for bad user input or an unusable environment.
+
+Every public error derives from KareusError. The CLI prints a KareusError as one line and exits with
+status 2; the message names the bad value, what is allowed, and the fix.
+"""
+
+from __future__ import annotations
+
+
+class KareusError(Exception):
+    """Base class; the CLI prints it as one line and exits with status 2."""
+
+
+class UnknownPresetError(KareusError, LookupError):
+    """A GPU or model preset name that is not shipped."""
+
+
+class ConfigError(KareusError, ValueError):
+    """A configuration value (CLI flag, model file, parallel layout) that is malformed."""
+
+
+class InfeasibleConfigError(KareusError):
+    """A configuration that is well formed but cannot run (e.g. heads not divisible by TP)."""
+
+
+class ProfileError(KareusError, ValueError):
+    """A measured profile (Perseus CSV) that is malformed: missing columns, NaN, duplicates."""
+
+
+class CalibrationError(KareusError):
+    """A calibration file that cannot be read or a fit that failed."""
+
+
+class PlanError(KareusError, ValueError):
+    """A plan or frontier file that fails validation, or a plan request that cannot be met."""
+
+
+class PlanVersionError(PlanError):
+    """A plan file written in a format version this build does not read."""
+
+
+class PlanMismatchError(PlanError):
+    """A plan that does not match the live training run (PP, microbatches, shapes, ...)."""
+
+
+class DeviceUnavailableError(KareusError):
+    """No GPU backend could be opened (no NVIDIA driver, NVML missing)."""
+
+
+class ClockControlError(DeviceUnavailableError):
+    """The driver refused a clock change (no permission, unsupported clock)."""
+
+
+class UnsupportedVersionError(KareusError):
+    """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""

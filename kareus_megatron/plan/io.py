@@ -1,0 +1,88 @@
+"""Load and save plan files; JSON Schema export. Loading validates and names any bad field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from kareus_megatron.errors import PlanError, PlanVersionError
+from kareus_megatron.plan.schema import PLAN_FORMAT, Plan
+
+SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")
+
+
+def _first_error(e: ValidationError) -> str:
+    errs = e.errors()
+    parts = []
+    for err in errs[:3]:
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+    return "; ".join(parts) + more
+
+
+def plan_from_dict(data: Any, source: str = "plan") -> Plan:
+    """Validate a decoded JSON object as a plan; raise PlanError naming the bad field."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: a plan is a JSON object, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt != PLAN_FORMAT:
+        if isinstance(fmt, str) and fmt.startswith("kareus-plan/"):
+            raise PlanVersionError(
+                f"{source} is {fmt}; this build reads {PLAN_FORMAT}. Regenerate it with kareus plan."
+            )
+        raise PlanError(f"{source}: 'format' must be {PLAN_FORMAT!r}, got {fmt!r}")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise PlanError(f"{source}: {_first_error(e)}") from None
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read and validate a plan file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{p} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    return plan_from_dict(data, source=str(p))
+
+
+def plan_sha256(plan: Plan) -> str:
+    """Content hash of a plan (hex), stable across key order."""
+    return hashlib.sha256(json.dumps(plan.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write JSON to `path` through a temporary file and rename, so no reader sees half a file."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write a plan file atomically."""
+    write_json_atomic(path, plan.model_dump(mode="json", exclude_none=True))
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of kareus-plan/1 (the file shipped as plan/plan.schema.json)."""
+    return Plan.model_json_schema()

@@ -1,0 +1,148 @@
+"""The plan file, ``kareus-plan/1``: what the planner writes and the runtime executes.
+
+A plan is data, never code. It records the workload and parallel configuration it was made for, the
+GPU preset and calibration it was predicted with, the predicted iteration time (s) and energy (J, all
+GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM
+clock (MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition
+(comm SMs and launch slot; names from ``workload.layer_vocab``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kareus_megatron.workload.layer_vocab import PARTITION_SLOTS, SUPPORTED_NANOBATCHES
+
+PLAN_FORMAT = "kareus-plan/1"
+FRONTIER_FORMAT = "kareus-frontier/1"
+METHODS = ("megatron", "perseus", "nanobatch_perseus", "kareus")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelShape(_Frozen):
+    """Transformer shape the plan was made for (checked against the live model when known)."""
+
+    name: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_query_groups: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+
+
+class ParallelLayout(_Frozen):
+    """Parallel configuration of the job the plan was made for."""
+
+    tp: int = Field(ge=1)
+    cp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    vp: int = Field(ge=1, description="virtual pipeline chunks per rank (1 = plain 1F1B)")
+    dp: int = Field(ge=1)
+    sequence_parallel: bool = False
+    micro_batch_size: int = Field(ge=1)
+    seq_length: int = Field(ge=1)
+    num_microbatches: int = Field(ge=1)
+    recompute: Literal["none", "full", "selective"] = "none"
+    layers_per_stage: tuple[int, ...] = Field(description="transformer layers on each pipeline stage")
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    schedule: Literal["1f1b", "interleaved-1f1b", "deepspeed-train"] = "1f1b"
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelLayout:
+        if len(self.layers_per_stage) != self.pp:
+            raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries for pp={self.pp}")
+        if self.tp * self.cp * self.pp * self.dp != self.nodes * self.gpus_per_node:
+            raise ValueError("tp*cp*pp*dp must equal nodes*gpus_per_node")
+        return self
+
+
+class PartitionKnobs(_Frozen):
+    """Overlap knobs of one partition: SMs of the collective kernel and the op it is issued before."""
+
+    comm_sms: int = Field(ge=1)
+    launch_slot: str
+
+
+class Instruction(_Frozen):
+    """One pipeline instruction: the forward or backward of one microbatch of one virtual chunk."""
+
+    kind: Literal["forward", "backward"]
+    microbatch: int = Field(ge=0)
+    chunk: int = Field(ge=0, default=0)
+    sm_clock_mhz: int = Field(gt=0)
+    nanobatches: int = 1
+    partitions: dict[str, PartitionKnobs] = Field(default_factory=dict)
+    predicted_time_s: float | None = Field(default=None, ge=0)
+    predicted_energy_j: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Instruction:
+        if self.nanobatches not in SUPPORTED_NANOBATCHES:
+            raise ValueError(f"nanobatches must be one of {SUPPORTED_NANOBATCHES}, not {self.nanobatches}")
+        if self.nanobatches == 1 and self.partitions:
+            raise ValueError("partitions are set but nanobatches is 1 (overlap needs 2 nanobatches)")
+        for name, knobs in self.partitions.items():
+            if name not in PARTITION_SLOTS:
+                raise ValueError(f"unknown partition {name!r}; known: {', '.join(PARTITION_SLOTS)}")
+            if knobs.launch_slot not in PARTITION_SLOTS[name]:
+                raise ValueError(
+                    f"partition {name}: launch_slot {knobs.launch_slot!r} is not one of "
+                    f"{', '.join(PARTITION_SLOTS[name])}"
+                )
+        return self
+
+
+class StagePlan(_Frozen):
+    """The ordered instructions of one pipeline rank."""
+
+    pp_rank: int = Field(ge=0)
+    instructions: tuple[Instruction, ...]
+
+
+class Predicted(_Frozen):
+    """Predicted iteration time (s) and GPU energy (J, summed over every GPU of the job)."""
+
+    iteration_time_s: float = Field(gt=0)
+    iteration_energy_j: float = Field(gt=0)
+
+
+class Plan(_Frozen):
+    """A whole-job plan, format ``kareus-plan/1``."""
+
+    format: Literal["kareus-plan/1"]
+    method: Literal["megatron", "perseus", "nanobatch_perseus", "kareus", "solve"]
+    framework: Literal["megatron", "deepspeed"] = "megatron"
+    gpu: str
+    calibration_sha256: str | None = None
+    model: ModelShape | None = None
+    parallel: ParallelLayout
+    predicted: Predicted
+    stages: tuple[StagePlan, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        ranks = [s.pp_rank for s in self.stages]
+        if ranks != list(range(self.parallel.pp)):
+            raise ValueError(f"stages must list pp_rank 0..{self.parallel.pp - 1} in order, got {ranks}")
+        m, vp = self.parallel.num_microbatches, self.parallel.vp
+        for s in self.stages:
+            for kind in ("forward", "backward"):
+                seen = sorted((i.chunk, i.microbatch) for i in s.instructions if i.kind == kind)
+                want = [(c, mb) for c in range(vp) for mb in range(m)]
+                if seen != want:
+                    raise ValueError(
+                        f"stage {s.pp_rank}: {kind} instructions must cover microbatches 0..{m - 1} "
+                        f"of chunks 0..{vp - 1} exactly once"
+                    )
+        return self
+
+    def clock_sequence(self, pp_rank: int) -> list[int]:
+        """SM clocks (MHz) of rank `pp_rank`'s instructions in execution order."""
+        return [i.sm_clock_mhz for i in self.stages[pp_rank].instructions]

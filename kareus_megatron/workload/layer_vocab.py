@@ -1,0 +1,75 @@
+"""Names shared by the planner and the runtime: transformer-layer ops, segments and partitions.
+
+One transformer layer's op list is cut at each tensor- or context-parallel collective into *segments*.
+With two nanobatches (halves of the microbatch along the batch dimension) a *partition* is one
+nanobatch's compute segment running beside the other nanobatch's pending collective. The collective is
+issued just before one of the segment's compute ops: its *launch slot*. The search (cost model) and the
+overlap engine (runtime) both use exactly these names, so a plan written by one runs on the other.
+
+Layer structure (TP, no sequence parallelism), in execution order:
+
+forward (and recompute) segments
+    attn: input_norm, qkv, rope, attention, proj   -> TP all-reduce of the attention output
+    mlp:  pre_mlp_norm, fc1, activation, fc2        -> TP all-reduce of the MLP output
+backward segments (reverse order; column-parallel inputs all-reduce their input gradient)
+    mlp:  fc2, activation, fc1                      -> TP all-reduce of d(pre_mlp_norm output)
+    attn: pre_mlp_norm, proj, attention, rope, qkv  -> TP all-reduce of d(input_norm output)
+    tail: input_norm (runs after the last wait)
+
+With context parallelism (CP > 1) the attention's KV is all-gathered across the CP group in forward
+(issued after qkv/rope, overlapped with the other nanobatch's input_norm/qkv/rope) and its gradient
+reduce-scattered in backward (overlapped with the other nanobatch's attention backward).
+
+Partition names: ``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``, and with CP ``fwd_cp_kv``,
+``bwd_cp_kv``. The recompute pass inside a backward instruction uses the forward partition names.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+FORWARD_SEGMENTS: Final[dict[str, tuple[str, ...]]] = {
+    "attn": ("input_norm", "qkv", "rope", "attention", "proj"),
+    "mlp": ("pre_mlp_norm", "fc1", "activation", "fc2"),
+}
+BACKWARD_SEGMENTS: Final[dict[str, tuple[str, ...]]] = {
+    "mlp": ("fc2", "activation", "fc1"),
+    "attn": ("pre_mlp_norm", "proj", "attention", "rope", "qkv"),
+}
+BACKWARD_TAIL: Final[tuple[str, ...]] = ("input_norm",)
+
+# partition name -> the compute ops (launch slots) of the segment it overlaps, in execution order.
+TP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
+    "fwd_attn": FORWARD_SEGMENTS["attn"],
+    "fwd_mlp": FORWARD_SEGMENTS["mlp"],
+    "bwd_mlp": BACKWARD_SEGMENTS["mlp"],
+    "bwd_attn": BACKWARD_SEGMENTS["attn"],
+}
+CP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
+    "fwd_cp_kv": ("input_norm", "qkv", "rope"),
+    "bwd_cp_kv": ("attention", "rope", "qkv"),
+}
+PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {**TP_PARTITION_SLOTS, **CP_PARTITION_SLOTS}
+
+# Collective kind of each partition (the collective that runs beside the compute segment).
+PARTITION_COLLECTIVE: Final[dict[str, str]] = {
+    "fwd_attn": "tp_all_reduce",
+    "fwd_mlp": "tp_all_reduce",
+    "bwd_mlp": "tp_all_reduce",
+    "bwd_attn": "tp_all_reduce",
+    "fwd_cp_kv": "cp_all_gather",
+    "bwd_cp_kv": "cp_reduce_scatter",
+}
+
+SUPPORTED_NANOBATCHES: Final[tuple[int, ...]] = (1, 2)
+
+
+def partitions_for(phase: str, cp: int, recompute: bool = False) -> tuple[str, ...]:
+    """Partition names present in an instruction of `phase` ("forward"/"backward") for CP size `cp`."""
+    cp_names = ("fwd_cp_kv",) if cp > 1 else ()
+    if phase == "forward":
+        return ("fwd_attn", "fwd_mlp", *cp_names)
+    if phase != "backward":
+        raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
+    fwd = ("fwd_attn", "fwd_mlp", *cp_names) if recompute else ()
+    return (*fwd, "bwd_mlp", "bwd_attn", *(("bwd_cp_kv",) if cp > 1 else ()))
