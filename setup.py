@@ -13,7 +13,7 @@ setup(
     name="kareus-megatron",
     version="0.1.0",
     description="Joint SM-clock and nanobatch-overlap planning for energy-efficient LLM training",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["kareus_megatron", "kareus_megatron.*"]),
     package_data={"kareus_megatron": ["hardware/*.toml", "workload/*.toml", "plan/*.json", "data/*"]},
     install_requires=[

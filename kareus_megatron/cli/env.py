@@ -1,18 +1,105 @@
-"""`kareus env`: what this machine offers the runtime (driver, NVML, clocks, permissions, versions)."""
+"""`kareus env`: what this machine offers the runtime (driver, NVML, clocks, permissions, versions).
+
+Reads versions from package metadata (nothing heavy is imported) and asks NVML about one GPU. With
+``--check-permission`` it resets that GPU's locked clocks once to find out whether this user may lock
+clocks (the runtime needs root or CAP_SYS_ADMIN for that).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from typing import Any
 
 HELP = "show the GPU driver, NVML, supported SM clocks, clock permissions and framework versions"
+
+_PACKAGES = ("kareus-megatron", "torch", "megatron-core", "deepspeed", "nvidia-ml-py")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus env` flags."""
     parser.add_argument("--gpu-index", type=int, default=0, help="local GPU index to inspect (default 0)")
+    parser.add_argument("--check-permission", action="store_true",
+                        help="test clock-lock permission by resetting the GPU's locked clocks once")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment(gpu_index: int = 0, check_permission: bool = False) -> dict[str, Any]:
+    """The environment report as a dict (see module doc)."""
+    from kareus_megatron.hardware.device.nvml import nvml_report
+    from kareus_megatron.runtime.megatron_patch import SUPPORTED_MCORE_VERSIONS
+
+    versions = _versions()
+    backend = os.environ.get("KAREUS_GPU_BACKEND") or None
+    report: dict[str, Any] = {
+        "versions": versions,
+        "megatron_core_supported": versions["megatron-core"] in SUPPORTED_MCORE_VERSIONS,
+        "supported_megatron_core": list(SUPPORTED_MCORE_VERSIONS),
+        "gpu_backend": backend or "(default: nvml when available)",
+        "root": os.geteuid() == 0 if hasattr(os, "geteuid") else None,
+        "nvml": nvml_report(gpu_index, check_permission),
+    }
+    if backend == "simulated":
+        from kareus_megatron.hardware.device.sim import latency_from_env
+
+        report["simulated"] = {
+            "gpu": os.environ.get("KAREUS_GPU") or "(the plan's GPU)",
+            "latency_ms": latency_from_env() * 1000.0,
+            "log": os.environ.get("KAREUS_SIMULATED_LOG") or None,
+        }
+    return report
+
+
+def _clock_range(clocks: list[int]) -> str:
+    if not clocks:
+        return "none"
+    return f"{clocks[-1]}..{clocks[0]} MHz ({len(clocks)} clocks)"
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the environment report; exit 0."""
-    print("kareus env: not implemented yet")
+    rep = environment(args.gpu_index, args.check_permission)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    v = rep["versions"]
+    for name in _PACKAGES:
+        print(f"{name:16s} {v[name] or 'not installed'}")
+    mc = v["megatron-core"]
+    if mc is not None and not rep["megatron_core_supported"]:
+        print(f"{'':16s} runtime patch supports megatron-core {', '.join(rep['supported_megatron_core'])} only")
+    print(f"{'GPU backend':16s} {rep['gpu_backend']}")
+    n = rep["nvml"]
+    if not n.get("nvml"):
+        print(f"{'NVML':16s} unavailable: {n.get('error')}")
+    else:
+        print(f"{'NVML driver':16s} {n.get('driver_version')} ({n.get('device_count')} GPUs)")
+        if "name" in n:
+            print(f"{'GPU ' + str(n['index']):16s} {n['name']} (preset: {n['preset'] or 'none; pass --gpu'})")
+            print(f"{'SM clocks':16s} {_clock_range(n['supported_sm_clocks_mhz'])} at memory clock "
+                  f"{n['memory_clock_mhz']} MHz; now {n['sm_clock_mhz']} MHz")
+            print(f"{'energy counter':16s} {'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}")
+        if "clock_permission" in n:
+            print(f"{'lock clocks':16s} {'allowed' if n['clock_permission'] else n.get('permission_error')}")
+        else:
+            print(f"{'lock clocks':16s} {'likely (running as root)' if rep['root'] else 'needs root or CAP_SYS_ADMIN'}"
+                  " (test with --check-permission)")
+        if n.get("error"):
+            print(f"{'NVML error':16s} {n['error']}")
+    if "simulated" in rep:
+        s = rep["simulated"]
+        print(f"{'simulated GPU':16s} {s['gpu']}, NVML latency {s['latency_ms']:g} ms, log {s['log'] or 'off'}")
     return 0

@@ -1,18 +1,285 @@
-"""`kareus plan`: plan the time–energy frontier of a training configuration (minimal placeholder)."""
+"""`kareus plan`: plan the iteration time–energy frontier of every method and write plan files.
+
+Writes, under ``--out DIR`` (default ./kareus-out): ``frontier.json`` (kareus-frontier/1),
+``plans/NAME-NN.json`` (kareus-plan/1; NN = 00 is the method's fastest plan), ``frontier.png`` (time s
+vs energy J of every method), ``timeline.png`` (Gantt chart of one plan, coloured by SM clock MHz) and
+``timeline.trace.json`` (the same plan as a Perfetto/Chrome trace).
+Everything is written to a temporary directory next to DIR and renamed into place, so DIR is never
+left half-written; bad input leaves DIR untouched.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
 
-HELP = "plan the iteration time-energy frontier of every method and write plan files"
+HELP = "plan the iteration time-energy frontier of every method and write plan files (default job: see --help)"
+METHOD_NAMES = ("megatron", "perseus", "nanobatch_perseus", "kareus")
+_PLAN_NAME = re.compile(r"^(megatron|perseus|nanobatch_perseus|kareus)-(\d\d)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register `kareus plan` flags."""
-    parser.add_argument("--out", default="kareus-out", help="output directory (default ./kareus-out)")
+    """Register the workload flags and `kareus plan`'s own."""
+    from kareus_megatron.workload.parallel import add_workload_arguments
+
+    add_workload_arguments(parser)
+    g = parser.add_argument_group("planning")
+    g.add_argument("--points", type=int, default=10, help="plans written per method, spread along its frontier "
+                   "(always the fastest and the lowest-energy one; default 10)")
+    g.add_argument("--out", default="kareus-out", help="output directory (default ./kareus-out)")
+    g.add_argument("--max-time", type=float, default=None, metavar="S",
+                   help="write only plans with iteration time <= S seconds")
+    g.add_argument("--methods", default=None,
+                   help="comma-separated methods (megatron and perseus are always planned: the reductions "
+                   "are measured against them; default all four)")
+    g.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
+                   help="pipeline schedule of the framework: megatron 1F1B (interleaved with --vp > 1) or "
+                   "DeepSpeed TrainSchedule (default megatron)")
+    g.add_argument("--freqs", default=None, help="comma-separated SM clocks (MHz) to plan with "
+                   "(default: every 30 MHz from the max clock down to 60%% of it)")
+    g.add_argument("--timeline", default=None, metavar="NAME-NN",
+                   help="plan drawn in timeline.png (default: the kareus plan with the least energy "
+                   "that is no slower than Perseus's fastest)")
+
+
+def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
+    from kareus_megatron.errors import ConfigError
+
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ConfigError(f"{flag} {text!r} is empty; give a comma-separated list.")
+    try:
+        return [cast(x) for x in items]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: every item must be a {cast.__name__}.") from None
+
+
+def _check_out_dir(out: Path) -> None:
+    from kareus_megatron.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise ConfigError(f"--out {out} is the current directory or above it; the output directory is "
+                          "replaced as a whole, so name a subdirectory (e.g. --out kareus-out).")
+    if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
+        raise ConfigError(
+            f"--out {out} is a non-empty directory that is not a kareus plan output (no frontier.json); "
+            "choose an empty or new directory."
+        )
+
+
+def schedule_for(framework: str, vp: int) -> str:
+    """Pipeline schedule name of `framework` with `vp` virtual chunks per stage."""
+    if framework == "deepspeed":
+        return "deepspeed-train"
+    return "interleaved-1f1b" if vp > 1 else "1f1b"
+
+
+def _progress_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
+    """Validate the flags, plan every method (with a progress bar) and build the outputs."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kareus_megatron.cost import KernelModel, load_calibration
+    from kareus_megatron.errors import ConfigError
+    from kareus_megatron.plan.build import build_outputs
+    from kareus_megatron.search.planner import check_methods, plan_methods
+    from kareus_megatron.workload.parallel import workload_from_args
+
+    methods = check_methods(_parse_list("--methods", args.methods, str) if args.methods else METHOD_NAMES)
+    freqs = _parse_list("--freqs", args.freqs, int) if args.freqs else None
+    if args.points < 2:
+        raise ConfigError(f"--points {args.points}: need at least 2 (the fastest and the lowest-energy plan).")
+    if args.max_time is not None and not args.max_time > 0:
+        raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
+    if args.timeline is not None:
+        m = _PLAN_NAME.match(args.timeline)
+        if not m or m.group(1) not in methods or int(m.group(2)) >= args.points:
+            raise ConfigError(
+                f"--timeline {args.timeline!r} is not a plan this run writes; use METHOD-NN with METHOD one of "
+                f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
+            )
+    _check_out_dir(Path(args.out))
+    gpu, model, par = workload_from_args(args)
+    cal = load_calibration(args.calibration) if args.calibration else None
+    kernel = KernelModel(gpu, cal)
+    schedule = schedule_for(args.framework, par.vp)
+    if args.methods is None and par.micro_batch_size % 2:
+        methods.remove("nanobatch_perseus")  # asked for by default only: skip it, say why
+        _progress_console().print(
+            f"note: nanobatch_perseus skipped: 2 nanobatches do not divide --mbs {par.micro_batch_size}; "
+            "kareus plans 1 nanobatch only."
+        )
+    console = _progress_console()
+    with Progress(
+        TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=not console.is_terminal,
+    ) as bar:
+        task = bar.add_task("planning", total=1.0)
+
+        def report(msg: str, frac: float) -> None:
+            bar.update(task, description=msg, completed=min(max(frac, 0.0), 1.0))
+
+        result = plan_methods(
+            gpu, model, par, kernel, methods=methods, points=args.points, schedule=schedule,
+            max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
+            progress=report,
+        )
+        bar.update(task, description="building plans")
+        doc, built = build_outputs(result)
+    return result, doc, built
+
+
+def _timeline_choice(args: argparse.Namespace, result: Any, built: list[Any]) -> Any:
+    by_name = {b.name: b for b in built}
+    if args.timeline is not None:
+        if args.timeline not in by_name:
+            from kareus_megatron.errors import PlanError
+
+            have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
+            raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
+        return by_name[args.timeline]
+    from kareus_megatron.search.planner import reduction_indices
+
+    method = "kareus" if "kareus" in result.methods else list(result.methods)[-1]
+    mf, ref = result.methods[method], result.methods["perseus"]
+    want = reduction_indices(mf.time_s, mf.energy_j, float(ref.time_s[0]), float(ref.energy_j.min()))
+    for b in built:
+        if b.method == method and want and b.frontier_index == want[0]:
+            return b
+    return by_name[f"{method}-00"]
+
+
+def _normal_permissions(root: Path) -> None:
+    """Give `root` and everything under it the modes a plain mkdir/open would (temp files are private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for p in root.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
+    """Write every output into a temporary directory next to `out`, then swap it into place."""
+    from kareus_megatron.plan.io import save_plan, write_json_atomic
+    from kareus_megatron.plotting.frontier import method_label, save_frontier_png
+    from kareus_megatron.plotting.timeline import Bar, save_timeline_png, trace_events
+
+    parent = out.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
+    try:
+        write_json_atomic(tmp / "frontier.json", doc)
+        for b in built:
+            save_plan(b.plan, tmp / b.relpath)
+        cfg = doc["config"]
+        title = (f"{cfg['model']} on {cfg['nodes']}×{cfg['gpus_per_node']} {cfg['gpu']}, TP={cfg['tp']} "
+                 f"CP={cfg['cp']} PP={cfg['pp']}, MBS={cfg['micro_batch_size']}, seq {cfg['seq_length']},\n"
+                 f"{cfg['num_microbatches']} microbatches (model predictions)")
+        curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
+        save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
+        opts = result.methods[chosen.method].options
+        bars = []
+        for ti in chosen.timeline:
+            kind, mb, chunk = ti.key
+            o = opts[(ti.rank, chunk, kind)]
+            bars.append(Bar(rank=ti.rank, start_s=ti.start_s, end_s=ti.end_s, clock_mhz=int(o.clock_mhz[ti.option]),
+                            kind=kind, microbatch=mb, chunk=chunk, nanobatches=int(o.nanobatches[ti.option])))
+        write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
+        clocks = [int(c) for o in opts.values() for c in o.clock_mhz]
+        p = chosen.plan.predicted
+        save_timeline_png(
+            tmp / "timeline.png", bars, clock_range_mhz=(min(clocks), max(clocks)),
+            title=f"{chosen.name} ({method_label(chosen.method)}): {p.iteration_time_s:.3f} s, "
+            f"{p.iteration_energy_j / 1e3:.1f} kJ per iteration; hatched = 2 nanobatches",
+        )
+        _normal_permissions(tmp)
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / "previous")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:
+    """Print the per-method frontier ends, the reductions, and where the outputs went."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = doc["config"]
+    console = Console()
+    console.print(f"[bold]{cfg['model']}[/] on {cfg['nodes']} × {cfg['gpus_per_node']} {cfg['gpu']}")
+    console.print(
+        f"TP={cfg['tp']} CP={cfg['cp']} PP={cfg['pp']} VP={cfg['vp']} DP={cfg['dp']}, MBS {cfg['micro_batch_size']}, "
+        f"seq {cfg['seq_length']}, {cfg['num_microbatches']} microbatches, {cfg['schedule']}"
+    )
+    ends = Table(title="frontier ends (model predictions; energy = all GPUs per iteration)", box=box.SIMPLE)
+    ends.add_column("method", no_wrap=True)
+    for col in ("plans", "fastest (s)", "(kJ)", "min-energy (s)", "(kJ)"):
+        ends.add_column(col, justify="right")
+    red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)",
+                box=box.SIMPLE)
+    red.add_column("method", no_wrap=True)
+    for col in ("iso-time energy", "iso-energy time", "fastest time", "fastest energy"):
+        red.add_column(col, justify="right")
+    for name, entry in doc["methods"].items():
+        pts = entry["points"]
+        r = doc["reductions"][name]
+        fast, slow = pts[0], pts[-1]
+        ends.add_row(name, str(len(pts)), f"{fast['time_s']:.3f}", f"{fast['energy_j'] / 1e3:.2f}",
+                     f"{slow['time_s']:.3f}", f"{slow['energy_j'] / 1e3:.2f}")
+        red.add_row(name, _fmt_pct(r["iso_time_energy"]), _fmt_pct(r["iso_energy_time"]),
+                    _fmt_pct(r["max_throughput_time_vs_megatron"]), _fmt_pct(r["max_throughput_energy_vs_megatron"]))
+    console.print(ends)
+    console.print(red)
+    console.print(
+        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, timeline.png and "
+        f"timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
+    )
+    console.print(
+        f"run a plan: torchrun ... -m kareus_megatron.launch --kareus-plan {out} --kareus-point {chosen.name} "
+        "-- your_training_script.py ...", highlight=False, soft_wrap=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Not implemented yet."""
-    print("kareus plan: not implemented yet")
+    """Plan, write the outputs atomically and print the summary table; 0 on success."""
+    t0 = time.perf_counter()
+    result, doc, built = _plan(args)
+    chosen = _timeline_choice(args, result, built)
+    out = Path(args.out).resolve()
+    if args.max_time is not None:
+        for name, mf in result.methods.items():
+            if mf.time_s[0] > args.max_time:
+                _progress_console().print(
+                    f"note: {name} has no plan within --max-time {args.max_time:g} s; its fastest plan "
+                    f"({mf.time_s[0]:.4g} s) is kept for reference."
+                )
+    _write(out, doc, built, result, chosen)
+    print_summary(doc, out, built, chosen, time.perf_counter() - t0)
+    sys.stdout.flush()
     return 0

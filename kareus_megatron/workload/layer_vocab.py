@@ -18,7 +18,9 @@ backward segments (reverse order; column-parallel inputs all-reduce their input 
 
 With context parallelism (CP > 1) the attention's KV is all-gathered across the CP group in forward
 (issued after qkv/rope, overlapped with the other nanobatch's input_norm/qkv/rope) and its gradient
-reduce-scattered in backward (overlapped with the other nanobatch's attention backward).
+reduce-scattered in backward right after the attention backward (overlapped with the other
+nanobatch's pre_mlp_norm, proj and attention backward). The CP collective splits the attn segment in
+two; the TP partition of that segment then launches only before the ops after the cut.
 
 Partition names: ``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``, and with CP ``fwd_cp_kv``,
 ``bwd_cp_kv``. The recompute pass inside a backward instruction uses the forward partition names.
@@ -47,7 +49,7 @@ TP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
 }
 CP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
     "fwd_cp_kv": ("input_norm", "qkv", "rope"),
-    "bwd_cp_kv": ("attention", "rope", "qkv"),
+    "bwd_cp_kv": ("pre_mlp_norm", "proj", "attention"),
 }
 PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {**TP_PARTITION_SLOTS, **CP_PARTITION_SLOTS}
 

@@ -1,1 +1,52 @@
-"""kareus_megatron.hardware.device."""
+"""GPU devices: one contract (``GPUDevice``), two backends chosen at run time.
+
+``KAREUS_GPU_BACKEND=nvml|simulated`` picks the backend (default: nvml when NVML initialises). Asking
+for nvml where it is missing is an error naming the fix; there is no silent fallback to the simulator.
+The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb).
+"""
+
+from __future__ import annotations
+
+import os
+
+from kareus_megatron.errors import ConfigError, DeviceUnavailableError
+from kareus_megatron.hardware.device.base import BACKENDS, GPUDevice, nearest_supported_mhz
+
+DEFAULT_SIMULATED_GPU = "a100-sxm4-40gb"
+
+__all__ = ["BACKENDS", "GPUDevice", "backend_from_env", "nearest_supported_mhz", "open_gpu"]
+
+
+def backend_from_env(backend: str | None = None) -> str:
+    """The backend to use: `backend`, else KAREUS_GPU_BACKEND, else nvml when available."""
+    name = backend or os.environ.get("KAREUS_GPU_BACKEND") or ""
+    if name:
+        if name not in BACKENDS:
+            raise ConfigError(f"KAREUS_GPU_BACKEND={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
+        return name
+    from kareus_megatron.hardware.device.nvml import nvml_available
+
+    if nvml_available():
+        return "nvml"
+    raise DeviceUnavailableError(
+        "NVML could not be initialised (no NVIDIA driver or nvidia-ml-py). "
+        "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
+    )
+
+
+def open_gpu(index: int, backend: str | None = None, gpu: str | None = None) -> GPUDevice:
+    """Open local GPU `index` on `backend` (see module doc); `gpu` names a preset in hardware/gpus."""
+    name = backend_from_env(backend)
+    if name == "simulated":
+        from kareus_megatron.hardware.device.sim import SimulatedGPU
+        from kareus_megatron.hardware.gpus import gpu_spec
+
+        return SimulatedGPU(gpu_spec(gpu or os.environ.get("KAREUS_GPU") or DEFAULT_SIMULATED_GPU), index)
+    from kareus_megatron.hardware.device.nvml import NVMLGPU, nvml_available
+
+    if not nvml_available():
+        raise DeviceUnavailableError(
+            "KAREUS_GPU_BACKEND=nvml but NVML could not be initialised (is the NVIDIA driver loaded?). "
+            "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
+        )
+    return NVMLGPU(index, gpu=gpu or os.environ.get("KAREUS_GPU") or None)

@@ -1,0 +1,364 @@
+"""Multi-GPU benchmark: one layer's phase time (s) and energy (J) per overlap knob, measured vs predicted.
+
+For each partition (fwd_attn, fwd_mlp, bwd_mlp, bwd_attn) and each knob setting (comm SMs, launch
+slot) the partitioned megatron-core layer runs with that partition's knobs (the others at NCCL's
+default SMs and their first slot) on every GPU of the TP group; the script measures the layer's
+forward (or backward = forward+backward minus forward) wall time per call and GPU energy (NVML's
+energy counter over a window of repetitions), and puts beside it the cost model's prediction for the
+same phase and knobs (search/tables.py: the alone part plus every partition at its knobs). Reference
+rows: 1 nanobatch, and 2 nanobatches with every partition at the defaults. ``--write-calibration``
+fits the overlap parameters of the kernel model (link efficiency and latency, bytes per comm SM,
+comm-SM power, time scale; cost/calibrate.fit_series) to the measured rows and writes a calibration.
+
+The measured layer uses megatron-core's local spec (unfused DotProductAttention, torch norms); the
+model assumes flash attention, so attention-heavy rows are expected to be slower than predicted.
+
+    torchrun --nproc_per_node=8 benchmarks/overlap_gpu.py --model qwen3-1.7b --mbs 8 --seq 4096 \\
+        [--clock-mhz 1410] [--out kareus-out/overlap_measurements.json] [--write-calibration overlap_cal.json]
+    python benchmarks/overlap_gpu.py --dry-run     # CPU: 2 gloo processes, a tiny layer, simulated energy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PHASE_PARTITIONS = {"forward": ("fwd_attn", "fwd_mlp"), "backward": ("bwd_mlp", "bwd_attn")}
+OVERLAP_FREE = (  # (name, lo, hi, prior sigma): the kernel-model parameters of the overlap part
+    ("nvlink_efficiency", 0.15, 1.0, 0.2),
+    ("nvlink_latency_s", 0.0, 200e-6, 20e-6),
+    ("comm_sm_bytes_per_cycle", 2.0, 128.0, 8.0),
+    ("comm_sharpness", 1.0, 10.0, 2.0),
+    ("comm_compute_activity", 0.0, 4.0, 0.5),
+    ("time_scale", 0.02, 50.0, 1e3),
+)
+TINY = dict(name="tiny", num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=4,
+            ffn_hidden_size=128, vocab_size=128)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU: 2 gloo processes, tiny layer, simulated energy")
+    ap.add_argument("--model", default=None, help="model preset (workload/models.toml); tiny in a dry run")
+    ap.add_argument("--gpu", default=None, help="GPU preset for the prediction (default: the device's)")
+    ap.add_argument("--calibration", default=None, help="calibration file the prediction starts from")
+    ap.add_argument("--mbs", type=int, default=None, help="micro-batch size (even: 2 nanobatches)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length")
+    ap.add_argument("--clock-mhz", type=int, default=None, help="lock the SM clock (needs permission)")
+    ap.add_argument("--sms", default=None, help="comm SM counts, comma-separated (default: the planner's range)")
+    ap.add_argument("--partitions", default="fwd_attn,fwd_mlp,bwd_mlp,bwd_attn")
+    ap.add_argument("--min-window-s", type=float, default=None, help="shortest measured window (s)")
+    ap.add_argument("--out", default="kareus-out/overlap_measurements.json", help="measured and predicted rows (JSON)")
+    ap.add_argument("--write-calibration", default=None, help="fit the overlap parameters; write this file")
+    a = ap.parse_args(argv)
+    a.mbs = a.mbs or (2 if a.dry_run else 8)
+    a.seq = a.seq or (32 if a.dry_run else 4096)
+    a.min_window_s = a.min_window_s if a.min_window_s is not None else (0.0 if a.dry_run else 0.5)
+    if a.mbs % 2:
+        ap.error(f"--mbs {a.mbs} must be even (2 nanobatches)")
+    return a
+
+
+def model_spec(args: argparse.Namespace):
+    """The measured model shape (one layer of it)."""
+    from kareus_megatron.workload.models import model_from_dict
+    from kareus_megatron.workload.models import model_spec as preset
+
+    if args.model:
+        return preset(args.model)
+    return model_from_dict(TINY, "tiny")
+
+
+def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
+    """Rows to measure: references, then every (partition, comm SMs, slot)."""
+    from kareus_megatron.search.tables import comm_sms_range
+    from kareus_megatron.workload.layer_vocab import TP_PARTITION_SLOTS
+
+    parts = [p for p in args.partitions.split(",") if p]
+    rows: list[dict[str, Any]] = []
+    for phase, names in PHASE_PARTITIONS.items():
+        rows.append({"phase": phase, "nanobatches": 1, "partition": None, "comm_sms": None, "slot": None})
+        rows.append({"phase": phase, "nanobatches": 2, "partition": None, "comm_sms": None, "slot": None})
+        for name in names:
+            if name not in parts:
+                continue
+            sms = [int(s) for s in args.sms.split(",")] if args.sms else [int(s) for s in comm_sms_range(gpu, name)]
+            slots = TP_PARTITION_SLOTS[name]
+            if args.dry_run:  # exercise the path, not the grid
+                sms, slots = sms[:1], (slots[0], slots[-1])
+            for s in sms:
+                for slot in slots:
+                    rows.append({"phase": phase, "nanobatches": 2, "partition": name, "comm_sms": s, "slot": slot})
+    return rows
+
+
+# ---------------------------------------------------------------- prediction (cost model; no torch)
+def predict_rows(rows: list[dict[str, Any]], km: Any, model: Any, par: Any, clock_mhz: int):
+    """Predicted (time s, energy J) of one layer's phase for each row: arrays (n_rows,)."""
+    from kareus_megatron.search.tables import CostAdapter, phase_table
+
+    ad = CostAdapter(km.gpu, km)
+    clocks = np.array([float(clock_mhz)])
+    t_out, e_out = np.zeros(len(rows)), np.zeros(len(rows))
+    tables = {ph: phase_table(ad, model, par, ph, [clock_mhz], 2) for ph in {r["phase"] for r in rows}}
+    for i, r in enumerate(rows):
+        table = tables[r["phase"]]
+        if r["nanobatches"] == 1:
+            t_out[i], e_out[i] = table.seq_time_s[0], table.seq_energy_j[0]
+            continue
+        t, e = float(table.alone_time_s[0]), float(table.alone_energy_j[0])
+        for name, pt in table.partitions.items():
+            mine = name == r["partition"]
+            sms = r["comm_sms"] if mine else ad.default_sms
+            k = pt.slots.index(r["slot"] if mine else pt.slots[0])
+            hit = np.flatnonzero(pt.comm_sms == sms)
+            if hit.size:  # on the planner's grid: the table already holds it (summed over instances)
+                t, e = t + float(pt.time_s[0, k, hit[0]]), e + float(pt.energy_j[0, k, hit[0]])
+                continue
+            for inst in table.schedule.instances:
+                if inst.name == name:
+                    ti, ei = ad.instance(inst, clocks, np.array([float(sms)]))
+                    t, e = t + float(ti[0, k, 0]), e + float(ei[0, k, 0])
+        t_out[i], e_out[i] = t, e
+    return t_out, e_out
+
+
+def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, clock_mhz: int, base_cal: Any):
+    """Fit the overlap parameters to the measured 2-nanobatch rows; return a Calibration."""
+    from kareus_megatron.cost.calibrate import FreeParam, Series, fit_series, series_metrics
+    from kareus_megatron.cost.calibration import FORMAT, Calibration
+    from kareus_megatron.cost.kernel import KernelModel
+
+    series = []
+    for phase in PHASE_PARTITIONS:
+        sel = [r for r in rows if r["phase"] == phase and r["nanobatches"] == 2]
+        if len(sel) < 2:
+            continue
+        t = np.array([r["measured_time_s"] for r in sel])
+        e = np.array([r["measured_energy_j"] for r in sel])
+        f = np.full(len(sel), float(clock_mhz))
+        series.append(Series(f"{phase} knobs", f, t, e,
+                             lambda km, sel=sel: predict_rows(sel, km, model, par, clock_mhz)))
+    base_km = KernelModel(gpu, base_cal)
+    free = [FreeParam(*x) for x in OVERLAP_FREE]
+    before = series_metrics(base_km, series)
+    fitted_gpu, params, values = fit_series(series, base_km.gpu, free, base=base_km.params, fit_abs_time=True)
+    after = series_metrics(KernelModel.from_params(fitted_gpu, params), series)
+    merged = {**(base_cal.params if base_cal else {}), **values}
+    return Calibration(
+        format=FORMAT, gpu=gpu.name, params=merged, fit={"uncalibrated": before, "calibrated": after},
+        source=f"benchmarks/overlap_gpu.py ({len(rows)} knob rows at {clock_mhz} MHz)",
+        workload={"model": model.name, "tp": par.tp, "mbs": par.micro_batch_size, "seq": par.seq_length},
+    )
+
+
+# ---------------------------------------------------------------- measurement (torch, megatron)
+def _layer(model: Any, tp: int, seq: int, cpu: bool):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
+
+    dtype = torch.float32 if cpu else torch.bfloat16
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.kv_channels, gated_linear_unit=model.activation == "swiglu",
+        activation_func=F.silu if model.activation == "swiglu" else F.gelu, add_bias_linear=False,
+        normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm", qk_layernorm=model.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=cpu,
+        params_dtype=dtype, bf16=not cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False,
+    )
+    spec = get_partitioned_gpt_layer_spec(
+        normalization="RMSNorm" if model.norm == "rmsnorm" else None, qk_layernorm=model.qk_norm
+    )
+    layer = build_module(spec, config=cfg, layer_number=1)
+    rope = None
+    if model.position == "rope":
+        rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0, use_cpu_initialization=cpu)(seq)
+    return layer, rope, dtype
+
+
+def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Measure every row on this rank (all ranks run the same rows in the same order)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from kareus_megatron.hardware.device import open_gpu
+    from kareus_megatron.runtime.overlap import Knobs, LayerSettings, set_engine, setup_overlap
+
+    cpu = args.dry_run
+    if cpu:  # attention forks megatron's CUDA RNG tracker and takes a scratch buffer on the current device
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        torch.cuda.current_device = lambda: torch.device("cpu")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        mrandom.model_parallel_cuda_manual_seed(1234)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    model = model_spec(args)
+    layer, rope, dtype = _layer(model, world, args.seq, cpu)
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    layer.to(device)
+    dev = open_gpu(0 if cpu else torch.cuda.current_device(), backend="simulated" if cpu else None,
+                   gpu=args.gpu or ("a100-sxm4-40gb" if cpu else None))
+    if args.clock_mhz:
+        dev.set_sm_clock_mhz(args.clock_mhz)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = torch.randn(args.seq, args.mbs, model.hidden_size, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(args.seq, args.mbs, model.hidden_size, generator=g).to(device, dtype)
+    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1).view(1, 1, args.seq, args.seq)
+    sms_all = sorted({r["comm_sms"] for r in rows if r["comm_sms"]})
+    engine = setup_overlap(comm_sms=tuple(sms_all))
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+
+    def window(fn) -> tuple[float, float, int]:
+        fn()  # warm-up (and NCCL communicator creation)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        single = max(time.perf_counter() - t0, 1e-6)
+        reps = max(2 if cpu else 10, int(np.ceil(args.min_window_s / single)))
+        dist.barrier()
+        sync()
+        e0, t0 = dev.energy_j(), time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        t1, e1 = time.perf_counter(), dev.energy_j()
+        return (t1 - t0) / reps, (e1 - e0) / reps, reps
+
+    def fwd() -> None:
+        y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+        del y
+
+    def fwd_bwd() -> None:
+        y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+        y.backward(dy)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    out = []
+    for r in rows:
+        knobs = {r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else {}
+        engine.state.set(LayerSettings(nanobatches=r["nanobatches"], knobs=knobs))
+        tf, ef, nf = window(fwd)
+        if r["phase"] == "forward":
+            t, e, n = tf, ef, nf
+        else:
+            tb, eb, n = window(fwd_bwd)
+            t, e = tb - tf, eb - ef
+        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n,
+                    "clock_mhz": dev.sm_clock_mhz(), "sm_limit_applied": bool(engine.comm.sm_groups)})
+    set_engine(None)
+    dev.close()
+    return out
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: list, result: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    got = measure(rank, world, args, rows)
+    if rank == 0:
+        result["rows"] = got
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure (or dry-run), predict, print, write the rows and optionally a calibration; exit status."""
+    args = parse_args(argv)
+    from kareus_megatron.cost.calibration import load_calibration, save_calibration
+    from kareus_megatron.cost.kernel import KernelModel
+    from kareus_megatron.hardware.gpus import gpu_spec
+    from kareus_megatron.plan.io import write_json_atomic
+    from kareus_megatron.workload.parallel import make_parallel
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("overlap_gpu: no CUDA GPU here; running the CPU dry run instead (--dry-run).")
+        args.dry_run = True
+        args = parse_args([*(argv or sys.argv[1:]), "--dry-run"])
+    model = model_spec(args)
+    tp = 2 if args.dry_run else int(os.environ.get("WORLD_SIZE", "1"))
+    par = make_parallel(model, tp=tp, micro_batch_size=args.mbs, seq_length=args.seq, gpus_per_node=tp)
+    gpu_name = args.gpu or ("a100-sxm4-40gb" if args.dry_run else None)
+    if gpu_name is None:
+        from kareus_megatron.hardware.gpus import gpu_spec_for_device_name
+
+        gpu = gpu_spec_for_device_name(torch.cuda.get_device_name())
+        if gpu is None:
+            print(f"overlap_gpu: no preset for {torch.cuda.get_device_name()!r}; pass --gpu", file=sys.stderr)
+            return 2
+    else:
+        gpu = gpu_spec(gpu_name)
+    base_cal = load_calibration(args.calibration) if args.calibration else None
+    rows = knob_rows(args, gpu)
+    if args.dry_run:
+        import torch.multiprocessing as mp
+
+        with mp.Manager() as mgr:
+            result = mgr.dict()
+            mp.spawn(_spawned, args=(2, _free_port(), args, rows, result), nprocs=2, join=True)
+            measured = list(result["rows"])
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        measured = measure(dist.get_rank(), dist.get_world_size(), args, rows)
+        if dist.get_rank() != 0:
+            dist.destroy_process_group()
+            return 0
+        dist.destroy_process_group()
+    clock = args.clock_mhz or int(gpu.max_sm_clock_mhz)
+    pt, pe = predict_rows(measured, KernelModel(gpu, base_cal), model, par, clock)
+    for r, t, e in zip(measured, pt, pe):
+        r["predicted_time_s"], r["predicted_energy_j"] = float(t), float(e)
+    doc = {"format": "kareus-overlap-measurements/1", "dry_run": args.dry_run, "gpu": gpu.name,
+           "model": model.name, "tp": tp, "mbs": args.mbs, "seq": args.seq, "clock_mhz": clock, "rows": measured}
+    write_json_atomic(args.out, doc)
+    print(f"{'phase':9} {'nb':>2} {'partition':9} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
+          f"{'meas J':>9} {'pred J':>9}")
+    for r in measured:
+        print(f"{r['phase']:9} {r['nanobatches']:>2} {r['partition'] or '-':9} {r['comm_sms'] or '-':>4} "
+              f"{r['slot'] or '-':12} {1e3 * r['measured_time_s']:9.3f} {1e3 * r['predicted_time_s']:9.3f} "
+              f"{r['measured_energy_j']:9.4f} {r['predicted_energy_j']:9.4f}")
+    mt = np.array([r["measured_time_s"] for r in measured])
+    print(f"time MAPE {100 * np.mean(np.abs(pt / np.maximum(mt, 1e-12) - 1)):.1f}% over {len(measured)} rows"
+          + (" (dry run: CPU times, not comparable)" if args.dry_run else ""))
+    if args.write_calibration:
+        cal = fit_overlap(measured, gpu, model, par, clock, base_cal)
+        save_calibration(cal, args.write_calibration)
+        print(f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
+              f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%")
+    print(f"wrote {Path(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Time `kareus predict` for the default job (issue 2 target: under 1 s).
+
+Llama 3.2 3B on a100-sxm4-40gb, TP=8, PP=2, MBS 8, seq 4096, every default clock, as a subprocess
+(interpreter start-up and imports included) and in process (the model alone).
+
+Run: .venv/bin/python benchmarks/predict_speed.py
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+from contextlib import redirect_stdout
+
+ARGS = ["predict", "--gpu", "a100-sxm4-40gb", "--model", "llama3.2-3b", "--tp", "8", "--pp", "2", "--mbs", "8",
+        "--seq", "4096", "--format", "csv"]
+
+
+def main() -> None:
+    from kareus_megatron.cli.main import main as kareus
+
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", *ARGS], capture_output=True, text=True)
+        runs.append(time.perf_counter() - t0)
+        if out.returncode != 0:
+            raise SystemExit(f"kareus predict failed: {out.stderr.strip()}")
+    rows = len(out.stdout.splitlines()) - 1
+    print(f"kareus predict (subprocess, imports included): best {min(runs):.3f} s, worst {max(runs):.3f} s, {rows} rows")
+    inproc = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with redirect_stdout(io.StringIO()):
+            kareus(ARGS)
+        inproc.append(time.perf_counter() - t0)
+    print(f"kareus predict (in process): best {min(inproc) * 1e3:.1f} ms, worst {max(inproc) * 1e3:.1f} ms")
+    print("target: < 1 s (timings on 2 shared cores are noisy)")
+
+
+if __name__ == "__main__":
+    main()

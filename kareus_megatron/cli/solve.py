@@ -1,0 +1,236 @@
+"""`kareus solve`: the iteration time–energy frontier of a measured Perseus-format profile.
+
+For users of the Perseus workflow: the profile (``stage,instruction,frequency,time,energy``; time s and
+energy J of one GPU running one forward or backward of one microbatch at a locked SM clock, MHz) gives
+every instruction its clock options; the pipeline solver (search/solver.py) finds the frontier. Writes,
+under ``--out DIR``:
+
+- ``frontier.json``: kareus-frontier/1 layout with one method, ``solve``, fastest point first;
+- ``plans/solve-NN.json``: one kareus-plan/1 clock plan per point (NN = 00 is the fastest);
+- with ``--zeus-format``, ``zeus/freqs_pipeline_NN.py``: the same plans as Python literals, one list of
+  ``(instruction, frequency)`` per pipeline rank in execution order, the solution file that Zeus's
+  pipeline frequency optimizer server replays (its ``PointSolution`` scheduler).
+
+Everything is written to a temporary directory next to DIR and renamed into place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HELP = "solve the pipeline time-energy frontier of a measured Perseus-format profile (CSV)"
+SCHEDULES = ("1f1b", "deepspeed-train")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `kareus solve` flags."""
+    parser.add_argument("--profile", required=True, metavar="FILE.csv",
+                        help="Perseus-format CSV: stage,instruction,frequency,time,energy (s, J of one GPU)")
+    parser.add_argument("--pp", type=int, required=True, metavar="S", help="pipeline stages (profile stages 0..S-1)")
+    parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="microbatches per iteration")
+    parser.add_argument("--p-blocked", type=float, default=83.64, metavar="W",
+                        help="power (W) of a GPU blocked on pipeline communication (default 83.64, A100)")
+    parser.add_argument("--points", type=int, default=10, metavar="N", help="frontier points to write (default 10)")
+    parser.add_argument("--out", default="kareus-solve", metavar="DIR",
+                        help="output directory (default ./kareus-solve)")
+    parser.add_argument("--zeus-format", action="store_true",
+                        help="also write zeus/freqs_pipeline_NN.py for Zeus's pipeline frequency optimizer")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                        help="pipeline schedule the job runs (default 1f1b; deepspeed-train for DeepSpeed)")
+    parser.add_argument("--p2p-time", type=float, default=0.0, metavar="S",
+                        help="P2P send/recv time (s) between stages (default 0, as in Perseus)")
+    parser.add_argument("--max-time", type=float, default=None, metavar="S",
+                        help="drop plans slower than this iteration time (s)")
+    g = parser.add_argument_group("job recorded in the plans (the runtime checks them against the live job)")
+    g.add_argument("--gpu", default="measured", help="GPU name recorded in the plans (default 'measured')")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size (default 1)")
+    g.add_argument("--seq-length", type=int, default=1, help="sequence length (default 1)")
+    g.add_argument("--layers-per-stage", default=None, metavar="L0,L1,...",
+                   help="transformer layers of each stage (default 1 each)")
+
+
+def _check_args(args: argparse.Namespace) -> list[int]:
+    from kareus_megatron.errors import ConfigError
+
+    for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--points", args.points),
+                    ("--tp", args.tp), ("--cp", args.cp), ("--dp", args.dp),
+                    ("--micro-batch-size", args.micro_batch_size), ("--seq-length", args.seq_length)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v} must be a positive integer")
+    if not (args.p_blocked >= 0 and args.p_blocked < float("inf")):
+        raise ConfigError(f"--p-blocked {args.p_blocked} must be a finite power >= 0 W (A100: 83.64)")
+    if not (args.p2p_time >= 0 and args.p2p_time < float("inf")):
+        raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
+    if args.layers_per_stage is None:
+        return [1] * args.pp
+    try:
+        layers = [int(x) for x in args.layers_per_stage.split(",")]
+    except ValueError:
+        raise ConfigError(f"--layers-per-stage {args.layers_per_stage!r} must be comma-separated integers") from None
+    if len(layers) != args.pp or min(layers) < 1:
+        raise ConfigError(f"--layers-per-stage needs {args.pp} positive integers (one per stage), "
+                          f"got {args.layers_per_stage!r}")
+    return layers
+
+
+def _check_out_dir(out: Path) -> None:
+    from kareus_megatron.errors import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
+    if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
+        raise ConfigError(f"--out {out} is a non-empty directory that is not a kareus output (no frontier.json); "
+                          "choose an empty or new directory.")
+
+
+def stage_options(profile: Any, pp: int) -> dict[tuple[int, str], Any]:
+    """(stage, instruction) -> options (frequency MHz, time s, energy J; fastest first); ProfileError if incomplete."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kareus_megatron.errors import ProfileError
+
+    have = set(profile.series())
+    extra = sorted({s for s, _ in have if s >= pp})
+    if extra:
+        raise ProfileError(f"{profile.source} has stage(s) {extra} but --pp is {pp}; pass --pp {max(extra) + 1} "
+                           "or a profile of stages 0..pp-1.")
+    out = {}
+    for s in range(pp):
+        for kind in ("forward", "backward"):
+            if (s, kind) not in have:
+                raise ProfileError(f"{profile.source} has no {kind} rows for stage {s}; profile every stage "
+                                   f"0..{pp - 1} for both forward and backward.")
+            f, t, e = profile.select(s, kind)
+            order = np.lexsort((e, t))
+            out[(s, kind)] = SimpleNamespace(clock_mhz=f[order], time_s=t[order], energy_j=e[order])
+    return out
+
+
+def zeus_solution_text(plan: Any) -> str:
+    """A Zeus PointSolution file: per rank, [(instruction, frequency MHz), ...] in execution order."""
+    lines = [f"# kareus solve: predicted iteration time {plan.predicted.iteration_time_s:.6f} s, "
+             f"energy {plan.predicted.iteration_energy_j:.3f} J (all GPUs)", "["]
+    for st in plan.stages:
+        lines.append("[" + ", ".join(f"({i.kind!r}, {i.sm_clock_mhz})" for i in st.instructions) + "],")
+    lines.append("]")
+    return "\n".join(lines) + "\n"
+
+
+def solve_profile(
+    args: argparse.Namespace, layers: list[int], progress: Any = None
+) -> tuple[dict[str, Any], list[Any]]:
+    """Solve the frontier; return the frontier document and the plans, fastest first."""
+    import numpy as np
+
+    from kareus_megatron.cost.profile import read_perseus_profile
+    from kareus_megatron.plan.schema import FRONTIER_FORMAT, PLAN_FORMAT, Instruction, ParallelLayout, Plan
+    from kareus_megatron.plan.schema import Predicted, StagePlan
+    from kareus_megatron.search.pipeline import build_dag
+    from kareus_megatron.search.schedules import instruction_order
+    from kareus_megatron.search.simulate import simulate_choice
+    from kareus_megatron.search.solver import solve_frontier
+
+    profile = read_perseus_profile(args.profile)
+    opts = stage_options(profile, args.pp)
+    dag = build_dag(instruction_order(args.schedule, args.pp, args.microbatches), args.p2p_time)
+    node_opts = [opts[(s, kind)] for s, kind, _, _ in dag.keys]
+    gpus = args.tp * args.cp * args.dp
+    plans = solve_frontier(dag, node_opts, args.p_blocked, gpus_per_stage=gpus, points=args.points,
+                           max_time_s=args.max_time, progress=progress)
+    world = gpus * args.pp
+    layout = ParallelLayout(
+        tp=args.tp, cp=args.cp, pp=args.pp, vp=1, dp=args.dp, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, num_microbatches=args.microbatches, layers_per_stage=tuple(layers),
+        nodes=1, gpus_per_node=world, schedule=args.schedule,
+    )
+    out_plans, points = [], []
+    for nn, sp in enumerate(plans):
+        ranks: list[list[Instruction]] = [[] for _ in range(args.pp)]
+        for s, order in enumerate(dag.rank_orders):
+            for i in order:
+                _, kind, mb, chunk = dag.keys[i]
+                o, k = node_opts[i], int(sp.choice[i])
+                ranks[s].append(Instruction(
+                    kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]),
+                    predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
+                ))
+        plan = Plan(
+            format=PLAN_FORMAT, method="solve",
+            framework="deepspeed" if args.schedule == "deepspeed-train" else "megatron",
+            gpu=args.gpu, parallel=layout,
+            predicted=Predicted(iteration_time_s=sp.time_s, iteration_energy_j=sp.energy_j),
+            stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
+        )
+        out_plans.append(plan)
+        points.append({"time_s": sp.time_s, "energy_j": sp.energy_j, "plan": f"plans/solve-{nn:02d}.json"})
+    top = simulate_choice(dag, node_opts, np.zeros(dag.n, dtype=int), args.p_blocked, gpus)
+    doc = {
+        "format": FRONTIER_FORMAT,
+        "config": {
+            "profile": str(args.profile), "pp": args.pp, "num_microbatches": args.microbatches,
+            "schedule": args.schedule, "p_blocked_w": args.p_blocked, "p2p_time_s": args.p2p_time,
+            "tp": args.tp, "cp": args.cp, "dp": args.dp, "gpu": args.gpu,
+            "max_clock": {"time_s": top.time_s, "energy_j": top.energy_j},
+        },
+        "methods": {"solve": {"points": points}},
+        "reductions": {},
+    }
+    return doc, out_plans
+
+
+def _write(out: Path, doc: dict[str, Any], plans: list[Any], zeus: bool) -> None:
+    from kareus_megatron.plan.io import save_plan, write_json_atomic
+
+    parent = out.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
+    old: Path | None = None
+    try:
+        write_json_atomic(tmp / "frontier.json", doc)
+        for nn, plan in enumerate(plans):
+            save_plan(plan, tmp / "plans" / f"solve-{nn:02d}.json")
+            if zeus:
+                (tmp / "zeus").mkdir(exist_ok=True)
+                (tmp / "zeus" / f"freqs_pipeline_{nn:02d}.py").write_text(zeus_solution_text(plan))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / "previous")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Solve the profile's frontier, write DIR and print a table; exit 0."""
+    layers = _check_args(args)
+    out = Path(args.out)
+    _check_out_dir(out)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("solving frontier"), BarColumn(), TimeElapsedColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("solve", total=1.0)
+        doc, plans = solve_profile(args, layers, lambda f: bar.update(task, completed=f))
+    _write(out, doc, plans, args.zeus_format)
+    ref = doc["config"]["max_clock"]
+    print(f"kareus solve: {args.pp} stages x {args.microbatches} microbatches, {len(plans)} plans -> {out}/")
+    print(f"{'plan':>10} {'time (s)':>10} {'energy (J)':>12} {'vs max clock':>13}")
+    print(f"{'max clock':>10} {ref['time_s']:10.4f} {ref['energy_j']:12.1f} {'':>13}")
+    for nn, p in enumerate(doc["methods"]["solve"]["points"]):
+        saving = (ref["energy_j"] - p["energy_j"]) / ref["energy_j"]
+        print(f"{'solve-' + format(nn, '02d'):>10} {p['time_s']:10.4f} {p['energy_j']:12.1f} {-100 * saving:+12.1f}%")
+    return 0

@@ -1,0 +1,220 @@
+"""Simulated backend: a GPU without hardware, for CPU machines and tests.
+
+It keeps the NVML contract: clocks must be among the preset's supported clocks, each clock call
+blocks for a simulated NVML latency (default 15 ms, ``KAREUS_SIMULATED_LATENCY_MS``), and every clock
+change is appended with a timestamp to a JSONL log (``KAREUS_SIMULATED_LOG``). Energy (J) integrates
+the cost model's power ``hardware.power.power_w(spec, clock, compute_activity, memory_activity)`` over
+wall time while an instruction runs (*busy*) and the preset's blocked power ``spec.p_blocked_w`` while
+none runs. Timestamps are ``time.monotonic()`` seconds (one clock for every process on the machine).
+``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
+from kareus_megatron.hardware.power import power_w
+
+if TYPE_CHECKING:
+    from kareus_megatron.hardware.gpus import GPUSpec
+
+DEFAULT_LATENCY_MS = 15.0
+# Activity factors of a busy transformer instruction when the caller gives none (fraction of peak).
+DEFAULT_COMPUTE_ACTIVITY = 0.8
+DEFAULT_MEMORY_ACTIVITY = 0.4
+
+
+class JsonlAppender:
+    """Append one JSON object per line; each line is one O_APPEND write, safe across processes."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        """Open (create) `path` for appending."""
+        self.path = os.fspath(path)
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append `record` as one line."""
+        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._fd is not None:
+                os.write(self._fd, data)
+
+    def close(self) -> None:
+        """Close the file; later writes are dropped."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def latency_from_env() -> float:
+    """Simulated NVML call latency (s) from KAREUS_SIMULATED_LATENCY_MS (default 15 ms)."""
+    raw = os.environ.get("KAREUS_SIMULATED_LATENCY_MS")
+    if raw is None or raw == "":
+        return DEFAULT_LATENCY_MS / 1000.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise DeviceUnavailableError(
+            f"KAREUS_SIMULATED_LATENCY_MS={raw!r} is not a non-negative number of milliseconds; e.g. 15"
+        )
+    return ms / 1000.0
+
+
+class SimulatedGPU:
+    """A GPU simulated from its preset: clock log, NVML-like latency, modelled energy. Units: MHz, J, s."""
+
+    def __init__(
+        self,
+        spec: GPUSpec,
+        index: int = 0,
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        latency_s: float | None = None,
+        deny_clock_control: bool | None = None,
+    ) -> None:
+        """Open simulated GPU `index`; unset options come from the KAREUS_SIMULATED_* variables."""
+        self.spec = spec
+        self.index = index
+        self.latency_s = latency_from_env() if latency_s is None else float(latency_s)
+        if deny_clock_control is None:
+            deny_clock_control = os.environ.get("KAREUS_SIMULATED_NO_PERMISSION", "") not in ("", "0")
+        self._deny = deny_clock_control
+        if log_path is None:
+            log_path = os.environ.get("KAREUS_SIMULATED_LOG") or None
+        self._log = JsonlAppender(log_path) if log_path else None
+        self._supported = tuple(sorted({int(c) for c in spec.sm_clocks_mhz}, reverse=True))
+        self._default_mhz = int(spec.max_sm_clock_mhz)
+        self._lock = threading.Lock()
+        self._mhz = self._default_mhz
+        self._locked = False
+        self._busy = False
+        self._compute = DEFAULT_COMPUTE_ACTIVITY
+        self._memory = DEFAULT_MEMORY_ACTIVITY
+        self._t_last = time.monotonic()
+        self._energy_j = 0.0
+        self._power_cache: dict[tuple[int, float, float], float] = {}
+        self._open = True
+        self.log_event("open", mhz=self._mhz)
+
+    # -- log ---------------------------------------------------------------------------------
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append `event` with a timestamp (time.monotonic(), s) and `fields` to the simulated log."""
+        if self._log is not None:
+            self._log.write({"t": time.monotonic(), "pid": os.getpid(), "gpu": self.index, "event": event, **fields})
+
+    # -- energy model ------------------------------------------------------------------------
+    def _power_w(self) -> float:
+        if not self._busy:
+            return float(self.spec.p_blocked_w)
+        key = (self._mhz, self._compute, self._memory)
+        p = self._power_cache.get(key)
+        if p is None:  # the model is pure in its arguments: evaluate once per state
+            p = self._power_cache[key] = float(power_w(self.spec, self._mhz, self._compute, self._memory))
+        return p
+
+    def _advance(self, t: float) -> None:
+        if t > self._t_last:
+            self._energy_j += self._power_w() * (t - self._t_last)
+            self._t_last = t
+
+    def set_busy(
+        self,
+        busy: bool,
+        t: float | None = None,
+        compute_activity: float = DEFAULT_COMPUTE_ACTIVITY,
+        memory_activity: float = DEFAULT_MEMORY_ACTIVITY,
+    ) -> None:
+        """Mark an instruction as running (busy) or not from time `t` (time.monotonic(), s; now if None)."""
+        with self._lock:
+            self._advance(time.monotonic() if t is None else t)
+            self._busy = busy
+            self._compute, self._memory = compute_activity, memory_activity
+
+    # -- GPUDevice contract ------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if not self._open:
+            raise DeviceUnavailableError(f"simulated GPU {self.index} is closed")
+
+    def _check_permission(self, what: str) -> None:
+        if self._deny:
+            raise ClockControlError(
+                f"{what}: NVML refused (no permission; simulated by KAREUS_SIMULATED_NO_PERMISSION); "
+                "run as root or pass --kareus-on-error warn to train at default clocks"
+            )
+
+    def set_sm_clock_mhz(self, mhz: int) -> None:
+        """Lock the SM clock to `mhz` (MHz) after the simulated NVML latency."""
+        self._check_open()
+        mhz = int(mhz)
+        if mhz not in self._supported:
+            raise ClockControlError(
+                f"simulated {self.spec.name} cannot lock {mhz} MHz; supported: "
+                f"{self._supported[-1]}..{self._supported[0]} MHz ({len(self._supported)} clocks)"
+            )
+        self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+        with self._lock:
+            self._advance(time.monotonic())
+            self._mhz, self._locked = mhz, True
+        self.log_event("set", mhz=mhz)
+
+    def sm_clock_mhz(self) -> int:
+        """Current SM clock (MHz)."""
+        self._check_open()
+        return self._mhz
+
+    def reset_clocks(self) -> None:
+        """Return to the default (maximum) SM clock after the simulated NVML latency."""
+        self._check_open()
+        self._check_permission(f"resetting GPU {self.index} clocks")
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+        with self._lock:
+            self._advance(time.monotonic())
+            self._mhz, self._locked = self._default_mhz, False
+        self.log_event("reset", mhz=self._mhz)
+
+    def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
+        """The preset's SM clocks (MHz), highest first."""
+        return self._supported
+
+    def energy_j(self) -> float:
+        """Modelled GPU energy (J) since open."""
+        self._check_open()
+        with self._lock:
+            self._advance(time.monotonic())
+            return self._energy_j
+
+    def energy_j_at(self, t: float) -> float:
+        """Modelled energy (J) since open up to time `t` (time.monotonic(), s), which may lie a little in
+        the past: the power since then is taken to be the present one."""
+        self._check_open()
+        with self._lock:
+            self._advance(time.monotonic())
+            if t >= self._t_last:
+                return self._energy_j
+            return max(0.0, self._energy_j - self._power_w() * (self._t_last - t))
+
+    def close(self) -> None:
+        """Reset a locked clock, log the close and release the log file."""
+        if not self._open:
+            return
+        if self._locked and not self._deny:
+            self.reset_clocks()
+        self.log_event("close", mhz=self._mhz)
+        self._open = False
+        if self._log is not None:
+            self._log.close()

@@ -1,0 +1,170 @@
+"""GPU presets: read hardware/gpus.toml into frozen GPUSpec values.
+
+Terms: *SM clock* is the graphics clock a pipeline instruction is locked to (MHz); *peak* throughputs
+are dense tensor-core FLOP/s at the maximum SM clock on all SMs; bandwidths are bytes/s per direction
+per GPU. Power-model parameters are documented in hardware/power.py and in gpus.toml.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from kareus_megatron.errors import ConfigError, UnknownPresetError
+
+PRECISIONS = ("bf16", "fp16", "tf32", "fp32", "fp8")
+_GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPUSpec:
+    """One GPU model: compute, memory, links and power-model parameters (units in field names)."""
+
+    name: str
+    device_names: tuple[str, ...] = ()
+    sm_count: int
+    sm_clocks_mhz: tuple[int, ...]  # every lockable SM clock, descending
+    peak_tflops: dict[str, float] = field(hash=False)  # dense tensor TFLOP/s per precision at the max SM clock
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    nvlink_bytes_per_s: float  # intra-node link, per direction
+    internode_bytes_per_s: float  # network bandwidth per GPU, per direction
+    power_limit_w: float
+    p_blocked_w: float  # power while blocked on P2P or idle in a pipeline bubble
+    static_power_w: float
+    idle_dynamic_w: float  # clock-tree/idle dynamic power at the max clock, no kernel activity
+    compute_dynamic_w: float  # extra dynamic power at the max clock and compute_activity = 1
+    memory_dynamic_w: float  # extra power at memory_activity = 1 (does not scale with the SM clock)
+    voltage_floor: float  # V(f)/V(f_max) at and below voltage_knee_mhz
+    voltage_knee_mhz: float
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def max_sm_clock_mhz(self) -> int:
+        """Highest lockable SM clock (MHz)."""
+        return self.sm_clocks_mhz[0]
+
+    @property
+    def min_sm_clock_mhz(self) -> int:
+        """Lowest lockable SM clock (MHz)."""
+        return self.sm_clocks_mhz[-1]
+
+    def peak_flops(self, precision: str = "bf16") -> float:
+        """Peak dense FLOP/s at the max clock on all SMs for `precision`."""
+        if precision not in self.peak_tflops:
+            raise ConfigError(
+                f"{self.name} has no {precision!r} tensor throughput; "
+                f"supported: {', '.join(sorted(self.peak_tflops))}. Pick one of those with --precision."
+            )
+        return self.peak_tflops[precision] * 1e12
+
+    def check_clocks(self, sm_clocks_mhz: Iterable[int]) -> tuple[int, ...]:
+        """Return the clocks (MHz) unchanged if every one is lockable on this GPU; else ConfigError."""
+        clocks = tuple(int(c) for c in sm_clocks_mhz)
+        allowed = set(self.sm_clocks_mhz)
+        for c in clocks:
+            if c not in allowed:
+                raise ConfigError(
+                    f"SM clock {c} MHz is not lockable on {self.name}; allowed: "
+                    f"{self.min_sm_clock_mhz}..{self.max_sm_clock_mhz} MHz in steps of "
+                    f"{self.sm_clocks_mhz[0] - self.sm_clocks_mhz[1]} MHz."
+                )
+        return clocks
+
+    def default_clock_grid_mhz(self, lowest_fraction: float = 0.6) -> tuple[int, ...]:
+        """Lockable clocks (MHz, descending) from the max down to lowest_fraction × max (planning grid)."""
+        lo = lowest_fraction * self.max_sm_clock_mhz
+        return tuple(c for c in self.sm_clocks_mhz if c >= lo)
+
+
+_SOURCE_RE = re.compile(r"^\s*(\w+)\s*=.*?#\s*(.*)$")
+
+
+def _sources(text: str) -> dict[str, dict[str, str]]:
+    """Map table -> key -> the comment written beside it in gpus.toml."""
+    out: dict[str, dict[str, str]] = {}
+    table = ""
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("[") and s.endswith("]"):
+            table = s[1:-1]
+            out[table] = {}
+        elif table and (m := _SOURCE_RE.match(line)):
+            out[table][m.group(1)] = m.group(2).strip()
+    return out
+
+
+def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> GPUSpec:
+    """Build a GPUSpec from one gpus.toml table (preset units: MHz, TFLOP/s, GB/s, W)."""
+    try:
+        lo, hi, step = int(t["sm_clock_min_mhz"]), int(t["sm_clock_max_mhz"]), int(t["sm_clock_step_mhz"])
+        clocks = tuple(range(hi, lo - 1, -step))
+        peak = {str(k): float(v) for k, v in t["peak_tflops"].items()}
+        return GPUSpec(
+            name=name,
+            device_names=tuple(t.get("device_names", ())),
+            sm_count=int(t["sm_count"]),
+            sm_clocks_mhz=clocks,
+            peak_tflops=peak,
+            hbm_bytes_per_s=float(t["hbm_gb_per_s"]) * _GB,
+            memory_bytes=float(t["memory_gb"]) * _GB,
+            nvlink_bytes_per_s=float(t["nvlink_gb_per_s"]) * _GB,
+            internode_bytes_per_s=float(t["internode_gb_per_s"]) * _GB,
+            power_limit_w=float(t["power_limit_w"]),
+            p_blocked_w=float(t["p_blocked_w"]),
+            static_power_w=float(t["static_power_w"]),
+            idle_dynamic_w=float(t["idle_dynamic_w"]),
+            compute_dynamic_w=float(t["compute_dynamic_w"]),
+            memory_dynamic_w=float(t["memory_dynamic_w"]),
+            voltage_floor=float(t["voltage_floor"]),
+            voltage_knee_mhz=float(t["voltage_knee_mhz"]),
+            sources=dict(sources or {}),
+        )
+    except KeyError as e:
+        raise ConfigError(f"GPU preset {name!r} lacks key {e.args[0]!r}; see hardware/gpus.toml for the keys.") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _presets() -> dict[str, GPUSpec]:
+    text = resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text(encoding="utf-8")
+    tables = tomllib.loads(text)
+    src = _sources(text)
+    return {name: spec_from_table(name, t, src.get(name)) for name, t in tables.items()}
+
+
+def gpu_names() -> list[str]:
+    """Names of the shipped GPU presets, sorted."""
+    return sorted(_presets())
+
+
+def gpu_spec(name: str) -> GPUSpec:
+    """The preset called `name`; UnknownPresetError (listing known names) otherwise."""
+    presets = _presets()
+    if name not in presets:
+        raise UnknownPresetError(
+            f"unknown GPU {name!r}; known: {', '.join(sorted(presets))}. Add a table to hardware/gpus.toml."
+        )
+    return presets[name]
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", s.lower())
+
+
+def gpu_spec_for_device_name(nvml_name: str) -> GPUSpec | None:
+    """The preset whose NVML device name matches `nvml_name` (e.g. "NVIDIA A100-SXM4-40GB"), else None."""
+    key = _norm(nvml_name)
+    for spec in _presets().values():
+        if key in {_norm(n) for n in spec.device_names} or key == _norm(spec.name):
+            return spec
+    return None
+

@@ -1,0 +1,78 @@
+"""GPU board power (W) as a function of the SM clock (MHz) and of compute and memory activity (0..1).
+
+Model (parameters in GPUSpec, presets in gpus.toml):
+
+    P_raw(f) = static + (f / f_max) * v(f)^2 * (idle_dynamic + compute_dynamic * compute_activity)
+               + memory_dynamic * memory_activity
+    P(f)     = min(P_raw(f), power_limit)
+
+*v(f)* is the core voltage relative to its value at f_max: flat at ``voltage_floor`` up to
+``voltage_knee_mhz`` and rising linearly to 1 at f_max (the corner is rounded over ~25 MHz so that the
+curve is smooth for fitting). *compute_activity* is the fraction of SM issue capacity in use,
+*memory_activity* the fraction of peak HBM bandwidth in use. When P_raw at the locked clock exceeds the
+board limit, the driver lowers the clock until power equals the limit: ``sustained_clock_mhz``.
+Everything is numpy and broadcasts over its array arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from kareus_megatron.hardware.gpus import GPUSpec
+
+_KNEE_WIDTH_MHZ = 25.0
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def relative_voltage(spec: GPUSpec, sm_clock_mhz: ArrayLike) -> np.ndarray:
+    """Core voltage at sm_clock_mhz (MHz) relative to the voltage at the max clock (dimensionless)."""
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    fmax = float(spec.max_sm_clock_mhz)
+    knee = min(float(spec.voltage_knee_mhz), fmax - 1.0)
+    w = _KNEE_WIDTH_MHZ
+    ramp = _softplus((f - knee) / w) / _softplus(np.asarray((fmax - knee) / w))
+    return spec.voltage_floor + (1.0 - spec.voltage_floor) * ramp
+
+
+def raw_power_w(
+    spec: GPUSpec, sm_clock_mhz: ArrayLike, compute_activity: ArrayLike, memory_activity: ArrayLike
+) -> np.ndarray:
+    """Power (W) the board would draw at sm_clock_mhz (MHz) if no power limit applied."""
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    ca = np.clip(np.asarray(compute_activity, dtype=float), 0.0, 1.0)
+    ma = np.clip(np.asarray(memory_activity, dtype=float), 0.0, 1.0)
+    v = relative_voltage(spec, f)
+    dyn = (f / spec.max_sm_clock_mhz) * v * v * (spec.idle_dynamic_w + spec.compute_dynamic_w * ca)
+    return spec.static_power_w + dyn + spec.memory_dynamic_w * ma
+
+
+def power_w(
+    spec: GPUSpec, sm_clock_mhz: ArrayLike, compute_activity: ArrayLike, memory_activity: ArrayLike
+) -> np.ndarray:
+    """Board power (W) at a locked sm_clock_mhz (MHz) and activities (0..1), clamped at the board limit."""
+    return np.minimum(raw_power_w(spec, sm_clock_mhz, compute_activity, memory_activity), spec.power_limit_w)
+
+
+def sustained_clock_mhz(
+    spec: GPUSpec, sm_clock_mhz: ArrayLike, compute_activity: ArrayLike, memory_activity: ArrayLike
+) -> np.ndarray:
+    """SM clock (MHz) actually reached when locked at sm_clock_mhz: lowered until power ≤ the board limit."""
+    f = np.asarray(sm_clock_mhz, dtype=float)
+    ca = np.asarray(compute_activity, dtype=float)
+    ma = np.asarray(memory_activity, dtype=float)
+    f, ca, ma = np.broadcast_arrays(f, ca, ma)
+    over = raw_power_w(spec, f, ca, ma) > spec.power_limit_w
+    if not np.any(over):
+        return f.astype(float, copy=True)
+    lo = np.zeros_like(f, dtype=float)
+    hi = f.astype(float, copy=True)
+    for _ in range(40):  # bisection: raw power is increasing in the clock; 40 halvings < 1e-9 MHz
+        mid = 0.5 * (lo + hi)
+        ok = raw_power_w(spec, mid, ca, ma) <= spec.power_limit_w
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid)
+    return np.where(over, lo, f)

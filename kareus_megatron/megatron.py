@@ -1,0 +1,53 @@
+"""Python API for code that calls megatron-core's schedule itself (NeMo, Megatron-Bridge, custom loops).
+
+    import kareus_megatron.megatron as kareus
+    session = kareus.install("plan.json", log_path="kareus-run.jsonl")
+    ...  # build the model, call get_forward_backward_func()(...) as usual
+    session.close()   # on every rank: writes the last iteration, resets clocks
+
+``install`` must run before the schedule is first called. Backend, GPU preset and clock log come from
+KAREUS_GPU_BACKEND, KAREUS_GPU and KAREUS_CLOCK_LOG unless given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from kareus_megatron.plan.io import load_plan
+from kareus_megatron.plan.schema import Plan
+from kareus_megatron.runtime.session import RuntimeSession
+
+_session: RuntimeSession | None = None
+
+
+def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,
+            on_error: Literal["fail", "warn"] = "fail", backend: str | None = None, gpu: str | None = None,
+            local_rank: int | None = None, controller: Literal["process", "thread"] = "process",
+            source: str | None = None) -> RuntimeSession:
+    """Run `plan` (a Plan or a plan file) in this process; return the started session."""
+    global _session
+    source = source or "the plan"
+    if not isinstance(plan, Plan):
+        source = str(plan)
+        plan = load_plan(Path(plan))
+    if _session is not None:
+        _session.close()
+    _session = RuntimeSession(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
+                              log_path=os.fspath(log_path) if log_path else None, on_error=on_error,
+                              controller=controller).start()
+    return _session
+
+
+def uninstall() -> None:
+    """Close the installed session (collective: call on every rank); no-op when none is installed."""
+    global _session
+    if _session is not None:
+        _session.close()
+        _session = None
+
+
+def current_session() -> RuntimeSession | None:
+    """The session installed by `install`, if any."""
+    return _session

@@ -1,0 +1,148 @@
+"""Turn a planning run (search.planner.PlanningResult) into plan files and the frontier document.
+
+A *chosen point* of a method becomes plan ``NAME-NN`` (NN = 00 is the method's fastest chosen plan).
+Its predicted iteration time (s) and energy (J, every GPU of the job) come from the event simulation of
+that plan; each instruction carries its own predicted time (s) and energy (J) on ONE GPU of its stage.
+The frontier document's reductions are computed on each method's whole frontier (every plan the solver
+kept); the chosen points include the plans that decide them whenever ``--points`` >= 4, so the
+reductions can also be recomputed from the points in the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kareus_megatron.plan.frontier import frontier_document, reductions
+from kareus_megatron.plan.schema import (
+    PLAN_FORMAT,
+    Instruction,
+    ModelShape,
+    ParallelLayout,
+    PartitionKnobs,
+    Plan,
+    Predicted,
+    StagePlan,
+)
+from kareus_megatron.search.planner import PlanningResult, TimedInstruction, simulate_plan
+
+FRAMEWORK_OF_SCHEDULE = {"1f1b": "megatron", "interleaved-1f1b": "megatron", "deepspeed-train": "deepspeed"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltPlan:
+    """A plan file to write: its name (``NAME-NN``), the Plan and its simulated timeline."""
+
+    name: str
+    method: str
+    frontier_index: int
+    plan: Plan
+    timeline: list[TimedInstruction]
+
+    @property
+    def relpath(self) -> str:
+        """Path of the plan file relative to the output directory."""
+        return f"plans/{self.name}.json"
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The plan's record of the model shape."""
+    return ModelShape(
+        name=model.name, num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+    )
+
+
+def parallel_layout(par: Any, schedule: str) -> ParallelLayout:
+    """The plan's record of the parallel layout and pipeline schedule."""
+    return ParallelLayout(
+        tp=par.tp, cp=par.cp, pp=par.pp, vp=par.vp, dp=par.dp, sequence_parallel=par.sequence_parallel,
+        micro_batch_size=par.micro_batch_size, seq_length=par.seq_length,
+        num_microbatches=par.num_microbatches, recompute=par.recompute,
+        layers_per_stage=tuple(par.layers_per_stage), nodes=par.nodes, gpus_per_node=par.gpus_per_node,
+        schedule=schedule,
+    )
+
+
+def config_dict(result: PlanningResult) -> dict[str, Any]:
+    """The ``config`` object of frontier.json: what was planned and with which inputs."""
+    par = result.par
+    return {
+        "model": result.model.name,
+        "gpu": result.gpu.name,
+        "calibration_sha256": result.calibration_sha256,
+        "framework": FRAMEWORK_OF_SCHEDULE[result.schedule],
+        "schedule": result.schedule,
+        "tp": par.tp, "cp": par.cp, "pp": par.pp, "vp": par.vp, "dp": par.dp,
+        "sequence_parallel": par.sequence_parallel,
+        "micro_batch_size": par.micro_batch_size,
+        "seq_length": par.seq_length,
+        "num_microbatches": par.num_microbatches,
+        "recompute": par.recompute,
+        "layers_per_stage": list(par.layers_per_stage),
+        "nodes": par.nodes,
+        "gpus_per_node": par.gpus_per_node,
+        "precision": par.precision,
+        "p_blocked_w": result.p_blocked_w,
+        "p2p_time_s": result.p2p_time_s,
+        "dp_reduce_time_s": result.dp_reduce_time_s,
+    }
+
+
+def build_plan(
+    result: PlanningResult, method: str, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None
+) -> tuple[Plan, list[TimedInstruction]]:
+    """The Plan of frontier plan `index` of `method`, and its simulated timeline."""
+    sim, timed = simulate_plan(result, method, index)
+    opts = result.methods[method].options
+    knobs = {} if _knobs is None else _knobs  # (stage, chunk, kind, option) -> partition knobs, shared
+    ranks: list[list[Instruction]] = [[] for _ in range(result.par.pp)]
+    for ti in timed:
+        kind, mb, chunk = ti.key
+        key = (ti.rank, chunk, kind)
+        o = opts[key]
+        k = ti.option
+        nb = int(o.nanobatches[k])
+        if nb > 1 and (*key, k) not in knobs:
+            parts = o.partitions[k]
+            knobs[(*key, k)] = {n: PartitionKnobs(comm_sms=int(s), launch_slot=slot) for n, (s, slot) in parts.items()}
+        ranks[ti.rank].append(Instruction(
+            kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]), nanobatches=nb,
+            partitions=knobs[(*key, k)] if nb > 1 else {},
+            predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
+        ))
+    plan = Plan(
+        format=PLAN_FORMAT,
+        method=method,
+        framework=FRAMEWORK_OF_SCHEDULE[result.schedule],
+        gpu=result.gpu.name,
+        calibration_sha256=result.calibration_sha256,
+        model=model_shape(result.model),
+        parallel=parallel_layout(result.par, result.schedule),
+        predicted=Predicted(iteration_time_s=sim.time_s, iteration_energy_j=sim.energy_j),
+        stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
+    )
+    return plan, timed
+
+
+def build_outputs(result: PlanningResult) -> tuple[dict[str, Any], list[BuiltPlan]]:
+    """The frontier document and every chosen plan (fastest first within each method)."""
+    built: list[BuiltPlan] = []
+    points: dict[str, list[dict[str, Any]]] = {}
+    for method, mf in result.methods.items():
+        points[method] = []
+        knobs: dict[Any, dict[str, PartitionKnobs]] = {}
+        for nn, idx in enumerate(mf.chosen):
+            plan, timed = build_plan(result, method, idx, knobs)
+            bp = BuiltPlan(name=f"{method}-{nn:02d}", method=method, frontier_index=idx, plan=plan, timeline=timed)
+            built.append(bp)
+            points[method].append({
+                "time_s": plan.predicted.iteration_time_s,
+                "energy_j": plan.predicted.iteration_energy_j,
+                "plan": bp.relpath,
+            })
+    doc = frontier_document(config_dict(result), points)
+    full = {m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()}
+    doc["reductions"] = reductions(full)
+    return doc, built

@@ -1,0 +1,114 @@
+"""Pipeline timeline (Gantt chart) of one plan: a row per pipeline rank, a bar per instruction.
+
+A *bar* is one executed pipeline instruction: its rank, start and end (s from the iteration start),
+locked SM clock (MHz, the bar's colour), kind (forward/backward), microbatch, virtual chunk and
+nanobatch count (2 nanobatches are hatched). The bars come from the planner's event simulation;
+this module only draws them (and exports them as a Perfetto trace). matplotlib is imported lazily (Agg
+canvas only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kareus_megatron.plotting.frontier import save_png
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bar:
+    """One instruction on the timeline; times in s from the start of the iteration, clock in MHz."""
+
+    rank: int
+    start_s: float
+    end_s: float
+    clock_mhz: int
+    kind: str
+    microbatch: int
+    chunk: int = 0
+    nanobatches: int = 1
+
+
+def plot_timeline(
+    bars: Sequence[Bar],
+    ax: Any,
+    *,
+    clock_range_mhz: tuple[int, int] | None = None,
+    title: str | None = None,
+) -> Any:
+    """Draw `bars` on `ax`, coloured by SM clock (MHz) with a colour bar; return `ax`."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    if not bars:
+        raise ValueError("a timeline needs at least one instruction")
+    clocks = [b.clock_mhz for b in bars]
+    lo, hi = clock_range_mhz or (min(clocks), max(clocks))
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    norm = Normalize(vmin=lo, vmax=hi)
+    cmap = colormaps["viridis"]
+    ranks = sorted({b.rank for b in bars})
+    span = max(b.end_s for b in bars) - min(b.start_s for b in bars)
+    for b in bars:
+        width = b.end_s - b.start_s
+        ax.barh(
+            b.rank,
+            width,
+            left=b.start_s,
+            height=0.8,
+            color=cmap(norm(b.clock_mhz)),
+            edgecolor="black",
+            linewidth=0.4,
+            hatch="///" if b.nanobatches > 1 else None,
+        )
+        if width > span / 60:
+            tag = ("F" if b.kind == "forward" else "B") + str(b.microbatch)
+            if b.chunk:
+                tag += f".{b.chunk}"
+            shade = norm(b.clock_mhz)
+            ax.text(
+                b.start_s + width / 2, b.rank, tag, ha="center", va="center", fontsize=6,
+                color="white" if shade < 0.6 else "black",
+            )
+    ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time in iteration (s)")
+    sm = ScalarMappable(norm=norm, cmap=cmap)
+    ax.figure.colorbar(sm, ax=ax, label="SM clock (MHz)", pad=0.01)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def trace_events(bars: Sequence[Bar], name: str = "plan") -> dict[str, Any]:
+    """The bars as a Chrome/Perfetto trace (open in ui.perfetto.dev): one thread per pipeline rank, times in µs."""
+    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": name}}]
+    for r in sorted({b.rank for b in bars}):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"stage {r}"}})
+    for b in bars:
+        events.append({
+            "name": f"{'F' if b.kind == 'forward' else 'B'}{b.microbatch}" + (f".{b.chunk}" if b.chunk else ""),
+            "ph": "X", "pid": 0, "tid": b.rank, "ts": b.start_s * 1e6, "dur": (b.end_s - b.start_s) * 1e6,
+            "args": {"kind": b.kind, "microbatch": b.microbatch, "chunk": b.chunk, "sm_clock_mhz": b.clock_mhz,
+                     "nanobatches": b.nanobatches},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def save_timeline_png(
+    path: str | Path,
+    bars: Sequence[Bar],
+    clock_range_mhz: tuple[int, int] | None = None,
+    title: str | None = None,
+) -> None:
+    """Write the timeline of `bars` to `path` (PNG); hatched bars run 2 nanobatches."""
+    rows = len({b.rank for b in bars})
+    save_png(
+        path,
+        lambda ax: plot_timeline(bars, ax, clock_range_mhz=clock_range_mhz, title=title),
+        figsize=(10.0, 1.2 + 0.6 * rows),
+    )

@@ -1,0 +1,294 @@
+"""The DeepSpeed 0.19.x patch: every planned PipelineEngine compute instruction is announced before it runs.
+
+DeepSpeed's ``PipelineEngine._exec_schedule`` dispatches each ``PipeInstruction`` through the class dict
+``PipelineEngine._INSTRUCTION_MAP`` (instruction class -> the original ``_exec_*`` function), so
+patching ``PipelineEngine._exec_forward_pass`` has no effect: the map entries of ``ForwardPass`` and
+``BackwardPass`` are wrapped instead, and ``PipelineEngine.train_batch`` marks the *step* (one
+iteration: ``gradient_accumulation_steps`` micro-batches through ``TrainSchedule``). Instructions carry
+only a pipeline ``buffer_id``; the microbatch is counted per step (TrainSchedule runs each stage's
+forwards, and its backwards, in microbatch order; buffer = microbatch mod the number of buffers, which
+the wrappers check). ``eval_batch`` (InferenceSchedule) runs outside a step and is left alone.
+
+Before the first step the plan is checked against the engine (stages, this stage, micro-batches per
+step, micro-batch size, data-parallel size, and each stage's instruction order against DeepSpeed's own
+TrainSchedule); every mismatch is listed in one PlanMismatchError, raised before any instruction runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
+from kareus_megatron.plan.schema import Instruction, Plan
+from kareus_megatron.runtime import hooks
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_DEEPSPEED_SERIES = ("0.19",)  # major.minor; the patch points were read in 0.19.8
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed version (UnsupportedVersionError when DeepSpeed is missing)."""
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:
+        raise UnsupportedVersionError("DeepSpeed is not installed; pip install deepspeed==0.19.8") from None
+
+
+def check_deepspeed_version(v: str | None = None) -> str:
+    """Return the DeepSpeed version, or raise UnsupportedVersionError naming the supported series."""
+    v = deepspeed_version() if v is None else v
+    if ".".join(v.split(".")[:2]) not in SUPPORTED_DEEPSPEED_SERIES:
+        raise UnsupportedVersionError(
+            f"DeepSpeed {v} is not supported by the kareus pipeline patch; supported: "
+            f"{', '.join(s + '.x' for s in SUPPORTED_DEEPSPEED_SERIES)}. Install deepspeed==0.19.8"
+        )
+    return v
+
+
+# ---- the engine's facts and validation --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LiveEngine:
+    """What the running PipelineEngine looks like; None = not known."""
+
+    stages: int
+    stage_id: int
+    micro_batches: int
+    micro_batch_size: int | None = None
+    dp: int | None = None
+
+
+def live_engine(engine: Any) -> LiveEngine:
+    """Read stages, stage id, micro-batches per step, micro-batch size and DP size from `engine`."""
+    grid = getattr(engine, "grid", None)
+    dp = getattr(grid, "data_parallel_size", None)
+    try:
+        mbs = int(engine.train_micro_batch_size_per_gpu())
+    except Exception:
+        mbs = None
+    return LiveEngine(stages=int(engine.num_stages), stage_id=int(engine.stage_id),
+                      micro_batches=int(engine.micro_batches), micro_batch_size=mbs,
+                      dp=int(dp) if isinstance(dp, int) else None)
+
+
+def train_schedule_order(micro_batches: int, stages: int, stage_id: int) -> list[tuple[str, int, int]]:
+    """(kind, microbatch, buffer_id) of DeepSpeed's TrainSchedule compute instructions on `stage_id`.
+
+    Walks DeepSpeed's own ``TrainSchedule`` (pure Python) and counts forwards and backwards.
+    """
+    from deepspeed.runtime.pipe import schedule
+
+    sched = schedule.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+    out: list[tuple[str, int, int]] = []
+    count = {"forward": 0, "backward": 0}
+    for step in sched:
+        for cmd in step:
+            kind = ("forward" if type(cmd) is schedule.ForwardPass
+                    else "backward" if type(cmd) is schedule.BackwardPass else None)
+            if kind is not None:
+                out.append((kind, count[kind], int(cmd.buffer_id)))
+                count[kind] += 1
+    return out
+
+
+def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None,
+                    device_gpu: str | None = None) -> list[str]:
+    """Every way `plan` does not fit the DeepSpeed engine `live` (empty when it fits)."""
+    par = plan.parallel
+    out: list[str] = []
+
+    def cmp(name: str, planned: Any, actual: Any) -> None:
+        if actual is not None and planned != actual:
+            out.append(f"{name}: plan {planned}, engine {actual}")
+
+    cmp("pipeline stages", par.pp, live.stages)
+    cmp("micro-batches per step (gradient_accumulation_steps)", par.num_microbatches, live.micro_batches)
+    cmp("micro-batch size (train_micro_batch_size_per_gpu)", par.micro_batch_size, live.micro_batch_size)
+    cmp("data parallel size", par.dp, live.dp)
+    if par.vp != 1:
+        out.append(f"virtual pipeline chunks: plan {par.vp}, DeepSpeed runs 1")
+    if any(i.nanobatches > 1 for s in plan.stages for i in s.instructions):
+        out.append("nanobatches: the plan splits microbatches into 2 nanobatches, DeepSpeed runs them whole "
+                   "(no overlap engine); use a perseus or kareus plan")
+    if plan.framework != "deepspeed":
+        out.append(f"framework: plan {plan.framework}, engine deepspeed (plan with kareus plan --framework deepspeed)")
+    if not out and live.stage_id < len(plan.stages):
+        want = [(k, mb) for k, mb, _ in train_schedule_order(live.micro_batches, live.stages, live.stage_id)]
+        have = [(i.kind, i.microbatch) for i in plan.stages[live.stage_id].instructions]
+        if have != want:
+            at = next(k for k, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
+                      if a != b)
+            out.append(f"instruction order of stage {live.stage_id} differs from DeepSpeed's TrainSchedule at "
+                       f"position {at} (plan {have[at] if at < len(have) else 'nothing'}, "
+                       f"TrainSchedule {want[at] if at < len(want) else 'nothing'})")
+    if device_gpu is not None and plan.gpu != device_gpu:
+        out.append(f"GPU: plan made for {plan.gpu}, this GPU is {device_gpu}")
+    if supported_clocks_mhz and live.stage_id < len(plan.stages):
+        ok = set(supported_clocks_mhz)
+        bad = sorted({c for c in plan.clock_sequence(live.stage_id) if c not in ok})
+        if bad:
+            out.append(f"SM clocks {', '.join(map(str, bad))} MHz are not lockable on this GPU")
+    return out
+
+
+def validate_plan(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None,
+                  device_gpu: str | None = None, source: str = "the plan") -> None:
+    """Raise one PlanMismatchError listing every mismatch between `plan` and the engine."""
+    problems = plan_mismatches(plan, live, supported_clocks_mhz, device_gpu)
+    if problems:
+        raise PlanMismatchError(
+            f"{source} does not match this DeepSpeed pipeline (stage {live.stage_id}): " + "; ".join(problems)
+            + ". Regenerate the plan for this configuration (kareus plan --framework deepspeed) or fix the config."
+        )
+
+
+# ---- the patch ------------------------------------------------------------------------------
+
+
+class PatchState:
+    """Per-process state of the installed patch; `session` gets validate/iteration/instruction calls.
+
+    With ``plan=None`` (measurement only, e.g. the Megatron-LM baseline) steps and compute
+    instructions are still reported to the session, but nothing is announced to the hooks.
+    """
+
+    def __init__(self, plan: Plan | None, session: Any, source: str = "the plan") -> None:
+        self.plan = plan
+        self.session = session
+        self.source = source
+        self.active = False
+        self.validated = False
+        self.iteration = 0
+        self.position = 0
+        self.stage_id = 0
+        self.num_buffers = 0
+        self.count = {"forward": 0, "backward": 0}
+        self._lookup: dict[tuple[str, int], tuple[int, Instruction]] = {}
+        self.buffer_mismatches = 0
+
+    def bind(self, engine: Any, live: LiveEngine) -> None:
+        self.stage_id = live.stage_id
+        from deepspeed.runtime.pipe import schedule
+
+        self.num_buffers = schedule.TrainSchedule(micro_batches=live.micro_batches, stages=live.stages,
+                                                  stage_id=live.stage_id).num_pipe_buffers()
+        if self.plan is not None:
+            instrs = self.plan.stages[live.stage_id].instructions
+            self._lookup = {(i.kind, i.microbatch): (k, i) for k, i in enumerate(instrs)}
+
+    def begin_step(self) -> None:
+        self.active, self.position = True, 0
+        self.count = {"forward": 0, "backward": 0}
+
+    def instruction(self, kind: str, buffer_id: int) -> None:
+        """Count the microbatch of this compute instruction and announce it (training thread)."""
+        mb = self.count[kind]
+        self.count[kind] += 1
+        if self.num_buffers and buffer_id != mb % self.num_buffers:
+            self.buffer_mismatches += 1
+            if self.buffer_mismatches == 1:
+                log.warning("kareus: %s buffer %d is not microbatch %d's buffer (%d buffers); the engine does "
+                            "not run TrainSchedule, clocks may follow the wrong microbatches", kind, buffer_id,
+                            mb, self.num_buffers)
+        self.position += 1
+        entry = self._lookup.get((kind, mb))
+        if entry is None:
+            self.session.instruction_begins_unplanned(kind)
+            return
+        index, instr = entry
+        hooks.notify_instruction(hooks.InstructionEvent(self.stage_id, index, self.iteration, instr))
+
+
+_state: PatchState | None = None
+_originals: dict[Any, Any] = {}
+
+
+def installed_state() -> PatchState | None:
+    """The live patch state, or None when the patch is not installed."""
+    return _state
+
+
+def _wrap_compute(kind: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def exec_compute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not st.active:
+            return fn(self, *args, **kwargs)
+        buffer_id = kwargs.get("buffer_id", args[0] if args else -1)
+        st.instruction(kind, int(buffer_id))
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            st.session.instruction_ends()
+
+    return exec_compute
+
+
+def _wrap_train_batch(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def train_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or st.active:
+            return fn(self, *args, **kwargs)
+        if not st.validated:
+            live = live_engine(self)
+            st.session.validate(st.plan, live, st.source)  # raises PlanMismatchError before any instruction
+            st.bind(self, live)
+            st.validated = True
+        st.begin_step()
+        st.session.iteration_begins(st.iteration)
+        try:
+            result = fn(self, *args, **kwargs)
+        except BaseException:
+            st.active = False
+            st.session.training_failed()
+            raise
+        st.active = False
+        st.session.iteration_ends(st.iteration)
+        st.iteration += 1
+        return result
+
+    return train_batch
+
+
+def install(plan: Plan | None, session: Any, source: str = "the plan") -> PatchState:
+    """Patch DeepSpeed's PipelineEngine for `plan` (None: measurement only); returns the state."""
+    global _state
+    check_deepspeed_version()
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if _state is not None:
+        uninstall()
+    imap = PipelineEngine._INSTRUCTION_MAP
+    _originals.clear()
+    for cls, kind in ((schedule.ForwardPass, "forward"), (schedule.BackwardPass, "backward")):
+        _originals[cls] = imap[cls]
+        imap[cls] = _wrap_compute(kind, imap[cls])
+    _originals["train_batch"] = PipelineEngine.__dict__["train_batch"]
+    PipelineEngine.train_batch = _wrap_train_batch(PipelineEngine.train_batch)
+    _state = PatchState(plan, session, source)
+    return _state
+
+
+def uninstall() -> None:
+    """Restore DeepSpeed's original map entries and train_batch (no-op when not installed)."""
+    global _state
+    if _state is None:
+        return
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    for key, fn in _originals.items():
+        if key == "train_batch":
+            PipelineEngine.train_batch = fn
+        else:
+            PipelineEngine._INSTRUCTION_MAP[key] = fn
+    _originals.clear()
+    _state = None

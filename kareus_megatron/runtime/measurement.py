@@ -1,0 +1,174 @@
+"""Per-iteration measurement: time (s, max over ranks) and GPU energy (J, sum over ranks) -> JSONL.
+
+An *iteration* is one training call of the megatron-core schedule (forward_backward_func), from entry
+to exit; on a GPU both points are GPU-aligned (CUDA events waited for off the training thread by the
+clock client), on a CPU they are ``time.monotonic()`` on the training thread. Energy comes from the
+device's counter (NVML: total-energy counter; simulated: the power model). Ranks exchange their
+figures every ``publish_every`` iterations (default 10; one small all_gather over a gloo group, CPU
+tensors, so the GPU is never synchronised), leaving out the newest iteration, whose end the GPU may not
+have reached yet; ``flush()`` (at close) publishes the rest. Global rank 0 appends one line per
+iteration:
+
+    {"kind": "iteration", "iteration": i, "time_s": T, "energy_j": E,
+     "stages": [{"pp_rank": r, "time_s": max, "energy_j": sum, "gpus": n}, ...]}
+
+The first line is a header: {"kind": "header", "plan": ..., "plan_sha256": ..., "gpu": ..., "world": ...}.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kareus_megatron.hardware.device.sim import JsonlAppender
+
+_FIELDS = 4  # iteration, pp_rank, time_s, energy_j
+
+
+class _Point:
+    """A measurement point: GPU-aligned time (s) and energy (J), filled now or later."""
+
+    def __init__(self, ticket: Any = None) -> None:
+        self._ticket = ticket
+        self.t = None if ticket is not None else time.monotonic()
+        self.energy_j: float | None = None if ticket is not None else math.nan
+
+    def resolve(self, timeout_s: float = 60.0) -> tuple[float, float]:
+        if self._ticket is not None:
+            if self._ticket.wait(timeout_s) and self._ticket.t is not None:
+                self.t, self.energy_j = float(self._ticket.t), float(self._ticket.energy_j)
+            else:
+                self.t, self.energy_j = math.nan, math.nan
+            self._ticket = None
+        return float(self.t), float(self.energy_j)  # type: ignore[arg-type]
+
+
+class IterationMeter:
+    """Collects each iteration's time and energy on every rank; rank 0 writes the JSONL log."""
+
+    def __init__(self, log_path: str | os.PathLike[str] | None, mark: Callable[[], Any] | None = None,
+                 header: dict[str, Any] | None = None, publish_every: int = 10) -> None:
+        """`mark()` returns a ticket with .wait()/.t/.energy_j (the clock client); None: CPU time only.
+        Iterations are exchanged between ranks in groups of `publish_every` (one collective each)."""
+        self._publish_every = max(1, int(publish_every))
+        self._mark = mark
+        self._log_path = os.fspath(log_path) if log_path else None
+        self._log: JsonlAppender | None = None
+        self._header = dict(header or {})
+        self._pending: list[tuple[int, _Point, _Point]] = []
+        self._start: _Point | None = None
+        self.pp_rank = 0
+        self.records: list[dict[str, Any]] = []  # what rank 0 wrote (kept for tests and reports)
+
+    def _point(self) -> _Point:
+        return _Point(self._mark() if self._mark is not None else None)
+
+    def begin(self, iteration: int) -> None:
+        """Mark the start of `iteration` (training thread; does not wait)."""
+        self._start = self._point()
+
+    def end(self, iteration: int) -> None:
+        """Mark the end of `iteration`; publish the previous iteration (one small collective)."""
+        if self._start is None:
+            return
+        self._pending.append((iteration, self._start, self._point()))
+        self._start = None
+        if len(self._pending) > self._publish_every:  # the newest stays: its end may not be reached yet
+            self._publish(self._pending[:-1])
+            del self._pending[:-1]
+
+    def flush(self) -> None:
+        """Publish every pending iteration; all ranks must call it (collective when distributed)."""
+        if self._pending:
+            self._publish(self._pending)
+            self._pending.clear()
+
+    def close(self) -> None:
+        """Release the log file (call flush first)."""
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # -- exchange --------------------------------------------------------------------------
+    def _local_rows(self, items: list[tuple[int, _Point, _Point]]) -> list[list[float]]:
+        rows = []
+        for iteration, p0, p1 in items:
+            t0, e0 = p0.resolve()
+            t1, e1 = p1.resolve()
+            rows.append([float(iteration), float(self.pp_rank), t1 - t0, e1 - e0])
+        return rows
+
+    def _publish(self, items: list[tuple[int, _Point, _Point]]) -> None:
+        rows = self._local_rows(items)
+        gathered = _all_gather_rows(rows)
+        if gathered is None:
+            return  # not rank 0
+        for k in range(len(rows)):
+            per_rank = [g[k] for g in gathered]
+            self._write(per_rank)
+
+    def _write(self, per_rank: list[list[float]]) -> None:
+        stages: dict[int, dict[str, Any]] = {}
+        for _, pp_rank, t, e in per_rank:
+            s = stages.setdefault(int(pp_rank), {"pp_rank": int(pp_rank), "time_s": -math.inf, "energy_j": 0.0,
+                                                 "gpus": 0})
+            s["time_s"] = max(s["time_s"], t)
+            s["energy_j"] += e
+            s["gpus"] += 1
+        record = {
+            "kind": "iteration",
+            "iteration": int(per_rank[0][0]),
+            "ranks_reporting": len(per_rank),
+            "time_s": _num(max(r[2] for r in per_rank)),
+            "energy_j": _num(sum(r[3] for r in per_rank)),
+            "stages": [{**s, "time_s": _num(s["time_s"]), "energy_j": _num(s["energy_j"])}
+                       for _, s in sorted(stages.items())],
+        }
+        if self._log is None and self._log_path is not None:
+            self._log = JsonlAppender(self._log_path)
+            self._log.write({"kind": "header", "world": len(per_rank), **self._header})
+        if self._log is not None:
+            self._log.write(record)
+        self.records.append(record)
+
+
+def _num(x: float) -> float | None:
+    return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
+
+
+def _all_gather_rows(rows: list[list[float]]) -> list[list[list[float]]] | None:
+    """Gather every rank's rows; rank 0 gets [rank][row][field], other ranks None."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - the runtime always has torch
+        return [rows]
+    if not (dist.is_available() and dist.is_initialized()):
+        # No process group (single process, or already destroyed at exit): rank 0 writes its own rows.
+        return [rows] if os.environ.get("RANK", "0") == "0" else None
+    if dist.get_world_size() == 1:
+        return [rows]
+    local = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), _FIELDS)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local, group=_cpu_group())
+    if dist.get_rank() != 0:
+        return None
+    return [o.tolist() for o in out]
+
+
+_gloo_group: Any = None
+
+
+def _cpu_group() -> Any:
+    """A gloo group over all ranks (the default group when it is gloo): CPU tensors, no GPU sync."""
+    global _gloo_group
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    if _gloo_group is None:
+        _gloo_group = dist.new_group(backend="gloo")  # collective: every rank reaches the first publish
+    return _gloo_group

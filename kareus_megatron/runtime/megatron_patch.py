@@ -1,0 +1,386 @@
+"""The megatron-core patch: every planned pipeline instruction is announced before it runs.
+
+Wrapped (module attributes of ``megatron.core.pipeline_parallel.schedules``): the three schedule
+functions (``forward_backward_no_pipelining``, ``..._pipelining_without_interleaving``,
+``..._pipelining_with_interleaving``), ``forward_step`` and ``backward_step``. An *instruction* is
+(pipeline rank, virtual chunk, forward/backward, microbatch). ``forward_step`` gets its microbatch and
+chunk from megatron (``current_microbatch``, ``vp_stage``); ``backward_step`` gets none, so the
+forward wrapper remembers the identity of the output tensor it returned and the backward wrapper,
+which receives that same object, looks it up. Forward-only (evaluation) calls pass through untouched.
+
+Before the first instruction of the first training call the plan is checked against the live run
+(``validate_plan``); every mismatch is listed in one PlanMismatchError.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
+from kareus_megatron.plan.schema import Instruction, Plan
+from kareus_megatron.runtime import hooks
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+VOCAB_PADDING = 1024  # largest vocabulary padding (per TP rank) accepted as the same vocabulary
+SCHEDULE_FUNCTIONS = (
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_with_interleaving",
+)
+
+
+def _version_from_package_info(text: str) -> str | None:
+    """`MAJOR.MINOR.PATCH[PRE_RELEASE]` from the constants of megatron/core/package_info.py, or None."""
+    import ast
+
+    consts: dict[str, object] = {}
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Constant):
+                consts[node.targets[0].id] = node.value.value
+    try:
+        return f"{int(consts['MAJOR'])}.{int(consts['MINOR'])}.{int(consts['PATCH'])}{consts.get('PRE_RELEASE') or ''}"
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def megatron_core_version() -> str:
+    """The version of the importable megatron.core (a Megatron-LM checkout or the PyPI package).
+
+    Read from megatron/core/package_info.py without importing megatron.core (a slow, noisy import),
+    so a bad setup is reported before anything else happens.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        info = Path(loc) / "core" / "package_info.py"
+        if info.is_file():
+            v = _version_from_package_info(info.read_text())
+            if v:
+                return v
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except ImportError:
+        raise UnsupportedVersionError(
+            "megatron.core is not importable; install megatron-core==0.16.1 or put Megatron-LM on PYTHONPATH"
+        ) from None
+
+
+def check_megatron_core_version() -> str:
+    """Return the megatron-core version, or raise UnsupportedVersionError naming the supported ones."""
+    v = megatron_core_version()
+    if v not in SUPPORTED_MCORE_VERSIONS:
+        raise UnsupportedVersionError(
+            f"megatron-core {v} is not supported by the kareus runtime patch; supported: "
+            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}. Install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]} "
+            "(or the matching Megatron-LM release)"
+        )
+    return v
+
+
+# ---- live run facts and validation ------------------------------------------------------------
+
+
+@dataclass
+class LiveRun:
+    """What the running job looks like; None = not known here."""
+
+    pp: int
+    pp_rank: int
+    vp: int
+    num_microbatches: int
+    seq_length: int | None = None
+    micro_batch_size: int | None = None
+    tp: int | None = None
+    cp: int | None = None
+    dp: int | None = None
+    sequence_parallel: bool | None = None
+    layers_on_rank: int | None = None
+    model: dict[str, int] = field(default_factory=dict)
+    unsupported: list[str] = field(default_factory=list)
+
+
+def _group_size(group: Any) -> int | None:
+    try:
+        return int(group.size())
+    except Exception:
+        return None
+
+
+def _unwrap(module: Any) -> Any:
+    seen = 0
+    while hasattr(module, "module") and seen < 8:
+        module = module.module
+        seen += 1
+    return module
+
+
+def live_run_from_call(kwargs: dict[str, Any]) -> LiveRun:
+    """Collect the live facts from a schedule call's keyword arguments and megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    model = kwargs["model"]
+    chunks = list(model) if isinstance(model, list) else [model]
+    pg = kwargs.get("pg_collection")
+    if pg is not None and getattr(pg, "pp", None) is not None:
+        pp, pp_rank = int(pg.pp.size()), int(pg.pp.rank())
+        tp, cp = _group_size(getattr(pg, "tp", None)), _group_size(getattr(pg, "cp", None))
+        dp = _group_size(getattr(pg, "dp", None))
+    else:
+        pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+        dp = ps.get_data_parallel_world_size()
+    config = get_model_config(chunks[0])
+    live = LiveRun(
+        pp=pp, pp_rank=pp_rank, vp=len(chunks), num_microbatches=int(kwargs["num_microbatches"]),
+        seq_length=kwargs.get("seq_length"), micro_batch_size=kwargs.get("micro_batch_size"),
+        tp=tp, cp=cp, dp=dp, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+    )
+    heads = getattr(config, "num_attention_heads", None)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            live.model[name] = value
+    groups = getattr(config, "num_query_groups", None)
+    if isinstance(groups, int) or isinstance(heads, int):
+        live.model["num_query_groups"] = groups if isinstance(groups, int) else heads
+    vocab = getattr(_unwrap(chunks[0]), "vocab_size", None)
+    if isinstance(vocab, int):
+        live.model["vocab_size"] = vocab
+    counts = [len(getattr(getattr(_unwrap(c), "decoder", None), "layers", None) or ()) for c in chunks]
+    if all(hasattr(getattr(_unwrap(c), "decoder", None), "layers") for c in chunks):
+        live.layers_on_rank = sum(counts)
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        live.unsupported.append("overlap_moe_expert_parallel_comm=True (combined 1F1B) is not supported")
+    return live
+
+
+def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
+                    device_gpu: str | None = None) -> list[str]:
+    """Every way `plan` does not fit `live` (empty when it fits)."""
+    par = plan.parallel
+    out: list[str] = []
+
+    def cmp(name: str, planned: Any, actual: Any) -> None:
+        if actual is not None and planned != actual:
+            out.append(f"{name}: plan {planned}, run {actual}")
+
+    cmp("pipeline parallel size (pp)", par.pp, live.pp)
+    cmp("virtual pipeline chunks (vp)", par.vp, live.vp)
+    cmp("microbatches per iteration", par.num_microbatches, live.num_microbatches)
+    cmp("tensor parallel size (tp)", par.tp, live.tp)
+    cmp("context parallel size (cp)", par.cp, live.cp)
+    cmp("data parallel size (dp)", par.dp, live.dp)
+    cmp("sequence length", par.seq_length, live.seq_length)
+    cmp("micro batch size", par.micro_batch_size, live.micro_batch_size)
+    cmp("sequence parallel", par.sequence_parallel, live.sequence_parallel)
+    if plan.framework != "megatron":
+        out.append(f"framework: plan {plan.framework}, run megatron")
+    want_schedule = "interleaved-1f1b" if live.vp > 1 else "1f1b"
+    if par.schedule != want_schedule:
+        out.append(f"schedule: plan {par.schedule}, run {want_schedule}")
+    if plan.model is not None:
+        for name, actual in live.model.items():
+            planned = getattr(plan.model, name)
+            if name == "vocab_size" and planned <= actual < planned + VOCAB_PADDING * (live.tp or 1):
+                continue  # megatron pads the vocabulary (--make-vocab-size-divisible-by x TP)
+            cmp(f"model {name}", planned, actual)
+    if live.pp_rank < len(par.layers_per_stage) and live.layers_on_rank is not None:
+        cmp(f"transformer layers on pipeline rank {live.pp_rank}", par.layers_per_stage[live.pp_rank],
+            live.layers_on_rank)
+    if device_gpu is not None and plan.gpu != device_gpu:
+        out.append(f"GPU: plan made for {plan.gpu}, this GPU is {device_gpu}")
+    if supported_clocks_mhz and live.pp_rank < len(plan.stages):
+        ok = set(supported_clocks_mhz)
+        bad = sorted({c for c in plan.clock_sequence(live.pp_rank) if c not in ok})
+        if bad:
+            out.append(f"SM clocks {', '.join(map(str, bad))} MHz are not lockable on this GPU")
+    out.extend(live.unsupported)
+    return out
+
+
+def validate_plan(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
+                  device_gpu: str | None = None, source: str = "the plan") -> None:
+    """Raise one PlanMismatchError listing every mismatch between `plan` and the live run."""
+    problems = plan_mismatches(plan, live, supported_clocks_mhz, device_gpu)
+    if problems:
+        raise PlanMismatchError(
+            f"{source} does not match this run (pipeline rank {live.pp_rank}): " + "; ".join(problems)
+            + ". Regenerate the plan for this configuration (kareus plan) or fix the launch arguments."
+        )
+
+
+# ---- the patch ------------------------------------------------------------------------------
+
+
+class PatchState:
+    """Per-process state of the installed patch; `session` receives instruction and iteration events."""
+
+    def __init__(self, plan: Plan, session: Any, source: str = "the plan") -> None:
+        self.plan = plan
+        self.session = session
+        self.source = source
+        self.active = False
+        self.validated = False
+        self.iteration = 0
+        self.position = 0
+        self.pp_rank = 0
+        self._lookup: dict[tuple[str, int, int], tuple[int, Instruction]] = {}
+        self._fwd_ids: dict[int, tuple[int, int]] = {}
+        self.order_deviations = 0
+
+    def bind_rank(self, pp_rank: int) -> None:
+        self.pp_rank = pp_rank
+        instrs = self.plan.stages[pp_rank].instructions
+        self._lookup = {(i.kind, i.chunk, i.microbatch): (k, i) for k, i in enumerate(instrs)}
+
+    def announce(self, kind: str, chunk: int, microbatch: int) -> None:
+        entry = self._lookup.get((kind, chunk, microbatch))
+        if entry is None:  # not in the plan (cannot happen after validation); run it unplanned
+            log.warning("kareus: %s of microbatch %d chunk %d is not in the plan", kind, microbatch, chunk)
+            return
+        index, instr = entry
+        if index != self.position:
+            self.order_deviations += 1
+            if self.order_deviations == 1:
+                log.warning(
+                    "kareus: live instruction order differs from the plan at position %d (%s mb %d chunk %d is "
+                    "planned at %d); clocks follow each instruction's identity", self.position, kind,
+                    microbatch, chunk, index)
+        self.position += 1
+        hooks.notify_instruction(hooks.InstructionEvent(self.pp_rank, index, self.iteration, instr))
+
+    def remember_forward(self, out: Any, chunk: int, microbatch: int) -> None:
+        self._fwd_ids[_tensor_key(out)] = (chunk, microbatch)
+
+    def recall_forward(self, output_tensor: Any) -> tuple[int, int] | None:
+        return self._fwd_ids.pop(_tensor_key(output_tensor), None)
+
+
+def _tensor_key(t: Any) -> int:
+    while isinstance(t, (list, tuple)) and t:
+        t = t[0]
+    return id(t)
+
+
+_state: PatchState | None = None
+_originals: dict[str, Any] = {}
+
+
+def installed_state() -> PatchState | None:
+    """The live patch state, or None when the patch is not installed."""
+    return _state
+
+
+def _wrap_schedule(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or kwargs.get("forward_only", False) or st.active:
+            return fn(*args, **kwargs)
+        if not st.validated:
+            live = live_run_from_call(kwargs)
+            st.session.validate(st.plan, live, st.source)  # raises PlanMismatchError
+            st.bind_rank(live.pp_rank)
+            st.validated = True
+        st.active, st.position = True, 0
+        st.session.iteration_begins(st.iteration)
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            st.active = False
+            st.session.training_failed()
+            raise
+        st.active = False
+        st.session.iteration_ends(st.iteration)
+        st.iteration += 1
+        return result
+
+    return schedule
+
+
+def _wrap_forward_step(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not st.active:
+            return fn(*args, **kwargs)
+        mb = kwargs.get("current_microbatch")
+        chunk = kwargs.get("vp_stage") or 0
+        if mb is None:
+            return fn(*args, **kwargs)
+        st.announce("forward", chunk, mb)
+        out = fn(*args, **kwargs)
+        st.session.instruction_ends()
+        st.remember_forward(out[0], chunk, mb)
+        return out
+
+    return forward_step
+
+
+def _wrap_backward_step(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def backward_step(*args: Any, **kwargs: Any) -> Any:
+        st = _state
+        if st is None or not st.active:
+            return fn(*args, **kwargs)
+        output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")
+        ident = st.recall_forward(output_tensor)
+        if ident is None:
+            return fn(*args, **kwargs)
+        st.announce("backward", ident[0], ident[1])
+        out = fn(*args, **kwargs)
+        st.session.instruction_ends()
+        return out
+
+    return backward_step
+
+
+def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
+    """Patch megatron-core's schedules for `plan`; `session` gets validate/iteration/instruction calls."""
+    global _state
+    check_megatron_core_version()
+    from megatron.core.pipeline_parallel import schedules
+
+    if _state is not None:
+        uninstall()
+    _originals.clear()
+    for name in SCHEDULE_FUNCTIONS:
+        _originals[name] = getattr(schedules, name)
+        setattr(schedules, name, _wrap_schedule(name, _originals[name]))
+    _originals["forward_step"] = schedules.forward_step
+    schedules.forward_step = _wrap_forward_step(schedules.forward_step)
+    _originals["backward_step"] = schedules.backward_step
+    schedules.backward_step = _wrap_backward_step(schedules.backward_step)
+    _state = PatchState(plan, session, source)
+    return _state
+
+
+def uninstall() -> None:
+    """Restore megatron-core's original functions (no-op when not installed)."""
+    global _state
+    if _state is None:
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    for name, fn in _originals.items():
+        setattr(schedules, name, fn)
+    _originals.clear()
+    _state = None

@@ -1,0 +1,60 @@
+"""Overlap engine: megatron-core transformer layers run as 2 nanobatches with TP collectives overlapped.
+
+Public API:
+
+- ``get_partitioned_gpt_layer_spec(**local_spec_kwargs)``: layer spec for ``GPTModel`` (needs megatron-core).
+- ``setup_overlap(plan, ...)``: per-rank set-up (plan check, NCCL SM-limited communicators, hooks listener).
+- ``validate_plan_for_layer(plan, ...)``: raise PlanError if the plan's knobs do not fit the layer.
+- ``check_model_for_plan(model, plan)``: PlanMismatchError if a 2-nanobatch plan meets a standard model.
+- ``get_engine()`` / ``set_engine()``, ``LayerSettings`` / ``Knobs``: settings for tests and benchmarks.
+- ``overlap_violations(events)``: check a trace for the planned overlap structure.
+
+``PartitionedTransformerLayer`` and the spec are loaded lazily so that plan checks need no megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kareus_megatron.runtime.overlap.config import (
+    Knobs,
+    LayerSettings,
+    OverlapState,
+    comm_sms_values,
+    settings_from_instruction,
+    validate_plan_for_layer,
+)
+from kareus_megatron.runtime.overlap.trace import overlap_violations
+
+__all__ = [
+    "Knobs",
+    "check_model_for_plan",
+    "LayerSettings",
+    "OverlapState",
+    "PartitionedTransformerLayer",
+    "comm_sms_values",
+    "get_engine",
+    "get_partitioned_gpt_layer_spec",
+    "overlap_violations",
+    "set_engine",
+    "settings_from_instruction",
+    "setup_overlap",
+    "validate_plan_for_layer",
+]
+
+_LAZY = {
+    "PartitionedTransformerLayer": "kareus_megatron.runtime.overlap.layer",
+    "check_model_for_plan": "kareus_megatron.runtime.overlap.layer",
+    "get_partitioned_gpt_layer_spec": "kareus_megatron.runtime.overlap.layer",
+    "get_engine": "kareus_megatron.runtime.overlap.engine",
+    "set_engine": "kareus_megatron.runtime.overlap.engine",
+    "setup_overlap": "kareus_megatron.runtime.overlap.engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,134 @@
+"""TP collectives of the overlap engine: async all-reduce on a communicator chosen by comm SM count.
+
+On NCCL, SMs given to a collective are set per communicator: ``ProcessGroupNCCL.Options().config``
+``max_ctas``/``min_ctas`` (NCCL >= 2.17 runs one CTA per SM). Communicators cannot change this after
+creation, so ``build_sm_groups`` creates, once at start-up and collectively on every rank, one TP group per
+distinct SM count the plan uses. On gloo (and any other backend) the request is recorded in the trace and
+has no effect; the default TP group is used.
+
+``async_op=True`` collectives on NCCL run on the process group's own stream; ``wait()`` makes the
+current (compute) stream wait for it, so the collective starts when the compute stream reaches the point
+where it was issued: the launch slot.
+
+``Communicator(delay_s=..., delay_s_per_byte=...)`` slows every collective by a fixed delay (s) plus a
+delay per byte reduced (s/byte) to emulate a slow link on CPU (benchmarks only): collectives then run in
+issue order on one helper thread that sleeps, then reduces.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+
+class Pending:
+    """A collective in flight; ``wait()`` blocks (or orders the compute stream) until it is done."""
+
+    def __init__(self, work: object | None, future: Future | None = None) -> None:
+        self._work = work
+        self._future = future
+
+    def wait(self) -> None:
+        """Block until the collective's result may be used."""
+        if self._future is not None:
+            self._future.result()
+        elif self._work is not None:
+            self._work.wait()
+
+
+def _nccl_options(comm_sms: int) -> object:
+    """``ProcessGroupNCCL.Options`` limiting the communicator to `comm_sms` CTAs.
+
+    The same fields megatron-core sets from its ``nccl_communicator_config_path`` (parallel_state.py,
+    ``get_nccl_options``: ``config.max_ctas`` / ``config.min_ctas``).
+    """
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.max_ctas = comm_sms
+    opts.config.min_ctas = comm_sms
+    return opts
+
+
+def build_sm_groups(comm_sms: Iterable[int], tp_group: dist.ProcessGroup) -> dict[int, dist.ProcessGroup]:
+    """One NCCL TP group per SM count (collective over the world; call once on every rank, same args).
+
+    Returns {} on non-NCCL backends (the request is then only recorded).
+    """
+    values = sorted(set(comm_sms))
+    if not values or dist.get_backend(tp_group) != "nccl":
+        return {}
+    mine = tuple(dist.get_process_group_ranks(tp_group))
+    everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    tp_lists = sorted({tuple(r) for r in everyone if r is not None})
+    groups: dict[int, dist.ProcessGroup] = {}
+    for sms in values:
+        for ranks in tp_lists:  # every rank creates every group, in the same order
+            g = dist.new_group(list(ranks), backend="nccl", pg_options=_nccl_options(sms))
+            if ranks == mine:
+                groups[sms] = g
+    return groups
+
+
+class Communicator:
+    """Issues the engine's TP all-reduces, on the communicator for the requested comm SM count."""
+
+    def __init__(
+        self,
+        tp_group: dist.ProcessGroup | None = None,
+        sm_groups: dict[int, dist.ProcessGroup] | None = None,
+        delay_s: float = 0.0,
+        delay_s_per_byte: float = 0.0,
+    ) -> None:
+        self.tp_group = tp_group
+        self.sm_groups = dict(sm_groups or {})
+        self.delay_s = delay_s
+        self.delay_s_per_byte = delay_s_per_byte
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def group_for(
+        self, comm_sms: int | None, layer_group: dist.ProcessGroup | None = None
+    ) -> tuple[dist.ProcessGroup | None, bool]:
+        """(group, whether the SM limit is applied) for a requested SM count.
+
+        Falls back to `layer_group` (the calling layer's TP group), then to this communicator's.
+        """
+        if comm_sms is not None and comm_sms in self.sm_groups:
+            return self.sm_groups[comm_sms], True
+        return (layer_group if layer_group is not None else self.tp_group), False
+
+    @staticmethod
+    def world(group: dist.ProcessGroup | None) -> int:
+        """Size of `group` (1 when torch.distributed is not initialised)."""
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(group)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, comm_sms: int | None, layer_group: dist.ProcessGroup | None = None
+    ) -> tuple[Pending, bool]:
+        """Start an in-place sum all-reduce of `tensor`; return it pending and whether SMs were limited."""
+        group, applied = self.group_for(comm_sms, layer_group)
+        if self.world(group) == 1:
+            return Pending(None), applied
+        if self.delay_s <= 0 and self.delay_s_per_byte <= 0:
+            return Pending(dist.all_reduce(tensor, group=group, async_op=True)), applied
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kareus-slow-link")
+        return Pending(None, self._pool.submit(self._slow_all_reduce, tensor, group)), applied
+
+    def _slow_all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        time.sleep(self.delay_s + self.delay_s_per_byte * tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, group=group)
+
+    def close(self) -> None:
+        """Stop the slow-link helper thread, if any."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

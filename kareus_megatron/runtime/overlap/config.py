@@ -1,0 +1,165 @@
+"""Overlap settings of the running instruction, the hooks listener, and plan checks at load (no torch).
+
+Terms (names from ``workload.layer_vocab``):
+
+- *nanobatches*: 1 (the microbatch runs whole, collectives blocking) or 2 (halves of the microbatch along
+  the batch dimension, collectives of one half overlapped with compute of the other).
+- *partition knobs*: per partition (``fwd_attn``, ``fwd_mlp``, ``bwd_mlp``, ``bwd_attn``) the SM count of
+  the collective kernel (``comm_sms``; on NCCL the communicator's CTA limit) and the launch slot (the
+  compute op of the other nanobatch just before which the pending collective is issued).
+- *phase*: ``forward``, ``backward``, or ``recompute`` (a forward run inside a backward instruction, under
+  full activation recompute; it uses the forward partition names with the backward instruction's knobs).
+
+``OverlapState`` holds the settings the layers read when they run. The runtime's megatron patch calls
+``runtime.hooks.notify_instruction`` before each planned instruction; ``OverlapState.on_instruction``
+(registered by ``install_listener``) switches the settings there. Partitions missing from a 2-nanobatch
+instruction get the default knobs: launch at the segment's first op, the default TP communicator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kareus_megatron.errors import PlanError
+from kareus_megatron.workload.layer_vocab import TP_PARTITION_SLOTS
+
+if TYPE_CHECKING:
+    from kareus_megatron.plan.schema import Instruction, Plan
+    from kareus_megatron.runtime.hooks import InstructionEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """Overlap knobs of one partition: comm SMs (None = the default communicator) and launch slot."""
+
+    comm_sms: int | None
+    launch_slot: str
+
+
+def default_knobs(partition: str) -> Knobs:
+    """Knobs used when a plan gives none for `partition`: issue at the segment's first op."""
+    return Knobs(comm_sms=None, launch_slot=TP_PARTITION_SLOTS[partition][0])
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSettings:
+    """What a partitioned layer does in the current instruction."""
+
+    nanobatches: int = 1
+    knobs: dict[str, Knobs] = field(default_factory=dict)
+    kind: str | None = None  # "forward"/"backward" of the running instruction; None outside a plan
+    microbatch: int | None = None
+    index: int | None = None  # position of the instruction in the rank's plan
+
+    def knobs_for(self, partition: str) -> Knobs:
+        """Knobs of `partition` (the plan's, or the defaults)."""
+        return self.knobs.get(partition) or default_knobs(partition)
+
+
+def settings_from_instruction(instr: Instruction, index: int | None = None) -> LayerSettings:
+    """Layer settings for one plan instruction."""
+    knobs = {
+        name: Knobs(comm_sms=k.comm_sms, launch_slot=k.launch_slot)
+        for name, k in instr.partitions.items()
+        if name in TP_PARTITION_SLOTS
+    }
+    return LayerSettings(
+        nanobatches=instr.nanobatches,
+        knobs=knobs,
+        kind=instr.kind,
+        microbatch=instr.microbatch,
+        index=index,
+    )
+
+
+class OverlapState:
+    """The settings partitioned layers read; switched per instruction by the hooks listener."""
+
+    def __init__(self, settings: LayerSettings | None = None) -> None:
+        self.settings = settings or LayerSettings()
+        self.instructions_seen = 0
+
+    def set(self, settings: LayerSettings) -> None:
+        """Use `settings` from now on (tests and benchmarks set them directly)."""
+        self.settings = settings
+
+    def on_instruction(self, event: InstructionEvent) -> None:
+        """Hooks listener: switch to the settings of the instruction about to run (no blocking)."""
+        self.settings = settings_from_instruction(event.instruction, index=event.index)
+        self.instructions_seen += 1
+
+    def forward_phase(self) -> str:
+        """'recompute' when a forward runs inside a backward instruction, else 'forward'."""
+        return "recompute" if self.settings.kind == "backward" else "forward"
+
+
+def comm_sms_values(plan: Plan) -> list[int]:
+    """Distinct comm SM counts (sorted) that `plan`'s TP partitions use: one communicator each on NCCL."""
+    return sorted(
+        {
+            k.comm_sms
+            for st in plan.stages
+            for ins in st.instructions
+            for name, k in ins.partitions.items()
+            if name in TP_PARTITION_SLOTS
+        }
+    )
+
+
+def validate_plan_for_layer(
+    plan: Plan,
+    *,
+    micro_batch_size: int | None = None,
+    gpu_sm_count: int | None = None,
+    cp: int | None = None,
+    sequence_parallel: bool | None = None,
+) -> None:
+    """Check that `plan`'s overlap knobs fit the partitioned layer; raise a one-line PlanError if not.
+
+    Checks every instruction: nanobatches divide the micro-batch size, each partition is one this
+    engine runs (TP all-reduce partitions), its launch slot is an op of that partition's segment, and
+    ``comm_sms`` is below the GPU's SM count (``gpu_sm_count``; skipped when unknown, e.g. on CPU).
+    Live values (micro-batch size, CP, sequence parallelism) default to the plan's own layout.
+    """
+    layout = plan.parallel
+    mbs = layout.micro_batch_size if micro_batch_size is None else micro_batch_size
+    cp = layout.cp if cp is None else cp
+    sp = layout.sequence_parallel if sequence_parallel is None else sequence_parallel
+    uses_overlap = any(i.nanobatches > 1 for s in plan.stages for i in s.instructions)
+    if uses_overlap and cp > 1:
+        raise PlanError(
+            f"plan uses 2 nanobatches with cp={cp}; the overlap engine runs TP all-reduce partitions only "
+            "(no context parallelism yet). Plan with cp=1 or nanobatches=1."
+        )
+    if uses_overlap and sp:
+        raise PlanError(
+            "plan uses 2 nanobatches with sequence parallelism; the overlap engine runs TP all-reduce "
+            "partitions only. Plan without sequence parallelism or with nanobatches=1."
+        )
+    for st in plan.stages:
+        for pos, ins in enumerate(st.instructions):
+            where = f"stage {st.pp_rank} instruction {pos} ({ins.kind} mb {ins.microbatch})"
+            if mbs % ins.nanobatches:
+                raise PlanError(
+                    f"{where}: nanobatches={ins.nanobatches} does not divide micro-batch size {mbs}; "
+                    "use 1, or a micro-batch size divisible by 2."
+                )
+            for name, k in ins.partitions.items():
+                if name not in TP_PARTITION_SLOTS:
+                    raise PlanError(
+                        f"{where}: partition {name!r} is not run by the overlap engine; "
+                        f"supported: {', '.join(TP_PARTITION_SLOTS)}. Re-plan with cp=1 or use nanobatches=1."
+                    )
+                slots = TP_PARTITION_SLOTS[name]
+                if k.launch_slot not in slots:
+                    raise PlanError(
+                        f"{where}: partition {name} launch_slot {k.launch_slot!r} is not an op of its "
+                        f"segment; use one of {', '.join(slots)}."
+                    )
+                if k.comm_sms < 1 or (gpu_sm_count is not None and k.comm_sms >= gpu_sm_count):
+                    limit = f"1..{gpu_sm_count - 1}" if gpu_sm_count else ">= 1"
+                    raise PlanError(
+                        f"{where}: partition {name} comm_sms={k.comm_sms} does not fit a GPU with "
+                        f"{gpu_sm_count} SMs; use {limit}."
+                    )

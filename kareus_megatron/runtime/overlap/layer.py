@@ -1,0 +1,210 @@
+"""A megatron-core transformer layer that runs each microbatch as nanobatches with TP collectives overlapped.
+
+``PartitionedTransformerLayer`` subclasses megatron-core's ``TransformerLayer`` and keeps its submodules
+(input/pre-MLP norms, ``SelfAttention`` with ColumnParallelLinear qkv, ``DotProductAttention`` core and
+RowParallelLinear proj, ``MLP`` with fc1/fc2), parameters, state-dict keys and initialisation, so a model
+built with ``get_partitioned_gpt_layer_spec()`` loads the same checkpoints as one built with
+``get_gpt_layer_local_spec()``. Only ``forward`` changes: the parallel linears run with their own TP
+communication switched off (``explicit_expert_comm``, set only for the duration of the call), and the
+engine's schedule (``schedule.py``) issues the all-reduces itself, asynchronously, at the planned
+launch slots. Forward hooks on the submodules report op boundaries (qkv, rope, attention, proj, fc1,
+activation, fc2) and place backward markers there.
+
+Supported: TP all-reduce partitions (TP >= 1), 1 or 2 nanobatches, full activation recompute (megatron's
+``recompute_granularity="full"``), pipeline parallelism (1F1B and interleaved), megatron DDP, dense GPT
+and Llama-like layers (GELU/SwiGLU, LayerNorm/RMSNorm, RoPE, GQA, QK-norm), dropout (valid, but the
+random draws differ from the unsplit layer's). Refused at build time: sequence parallelism, context
+parallelism, selective recompute, MoE. Not yet: Transformer-Engine modules (a TE variant keeps this
+class and swaps the submodules: the schedule needs only the linears' TP communication switched off and
+forward hooks at the op boundaries). Calls with an inference context, cross attention or packed
+sequences fall back to the standard layer's forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from kareus_megatron.errors import InfeasibleConfigError, PlanMismatchError
+from kareus_megatron.runtime.overlap.engine import get_engine
+from kareus_megatron.runtime.overlap.schedule import LayerRun, PartitionedLayerFn
+
+
+class PartitionedTransformerLayer(TransformerLayer):
+    """megatron-core TransformerLayer whose forward and backward run as overlapped nanobatch partitions."""
+
+    def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+        _refuse(_config_problems(config))  # before megatron builds anything (its own asserts are less clear)
+        super().__init__(config, submodules, *args, **kwargs)
+        _refuse(_module_problems(self))
+        attn, mlp = self.self_attention, self.mlp
+        self._linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+        self._run: LayerRun | None = None
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ engine plumbing
+    @contextlib.contextmanager
+    def local_comm(self) -> Iterator[None]:
+        """Within: the four parallel linears skip their TP collectives (the engine issues them)."""
+        saved = [lin.explicit_expert_comm for lin in self._linears]
+        for lin in self._linears:
+            lin.explicit_expert_comm = True
+        try:
+            yield
+        finally:
+            for lin, s in zip(self._linears, saved):
+                lin.explicit_expert_comm = s
+
+    @contextlib.contextmanager
+    def active(self, run: LayerRun) -> Iterator[None]:
+        """Within: submodule hooks report to `run`."""
+        prev, self._run = self._run, run
+        try:
+            yield
+        finally:
+            self._run = prev
+
+    def _install_hooks(self) -> None:
+        attn, mlp = self.self_attention, self.mlp
+
+        def pre(name: str, mark_input: str | None = None):
+            def hook(_mod, args):
+                run = self._run
+                if run is None:
+                    return None
+                run.forward_op(name)
+                if mark_input is None:
+                    return None
+                return (run.mark(args[0], mark_input), *args[1:])
+
+            return hook
+
+        def post(next_op: str | None, mark_output: str):
+            def hook(_mod, _args, out):
+                run = self._run
+                if run is None:
+                    return None
+                if next_op is not None:
+                    run.forward_op(next_op)
+                if isinstance(out, tuple):
+                    return (run.mark(out[0], mark_output), *out[1:])
+                return run.mark(out, mark_output)
+
+            return hook
+
+        def core_pre(_mod, args, kwargs):
+            run = self._run
+            if run is None:
+                return None
+            run.forward_op("attention")
+            args = list(args)
+            for i, key in ((0, "query"), (1, "key")):  # q and k after rope: backward slot "rope"
+                if len(args) > i:
+                    args[i] = run.mark(args[i], "rope")
+                elif key in kwargs:
+                    kwargs[key] = run.mark(kwargs[key], "rope")
+            return tuple(args), kwargs
+
+        attn.linear_qkv.register_forward_pre_hook(pre("qkv"))
+        attn.linear_qkv.register_forward_hook(post("rope", "qkv"))
+        attn.core_attention.register_forward_pre_hook(core_pre, with_kwargs=True)
+        attn.core_attention.register_forward_hook(post(None, "attention"))
+        attn.linear_proj.register_forward_pre_hook(pre("proj"))
+        mlp.linear_fc1.register_forward_pre_hook(pre("fc1"))
+        mlp.linear_fc1.register_forward_hook(post("activation", "fc1"))
+        mlp.linear_fc2.register_forward_pre_hook(pre("fc2", mark_input="activation"))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        """Same contract as TransformerLayer.forward: returns (output [s, b, h], context)."""
+        unsupported = ("context", "context_mask", "inference_context", "inference_params",
+                       "packed_seq_params", "sequence_len_offset", "rotary_pos_cos_sin")
+        if any(kwargs.get(k) is not None for k in unsupported):
+            return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
+        engine = get_engine()
+        state = engine.state
+        settings = state.settings
+        batch = hidden_states.shape[1]
+        if batch % settings.nanobatches:
+            raise InfeasibleConfigError(
+                f"micro-batch size {batch} is not divisible by nanobatches={settings.nanobatches}; "
+                "use an even micro-batch size or 1 nanobatch."
+            )
+        attn_kwargs = {
+            "attention_mask": attention_mask,
+            "rotary_pos_emb": kwargs.get("rotary_pos_emb"),
+            "rotary_pos_cos": kwargs.get("rotary_pos_cos"),
+            "rotary_pos_sin": kwargs.get("rotary_pos_sin"),
+            "attention_bias": kwargs.get("attention_bias"),
+        }
+        params = [p for p in self.parameters() if p.requires_grad]
+        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(params))
+        run = LayerRun(self, engine, settings, state.forward_phase(), grad=grad)
+        if grad:
+            out = PartitionedLayerFn.apply(run, attn_kwargs, hidden_states, *params)
+        else:
+            out = run.forward(hidden_states, attn_kwargs)
+        return out, None
+
+
+def _config_problems(config: Any) -> list[str]:
+    """Configuration settings the overlap engine does not run yet."""
+    problems = []
+    if getattr(config, "sequence_parallel", False):
+        problems.append("sequence_parallel=True")
+    if getattr(config, "context_parallel_size", 1) > 1:
+        problems.append(f"context_parallel_size={config.context_parallel_size}")
+    if getattr(config, "recompute_granularity", None) == "selective":
+        problems.append("recompute_granularity='selective' (use 'full' or none)")
+    if getattr(config, "num_moe_experts", None):
+        problems.append("MoE layers")
+    return problems
+
+
+def _module_problems(layer: TransformerLayer) -> list[str]:
+    """Submodules the schedule cannot drive (it needs the standard attention and MLP linears)."""
+    mlp, attn = layer.mlp, layer.self_attention
+    if not all(hasattr(mlp, a) for a in ("linear_fc1", "linear_fc2")) or not all(
+        hasattr(attn, a) for a in ("linear_qkv", "core_attention", "linear_proj")
+    ):
+        return ["a non-standard attention/MLP module"]
+    return [f"{type(lin).__name__} without skip_bias_add" for lin in (attn.linear_proj, mlp.linear_fc2)
+            if not getattr(lin, "skip_bias_add", False)]
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise InfeasibleConfigError(
+            "the partitioned (overlap) layer does not support " + ", ".join(problems)
+            + "; use get_gpt_layer_local_spec() for this model or change the config."
+        )
+
+
+def check_model_for_plan(model: Any, plan: Any) -> int:
+    """Number of partitioned layers in `model` (a module or list of chunks); PlanMismatchError if the
+    plan runs 2 nanobatches somewhere but the model has none (it was built with the standard spec)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    count = sum(isinstance(m, PartitionedTransformerLayer) for c in chunks for m in c.modules())
+    if count == 0 and any(i.nanobatches > 1 for st in plan.stages for i in st.instructions):
+        raise PlanMismatchError(
+            "the plan runs instructions with 2 nanobatches but the model has no partitioned layers; build it "
+            "with kareus_megatron.runtime.overlap.get_partitioned_gpt_layer_spec() or use a 1-nanobatch plan."
+        )
+    return count
+
+
+def get_partitioned_gpt_layer_spec(**local_spec_kwargs: Any) -> ModuleSpec:
+    """megatron-core's local GPT layer spec with the layer module swapped for the partitioned layer.
+
+    Arguments are those of ``get_gpt_layer_local_spec`` (e.g. ``normalization="RMSNorm"``).
+    """
+    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+    if local_spec_kwargs.get("num_experts") or local_spec_kwargs.get("multi_latent_attention"):
+        raise InfeasibleConfigError("the partitioned layer supports dense GPT layers only (no MoE, no MLA)")
+    return ModuleSpec(module=PartitionedTransformerLayer, params=dict(spec.params), submodules=spec.submodules)

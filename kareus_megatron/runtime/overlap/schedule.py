@@ -1,0 +1,337 @@
+"""The nanobatch schedule of one partitioned-layer call, forward and backward, and its autograd functions.
+
+Semantics (names from ``workload.layer_vocab``; nanobatches 0 and 1 are halves of the microbatch along
+the batch dimension). A *unit* is one nanobatch's compute segment; each unit ends in a TP all-reduce.
+
+Forward (and recompute), units in order ``attn0, attn1, mlp0, mlp1``:
+
+1. attn0 runs (input_norm, qkv, rope, attention, proj); its all-reduce C(attn,0) is then pending.
+2. attn1 runs under partition ``fwd_attn``: C(attn,0) is issued (``async_op=True``) just before attn1's op
+   named by fwd_attn's ``launch_slot``, on the communicator for its ``comm_sms``.
+3. mlp0 runs under ``fwd_mlp``: C(attn,1) is issued before the planned op; C(attn,0) is waited just
+   before mlp0's first op (pre_mlp_norm, which needs it).
+4. mlp1 runs under ``fwd_mlp``: C(mlp,0) is issued before the planned op; C(attn,1) is waited first.
+5. C(mlp,1), the layer's last collective, is issued at once (no partner segment); each nanobatch's
+   output bias-dropout-add waits for its own C(mlp,*).
+
+Backward, units ``mlp0, mlp1, attn0, attn1`` then the tail, symmetrically: the all-reduce of one
+nanobatch's input gradient of fc1 (``bwd.mlp``) is issued before the planned op of the other nanobatch's
+next unit (partition ``bwd_mlp`` for mlp1, ``bwd_attn`` for attn0/attn1); the all-reduce of the input
+gradient of qkv (``bwd.attn``) likewise; the last one overlaps nanobatch 0's tail (input_norm).
+
+With 1 nanobatch every collective is issued as soon as it is produced and waited before its consumer.
+Each piece of a unit is a separate autograd graph on detached leaf inputs, so the backward can run
+the pieces of both nanobatches in the planned order: ``PartitionedLayerFn`` is the outer autograd
+function; its backward drives the pieces with ``torch.autograd.grad``, and ``_Marker`` functions on op
+boundaries report, from inside a piece's backward, when a backward op is about to start (the launch
+slots inside a piece). Parameter gradients of all pieces are summed and returned once per call, so
+gradient hooks (megatron DDP) see one accumulation per parameter per microbatch, as with the
+standard layer. The nanobatch structure of the backward is that of its forward (the graph is built
+then); with a 1-nanobatch backward instruction after a 2-nanobatch forward the pieces run serially.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kareus_megatron.runtime.overlap.comm import Pending
+
+if TYPE_CHECKING:
+    from kareus_megatron.runtime.overlap.config import LayerSettings
+    from kareus_megatron.runtime.overlap.engine import OverlapEngine
+
+
+@dataclass
+class _Coll:
+    """One TP all-reduce of one nanobatch (in place on ``buf``)."""
+
+    name: str
+    nb: int
+    buf: torch.Tensor
+    partition: str = ""
+    slot: str | None = None
+    comm_sms: int | None = None
+    pending: Pending | None = None
+    waited: bool = False
+
+
+@dataclass
+class _NB:
+    """Tensors of one nanobatch: graph outputs of each piece and the leaves that start the next one."""
+
+    x: Any = None
+    ln1: Any = None
+    ln1_in: Any = None
+    attn_partial: Any = None
+    attn_bias: Any = None
+    attn_sum: Any = None
+    h1: Any = None
+    ln2: Any = None
+    ln2_in: Any = None
+    mlp_partial: Any = None
+    mlp_bias: Any = None
+    mlp_sum: Any = None
+    h1_in: Any = None
+    out: Any = None
+    colls: dict[str, _Coll] = field(default_factory=dict)
+    d_h1_res: Any = None
+
+
+def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """A detached leaf sharing `t`'s storage (contiguous), requiring grad when `grad`."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.requires_grad_(grad)
+
+
+class _Marker(torch.autograd.Function):
+    """Identity; its backward tells the run that backward op `name` of nanobatch `nb` starts next.
+
+    It holds the run weakly: the run holds the graph that holds this node, and a strong reference would
+    make a cycle through C++ autograd nodes that Python's GC cannot see (a leak when no backward runs).
+    The outer function's context keeps the run alive until its backward.
+    """
+
+    @staticmethod
+    def forward(ctx, t, run, nb, name):  # noqa: D102
+        ctx.run, ctx.nb, ctx.name = weakref.ref(run), nb, name
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        run = ctx.run()
+        if run is not None:
+            run.backward_op(ctx.nb, ctx.name)
+        return grad, None, None, None
+
+
+class LayerRun:
+    """One call of a partitioned layer: its schedule, pending collectives and trace context."""
+
+    def __init__(self, layer: Any, engine: OverlapEngine, settings: LayerSettings, phase: str, grad: bool):
+        self.layer = layer
+        self.engine = engine
+        self.settings = settings
+        self.phase = phase
+        self.grad = grad
+        self.n = settings.nanobatches
+        self.call = engine.next_call_id()
+        self.nbs = [_NB() for _ in range(self.n)]
+        self.cur_nb = 0
+        self.cur_partition = ""
+        self.partner: _Coll | None = None
+        self._seen: set[tuple[int, str]] = set()
+
+    # ------------------------------------------------------------------ trace and collectives
+    def _emit(self, kind: str, **fields: Any) -> None:
+        s = self.settings
+        self.engine.tracer.emit(
+            kind, phase=self.phase, layer=self.layer.layer_number, call=self.call, mb=s.microbatch,
+            instr=s.index, **fields,
+        )
+
+    def _issue(self, c: _Coll) -> None:
+        c.pending, applied = self.engine.comm.all_reduce(c.buf, c.comm_sms, self.layer.tp_group)
+        self._emit(
+            "issue", coll=c.name, nb=c.nb, partition=c.partition, slot=c.slot, comm_sms=c.comm_sms,
+            sm_limit_applied=applied,
+        )
+
+    def _wait(self, c: _Coll) -> None:
+        if c.waited:
+            return
+        if c.pending is None:  # never got a partner op (cannot happen with layer_vocab's segments)
+            self._issue(c)
+        c.pending.wait()
+        c.waited = True
+        self._emit("wait", coll=c.name, nb=c.nb, partition=c.partition)
+
+    def _schedule(self, c: _Coll, nb: int, partition: str, overlap: bool) -> None:
+        """Make `c` the collective issued during the next unit (nanobatch `nb`), or issue it now."""
+        if overlap and nb != c.nb:
+            k = self.settings.knobs_for(partition)
+            c.partition, c.slot, c.comm_sms = partition, k.launch_slot, k.comm_sms
+            self.partner = c
+        else:
+            self._issue(c)
+
+    def op(self, name: str, needs: _Coll | None = None) -> None:
+        """Compute op `name` of the current nanobatch starts: issue the partner at its slot, wait inputs."""
+        if self.partner is not None and self.partner.slot == name:
+            c, self.partner = self.partner, None
+            self._issue(c)
+        if needs is not None:
+            self._wait(needs)
+        self._emit("op", nb=self.cur_nb, op=name, partition=self.cur_partition)
+
+    def _enter(self, nb: int, partition: str) -> None:
+        self.cur_nb, self.cur_partition = nb, partition
+        self._seen.clear()
+
+    def _leave(self) -> None:
+        if self.partner is not None:  # slot not reached: issue at the end of the unit
+            c, self.partner = self.partner, None
+            self._issue(c)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
+        """Run the layer on `x` ([s, b, h]) as `n` nanobatches; return the output [s, b, h]."""
+        n, lay = self.n, self.layer
+        xs = x.chunk(n, dim=1)
+        masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
+        units = [(nb, "attn") for nb in range(n)] + [(nb, "mlp") for nb in range(n)]
+        prev: _Coll | None = None
+        for nb, seg in units:
+            part = f"fwd_{seg}"
+            if prev is not None:
+                self._schedule(prev, nb, part, overlap=n > 1)
+            self._enter(nb, part if self.partner is not None else "")
+            st = self.nbs[nb]
+            if seg == "attn":
+                st.x = _leaf(xs[nb], self.grad)
+                self.op("input_norm")
+                st.ln1 = lay.input_layernorm(st.x)
+                st.ln1_in = _leaf(st.ln1, self.grad)
+                kw = dict(attn_kwargs, attention_mask=masks[nb])
+                with lay.local_comm(), lay.active(self):
+                    st.attn_partial, st.attn_bias = lay.self_attention(st.ln1_in, **kw)
+                c = _Coll(f"L{lay.layer_number}.fwd.attn.nb{nb}", nb, st.attn_partial.detach())
+            else:
+                self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
+                st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
+                with lay.bias_dropout_add_exec_handler():
+                    st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
+                        (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
+                    )
+                st.ln2 = lay.pre_mlp_layernorm(st.h1)
+                st.ln2_in = _leaf(st.ln2, self.grad)
+                with lay.local_comm(), lay.active(self):
+                    st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
+                c = _Coll(f"L{lay.layer_number}.fwd.mlp.nb{nb}", nb, st.mlp_partial.detach())
+            st.colls[f"fwd.{seg}"] = c
+            self._leave()
+            prev = c
+        self._issue(prev)  # the layer's last collective: no partner segment
+        outs = []
+        for nb in range(n):
+            st = self.nbs[nb]
+            self._enter(nb, "")
+            self.op("bda", needs=st.colls["fwd.mlp"])
+            st.mlp_sum = _leaf(st.colls["fwd.mlp"].buf, self.grad)
+            st.h1_in = _leaf(st.h1, self.grad)
+            with lay.bias_dropout_add_exec_handler():
+                st.out = lay.mlp_bda(lay.training, lay.config.bias_dropout_fusion)(
+                    (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
+                )
+            outs.append(st.out)
+        return outs[0] if n == 1 else torch.cat(outs, dim=1)
+
+    # Hooks on megatron submodules call these (forward only; markers for the backward).
+    def forward_op(self, name: str) -> None:
+        """A module hook saw forward op `name` of the current nanobatch start."""
+        self.op(name)
+
+    def mark(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Wrap `t` so that the backward reports op `name` of the current nanobatch before its grad flows on."""
+        if not (self.grad and torch.is_grad_enabled() and t.requires_grad):
+            return t
+        return _Marker.apply(t, self, self.cur_nb, name)
+
+    # ------------------------------------------------------------------ backward
+    def backward_op(self, nb: int, name: str) -> None:
+        """A marker saw backward op `name` of nanobatch `nb` about to start (first one of a name counts)."""
+        if (nb, name) in self._seen:
+            return
+        self._seen.add((nb, name))
+        self.op(name)
+
+    def backward(self, dout: torch.Tensor, settings: LayerSettings) -> tuple[torch.Tensor, list]:
+        """Run the planned backward for output gradient `dout`; return (d input, parameter grads)."""
+        self.settings, self.phase = settings, "backward"
+        n, lay = self.n, self.layer
+        overlap = n > 1 and settings.nanobatches > 1
+        params = self.params
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        dx: list[torch.Tensor | None] = [None] * n
+
+        def grad(outputs, grads, leaves):
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+            res = torch.autograd.grad(
+                [o for o, _ in pairs], [*leaves, *params], [g for _, g in pairs], allow_unused=True
+            )
+            for i, g in enumerate(res[len(leaves):]):
+                if g is not None:
+                    acc[i] = g if acc[i] is None else acc[i] + g
+            return res[: len(leaves)]
+
+        def add_dx(nb, g):
+            if g is not None:
+                dx[nb] = g if dx[nb] is None else dx[nb] + g
+
+        douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
+        units = [(nb, "mlp") for nb in range(n)] + [(nb, "attn") for nb in range(n)]
+        prev: _Coll | None = None
+        for nb, seg in units:
+            part = f"bwd_{seg}"
+            if prev is not None:
+                self._schedule(prev, nb, part, overlap)
+            self._enter(nb, part if self.partner is not None else "")
+            st = self.nbs[nb]
+            if seg == "mlp":
+                self.op("fc2")
+                d_sum, st.d_h1_res = grad([st.out], [douts[nb]], [st.mlp_sum, st.h1_in])
+                (d_ln2,) = grad([st.mlp_partial], [d_sum], [st.ln2_in])
+                c = _Coll(f"L{lay.layer_number}.bwd.mlp.nb{nb}", nb, d_ln2.contiguous())
+            else:
+                self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
+                d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
+                add_dx(nb, d_x)
+                self.op("proj")
+                (d_ln1,) = grad([st.attn_partial], [d_attn], [st.ln1_in])
+                c = _Coll(f"L{lay.layer_number}.bwd.attn.nb{nb}", nb, d_ln1.contiguous())
+            st.colls[f"bwd.{seg}"] = c
+            self._leave()
+            prev = c
+        self._issue(prev)
+        for nb in range(n):
+            st = self.nbs[nb]
+            self._enter(nb, "")
+            self.op("input_norm", needs=st.colls["bwd.attn"])
+            (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
+            add_dx(nb, d_x)
+        self.nbs = []  # free the graphs' tensors
+        return (dx[0] if n == 1 else torch.cat(dx, dim=1)), acc
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The layer's trainable parameters, in a fixed order."""
+        return [p for p in self.layer.parameters() if p.requires_grad]
+
+
+def _split_batch(mask: torch.Tensor | None, n: int, batch: int) -> list[torch.Tensor | None]:
+    """Split a [b, ...] attention mask into `n` nanobatch masks (shared when its batch dim is 1)."""
+    if mask is None or n == 1 or mask.dim() == 0 or mask.shape[0] != batch or batch == 1:
+        return [mask] * n
+    return list(mask.chunk(n, dim=0))
+
+
+class PartitionedLayerFn(torch.autograd.Function):
+    """Outer autograd function of one layer call: forward builds the pieces, backward drives them."""
+
+    @staticmethod
+    def forward(ctx, run, attn_kwargs, x, *params):  # noqa: D102
+        with torch.enable_grad():
+            out = run.forward(x, attn_kwargs)
+        ctx.run = run
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: D102
+        run, ctx.run = ctx.run, None
+        dx, pgrads = run.backward(dout, run.engine.state.settings)
+        return (None, None, dx, *pgrads)

@@ -1,0 +1,148 @@
+"""Transformer model shapes: presets in workload/models.toml, or a small YAML/JSON file.
+
+Terms: *hidden size* h, *heads* (query heads), *query groups* (KV heads; = heads without GQA),
+*head_dim* (per-head width, h / heads unless given), *ffn_hidden_size* (MLP width; for SwiGLU the width
+of each of the gate and up projections).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from kareus_megatron.errors import ConfigError, UnknownPresetError
+
+ACTIVATIONS = ("swiglu", "gelu")
+NORMS = ("rmsnorm", "layernorm")
+POSITIONS = ("rope", "alibi", "learned")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Shape of a Llama/GPT-style decoder-only transformer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int
+    activation: str = "swiglu"
+    norm: str = "rmsnorm"
+    position: str = "rope"
+    qk_norm: bool = False
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head (elements)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (weights of QKV, proj, MLP and norms; no biases)."""
+        h, d = self.hidden_size, self.kv_channels
+        qkv = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
+        proj = self.num_attention_heads * d * h
+        mlp = h * self.ffn_hidden_size * (3 if self.activation == "swiglu" else 2)
+        return qkv + proj + mlp + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding (= of the untied output layer)."""
+        return self.vocab_size * self.hidden_size
+
+
+_INT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+_KEYS = {f.name for f in fields(ModelSpec)}
+
+
+def model_from_dict(data: Mapping[str, Any], name: str = "custom") -> ModelSpec:
+    """Validate a mapping of ModelSpec keys; ConfigError names the bad key or value."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"model {name!r} must be a mapping of keys to values, not {type(data).__name__}.")
+    d = dict(data)
+    for key in d:
+        if key not in _KEYS:
+            raise ConfigError(f"model {name!r}: unknown key {key!r}; allowed: {', '.join(sorted(_KEYS))}.")
+    d.setdefault("name", name)
+    if "num_query_groups" not in d and "num_attention_heads" in d:
+        d["num_query_groups"] = d["num_attention_heads"]
+    for key in _INT_KEYS:
+        if key not in d:
+            raise ConfigError(f"model {name!r}: missing key {key!r}; a model needs {', '.join(_INT_KEYS)}.")
+    for key in (*_INT_KEYS, "head_dim"):
+        if key not in d:
+            continue
+        v = d[key]
+        lo = 0 if key == "head_dim" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"model {name!r}: {key} = {v!r} must be an integer >= {lo}.")
+    for key, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
+        if key in d and d[key] not in allowed:
+            raise ConfigError(f"model {name!r}: {key} = {d[key]!r}; allowed: {', '.join(allowed)}.")
+    if "qk_norm" in d and not isinstance(d["qk_norm"], bool):
+        raise ConfigError(f"model {name!r}: qk_norm = {d['qk_norm']!r} must be true or false.")
+    if not isinstance(d["name"], str) or not d["name"]:
+        raise ConfigError(f"model {name!r}: name = {d['name']!r} must be a non-empty string.")
+    if d["num_attention_heads"] % d["num_query_groups"]:
+        raise ConfigError(
+            f"model {name!r}: num_attention_heads {d['num_attention_heads']} is not a multiple of "
+            f"num_query_groups {d['num_query_groups']}; use a divisor of the head count."
+        )
+    if not d.get("head_dim") and d["hidden_size"] % d["num_attention_heads"]:
+        raise ConfigError(
+            f"model {name!r}: hidden_size {d['hidden_size']} is not divisible by num_attention_heads "
+            f"{d['num_attention_heads']}; give head_dim explicitly."
+        )
+    return ModelSpec(**d)
+
+
+@functools.lru_cache(maxsize=1)
+def _presets() -> dict[str, ModelSpec]:
+    text = resources.files("kareus_megatron.workload").joinpath("models.toml").read_text(encoding="utf-8")
+    return {name: model_from_dict(t, name) for name, t in tomllib.loads(text).items()}
+
+
+def model_names() -> list[str]:
+    """Names of the shipped model presets, sorted."""
+    return sorted(_presets())
+
+
+def model_spec(name_or_path: str) -> ModelSpec:
+    """A preset by name, or a model read from a .yaml/.yml/.json file."""
+    presets = _presets()
+    if name_or_path in presets:
+        return presets[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        if not path.is_file():
+            raise ConfigError(f"model file {name_or_path!r} does not exist; give a preset or an existing file.")
+        text = path.read_text(encoding="utf-8")
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except (ValueError, ImportError) as e:  # json.JSONDecodeError and yaml.YAMLError derive from these
+            raise ConfigError(f"model file {name_or_path!r} is not valid {path.suffix[1:]}: {e}".splitlines()[0]) from e
+        except Exception as e:  # yaml.YAMLError does not derive from ValueError
+            raise ConfigError(f"model file {name_or_path!r} is not valid YAML: {e}".splitlines()[0]) from e
+        return model_from_dict(data, path.stem)
+    raise UnknownPresetError(
+        f"unknown model {name_or_path!r}; known: {', '.join(sorted(presets))}, or a .yaml/.json file "
+        "with the keys of workload/models.toml."
+    )

@@ -1,0 +1,74 @@
+"""Drop-in for Megatron-LM's pretrain_gpt.py that runs a kareus plan.
+
+    torchrun --nproc_per_node 8 launch/pretrain_gpt.py \\
+        --kareus-plan kareus-out --kareus-point min-energy --kareus-log run.jsonl \\
+        --megatron-lm-dir /opt/Megatron-LM  <the usual pretrain_gpt.py arguments>
+
+Takes Megatron-LM's own arguments unchanged plus: --kareus-plan PATH (plan file or `kareus plan`
+output directory), --kareus-point NN|METHOD-NN|fastest|min-energy, --kareus-log PATH,
+--kareus-on-error fail|warn, --kareus-debug, and --megatron-lm-dir DIR (or MEGATRON_LM_DIR). It
+installs the kareus patch, then runs DIR/pretrain_gpt.py as ``__main__`` with the remaining arguments,
+so Megatron-LM's own code (and its megatron.core) does the training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.runtime.entry import kareus_parser, run_guarded, start_session
+
+PROG = "pretrain_gpt.py (kareus)"
+
+
+def _extra(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--megatron-lm-dir", default=None, metavar="DIR",
+                        help="Megatron-LM checkout holding pretrain_gpt.py (default: $MEGATRON_LM_DIR)")
+
+
+def megatron_lm_script(directory: str | None) -> str:
+    """Path of Megatron-LM's pretrain_gpt.py from --megatron-lm-dir or MEGATRON_LM_DIR; ConfigError if absent."""
+    d = directory or os.environ.get("MEGATRON_LM_DIR")
+    if not d:
+        raise ConfigError("Megatron-LM not found: pass --megatron-lm-dir DIR or set MEGATRON_LM_DIR to a "
+                          "Megatron-LM checkout (the directory holding pretrain_gpt.py)")
+    script = os.path.join(os.path.abspath(d), "pretrain_gpt.py")
+    if not os.path.isfile(script):
+        raise ConfigError(f"--megatron-lm-dir {d} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
+    return script
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Install the plan and run Megatron-LM's pretrain_gpt.py; return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--kareus-debug" in argv or bool(os.environ.get("KAREUS_DEBUG"))
+
+    def body() -> int:
+        ns, rest = kareus_parser(PROG, _extra).parse_known_args(argv)
+        script = megatron_lm_script(ns.megatron_lm_dir)
+        sys.path.insert(0, os.path.dirname(script))  # Megatron-LM's megatron/ package wins from here on
+        session = start_session(ns)
+        sys.argv = [script, *rest]
+        code = 0
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            session.abort()
+            raise
+        if code == 0:
+            session.close()
+        else:
+            session.abort()
+        return code
+
+    return run_guarded(PROG, debug, body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""The GPUDevice contract, run on both backends (nvml only where NVML initialises)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kareus_megatron.errors import ClockControlError, ConfigError, DeviceUnavailableError
+from kareus_megatron.hardware.device import GPUDevice, nearest_supported_mhz, open_gpu
+from kareus_megatron.hardware.device.nvml import nvml_available
+from kareus_megatron.hardware.device.sim import SimulatedGPU
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.hardware.power import power_w
+
+
+@pytest.fixture(params=["simulated", pytest.param("nvml", marks=pytest.mark.gpu)])
+def gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "2")
+    monkeypatch.setenv("KAREUS_SIMULATED_LOG", str(tmp_path / "sim.jsonl"))
+    dev = open_gpu(0, backend=request.param, gpu="a100-sxm4-40gb" if request.param == "simulated" else None)
+    yield dev
+    dev.close()
+
+
+def test_satisfies_protocol(gpu):
+    assert isinstance(gpu, GPUDevice)
+    assert gpu.index == 0
+
+
+def test_supported_clocks_descending_and_lockable(gpu):
+    clocks = gpu.supported_sm_clocks_mhz()
+    assert len(clocks) >= 2
+    assert list(clocks) == sorted(set(clocks), reverse=True)
+    target = clocks[len(clocks) // 3]
+    gpu.set_sm_clock_mhz(target)
+    if isinstance(gpu, SimulatedGPU):
+        assert gpu.sm_clock_mhz() == target
+    else:  # a real GPU reports the clock it runs at, never above the lock
+        assert gpu.sm_clock_mhz() <= target
+    gpu.reset_clocks()
+
+
+def test_unsupported_clock_is_refused(gpu):
+    clocks = gpu.supported_sm_clocks_mhz()
+    with pytest.raises(ClockControlError, match="cannot lock"):
+        gpu.set_sm_clock_mhz(clocks[0] + 1)
+
+
+def test_energy_is_cumulative_and_monotone(gpu):
+    e0 = gpu.energy_j()
+    time.sleep(0.05)
+    e1 = gpu.energy_j()
+    assert 0.0 <= e0 <= e1
+
+
+def test_close_is_idempotent_and_final(gpu):
+    gpu.close()
+    gpu.close()
+    with pytest.raises(DeviceUnavailableError):
+        gpu.energy_j()
+
+
+# ---- simulated backend specifics -----------------------------------------------------------
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_simulated_log_records_every_change_with_latency(tmp_path):
+    log = tmp_path / "clocks.jsonl"
+    dev = SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 3, log_path=log, latency_s=0.02)
+    t0 = time.monotonic()
+    dev.set_sm_clock_mhz(1200)
+    assert time.monotonic() - t0 >= 0.02
+    dev.set_sm_clock_mhz(990)
+    dev.close()  # a locked clock is reset on close
+    recs = _records(log)
+    assert [(r["event"], r["mhz"]) for r in recs] == [
+        ("open", 1410), ("set", 1200), ("set", 990), ("reset", 1410), ("close", 1410)
+    ]
+    assert all(r["gpu"] == 3 for r in recs)
+    ts = [r["t"] for r in recs]
+    assert ts == sorted(ts) and ts[1] - t0 >= 0.02
+
+
+def test_simulated_energy_follows_power_model():
+    spec = gpu_spec("a100-sxm4-40gb")
+    dev = SimulatedGPU(spec, 0, log_path=None, latency_s=0.0)
+    t0 = time.monotonic()
+    dev.set_busy(False, t=t0)
+    with dev._lock:  # the integral exactly at t0 (energy_j() would advance it to "now")
+        e_start = dev._energy_j
+    dev.set_busy(True, t=t0 + 1.0, compute_activity=0.9, memory_activity=0.3)  # 1 s blocked
+    dev.set_busy(False, t=t0 + 3.0)  # 2 s busy at the default clock
+    expected = spec.p_blocked_w * 1.0 + float(power_w(spec, 1410, 0.9, 0.3)) * 2.0
+    # energy_j() advances to "now" (past t0 + 3 s is in the future, so it only adds blocked power)
+    with dev._lock:  # read the integral at t0 + 3 s exactly
+        got = dev._energy_j
+    assert got - e_start == pytest.approx(expected, rel=1e-6)
+    dev.close()
+
+
+def test_energy_can_be_read_slightly_in_the_past():
+    spec = gpu_spec("a100-sxm4-40gb")
+    dev = SimulatedGPU(spec, 0, log_path=None, latency_s=0.0)
+    t0 = time.monotonic()
+    dev.set_busy(False, t=t0)
+    time.sleep(0.05)
+    e_past, e_now = dev.energy_j_at(t0), dev.energy_j()
+    assert e_now - e_past == pytest.approx(spec.p_blocked_w * (time.monotonic() - t0), rel=0.2)
+    assert dev.energy_j_at(time.monotonic() + 5) == pytest.approx(dev.energy_j(), rel=1e-3)
+    dev.close()
+
+
+def test_lower_clock_draws_less_busy_power():
+    spec = gpu_spec("a100-sxm4-40gb")
+    assert float(power_w(spec, 1005, 0.8, 0.4)) < float(power_w(spec, 1410, 0.8, 0.4))
+
+
+def test_simulated_no_permission(monkeypatch):
+    monkeypatch.setenv("KAREUS_SIMULATED_NO_PERMISSION", "1")
+    dev = SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, latency_s=0.0)
+    with pytest.raises(ClockControlError, match="no permission.*--kareus-on-error warn"):
+        dev.set_sm_clock_mhz(1200)
+    with pytest.raises(ClockControlError):
+        dev.reset_clocks()
+    dev.close()
+
+
+@pytest.mark.parametrize("raw", ["abc", "-3", "nan"])
+def test_bad_latency_env(monkeypatch, raw):
+    monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", raw)
+    with pytest.raises(DeviceUnavailableError, match="KAREUS_SIMULATED_LATENCY_MS"):
+        SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0)
+
+
+def test_latency_env_default_and_value(monkeypatch):
+    monkeypatch.delenv("KAREUS_SIMULATED_LATENCY_MS", raising=False)
+    assert SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0).latency_s == pytest.approx(0.015)
+    monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "7.5")
+    assert SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0).latency_s == pytest.approx(0.0075)
+
+
+# ---- backend selection ---------------------------------------------------------------------
+
+
+def test_backend_from_env(monkeypatch):
+    monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
+    monkeypatch.setenv("KAREUS_GPU", "h100-sxm5-80gb")
+    dev = open_gpu(1)
+    assert isinstance(dev, SimulatedGPU) and dev.index == 1 and dev.spec.name == "h100-sxm5-80gb"
+    dev.close()
+
+
+def test_unknown_backend(monkeypatch):
+    monkeypatch.setenv("KAREUS_GPU_BACKEND", "rocm")
+    with pytest.raises(ConfigError, match="KAREUS_GPU_BACKEND='rocm'.*nvml, simulated"):
+        open_gpu(0)
+
+
+@pytest.mark.skipif(nvml_available(), reason="NVML is present here")
+def test_no_silent_fallback_without_nvml(monkeypatch):
+    monkeypatch.delenv("KAREUS_GPU_BACKEND", raising=False)
+    with pytest.raises(DeviceUnavailableError, match="KAREUS_GPU_BACKEND=simulated"):
+        open_gpu(0)
+    with pytest.raises(DeviceUnavailableError, match="KAREUS_GPU_BACKEND=simulated"):
+        open_gpu(0, backend="nvml")
+
+
+def test_nearest_supported():
+    assert nearest_supported_mhz(1203, (1410, 1215, 1200)) == 1200
+    assert nearest_supported_mhz(1207, (1215, 1200)) == 1200
+    assert nearest_supported_mhz(1208, (1215, 1200)) == 1215

@@ -1,0 +1,269 @@
+"""Clock controller: stale skips, resets on every way out, parent death, permission handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kareus_megatron.errors import ClockControlError
+from kareus_megatron.hardware.device.sim import SimulatedGPU
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.runtime.clock_controller import ClockClient, ClockController
+
+
+def _records(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _decisions(path):
+    return [(r["event"], r["mhz"], r.get("reason")) for r in _records(path) if r["event"] in ("set", "skip")]
+
+
+def _sim(tmp_path, latency_s=0.0, **kw):
+    return SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, log_path=tmp_path / "clocks.jsonl", latency_s=latency_s, **kw)
+
+
+def test_batch_applies_latest_and_skips_stale(tmp_path):
+    replies = []
+    ctl = ClockController(_sim(tmp_path), replies.append)
+    assert ctl.probe()["op"] == "ready"
+    begins = [{"op": "begin", "t": time.monotonic(), "iteration": 0, "index": k, "mhz": m, "kind": "forward"}
+              for k, m in enumerate((1200, 1005, 990))]
+    ctl._handle(begins)  # three instructions began while the controller was busy
+    ctl._handle([{"op": "begin", "t": time.monotonic(), "iteration": 0, "index": 3, "mhz": 990, "kind": "backward"}])
+    assert _decisions(tmp_path / "clocks.jsonl") == [
+        ("skip", 1200, "stale"), ("skip", 1005, "stale"), ("set", 990, None), ("skip", 990, "unchanged")
+    ]
+    skip = next(r for r in _records(tmp_path / "clocks.jsonl") if r["event"] == "skip")
+    assert (skip["iteration"], skip["index"], skip["kind"]) == (0, 0, "forward")
+    assert ctl.counts == {"applied": 1, "stale": 2, "unchanged": 1, "errors": 0}
+
+
+def test_thread_mode_applies_in_order_and_resets_on_close(tmp_path):
+    client = ClockClient()
+    ready = client.start_thread(_sim(tmp_path, latency_s=0.002))
+    assert ready["op"] == "ready" and ready["gpu"] == "a100-sxm4-40gb" and 1410 in ready["supported"]
+    seq = [1200, 1005, 1005, 1410, 990]
+    start = client.mark()
+    for k, mhz in enumerate(seq):
+        client.instruction_begins(0, k, mhz, "forward")
+        # each change is handled before the next instruction begins: nothing goes stale
+        assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == k + 1, 5)
+        time.sleep(0.01)
+        client.instruction_ends()
+    end = client.mark()
+    assert start.wait() and end.wait()
+    assert end.t - start.t >= 0.05 and end.energy_j > start.energy_j
+    client.close()
+    assert [(e, m) for e, m, _ in _decisions(tmp_path / "clocks.jsonl")] == [("set", m) if k != 2 else ("skip", m)
+                                                                           for k, m in enumerate(seq)]
+    events = [r["event"] for r in _records(tmp_path / "clocks.jsonl")]
+    assert events[-2:] == ["reset", "close"]
+    assert client.counts == {"applied": 4, "stale": 0, "unchanged": 1, "errors": 0}
+
+
+def test_reset_request_waits_for_queued_changes(tmp_path):
+    client = ClockClient()
+    client.start_thread(_sim(tmp_path, latency_s=0.001))
+    client.instruction_begins(0, 0, 1200, "forward")
+    assert client.reset(timeout_s=5.0)
+    events = [(r["event"], r.get("reason")) for r in _records(tmp_path / "clocks.jsonl")]
+    assert events[-1] == ("reset", None) or events[-1][0] == "reset"
+    client.close()
+
+
+def test_no_permission_reported_at_start(tmp_path):
+    client = ClockClient()
+    ready = client.start_thread(_sim(tmp_path, deny_clock_control=True))
+    assert ready["op"] == "error" and ready["type"] == "ClockControlError"
+    assert not client.clock_control
+    client.instruction_begins(0, 0, 1200, "forward")  # ignored: training runs at default clocks
+    ticket = client.mark()
+    assert ticket.wait() and ticket.energy_j >= 0  # energy is still measured
+    client.close()
+    assert _decisions(tmp_path / "clocks.jsonl") == []
+
+
+# ---- side process: signals and parent death ----------------------------------------------------
+
+_TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    from kareus_megatron.runtime.clock_controller import ClockClient
+    c = ClockClient()
+    ready = c.start_process(0)
+    c.instruction_begins(0, 0, 1200, "forward")
+    print(c.controller_pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ, KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+               KAREUS_SIMULATED_LATENCY_MS="15", **extra)
+    env.pop("KAREUS_GPU", None)
+    return env
+
+
+def _wait_for(pred, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _pid_alive(pid):
+    """True while `pid` runs (a zombie waiting for its parent to reap it counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _start_trainer(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, env=_env(tmp_path), text=True)
+    ctl_pid = int(proc.stdout.readline())
+    log = tmp_path / "clocks.jsonl"
+    assert _wait_for(lambda: any(r["event"] == "set" for r in _records(log)), 10)
+    return proc, ctl_pid, log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_trainer_leaves_reset_within_one_second(tmp_path, sig):
+    proc, ctl_pid, log = _start_trainer(tmp_path)
+    proc.send_signal(sig)
+    t_kill = time.monotonic()
+    proc.wait()
+    assert _wait_for(lambda: [r for r in _records(log) if r["event"] == "reset" and r["t"] > t_kill], 3)
+    reset = next(r for r in _records(log) if r["event"] == "reset" and r["t"] > t_kill)
+    assert reset["t"] - t_kill < 1.0
+    assert _wait_for(lambda: not _pid_alive(ctl_pid), 3)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_controller_resets_on_signal(tmp_path, sig):
+    proc, ctl_pid, log = _start_trainer(tmp_path)
+    try:
+        t_sig = time.monotonic()
+        os.kill(ctl_pid, sig)
+        assert _wait_for(lambda: [r for r in _records(log) if r["event"] == "reset" and r["t"] > t_sig], 3)
+        assert _wait_for(lambda: not _pid_alive(ctl_pid), 3)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_process_start_error_is_typed(tmp_path):
+    client = ClockClient()
+    env_backup = dict(os.environ)
+    os.environ.update(KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_NO_PERMISSION="1")
+    try:
+        ready = client.start_process(0, gpu="a100-sxm4-40gb")
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+    assert ready["op"] == "error" and "no permission" in ready["message"]
+    client.close()
+    with pytest.raises(Exception, match="unknown GPU 'nope'"):
+        ClockClient().start_process(0, backend="simulated", gpu="nope")
+
+
+def test_session_fail_and_warn_on_no_permission(monkeypatch, tmp_path):
+    import plans
+
+    from kareus_megatron.runtime.session import RuntimeSession
+
+    monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
+    monkeypatch.setenv("KAREUS_SIMULATED_NO_PERMISSION", "1")
+    with pytest.raises(ClockControlError, match="no permission"):
+        RuntimeSession(plans.tiny_plan(), controller="thread").start()
+    with pytest.warns(UserWarning, match="training at default clocks"):
+        s = RuntimeSession(plans.tiny_plan(), controller="thread", on_error="warn").start()
+    assert not s.client.clock_control
+    s.close()
+
+
+def test_training_continues_when_controller_dies(tmp_path, monkeypatch):
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    client = ClockClient()
+    client.start_process(0, gpu="a100-sxm4-40gb")
+    first = client.mark()
+    assert first.wait(10) and first.energy_j >= 0
+    os.kill(client.controller_pid, signal.SIGTERM)
+    assert _wait_for(lambda: client.gone, 5)
+    client.instruction_begins(0, 0, 1200, "forward")  # no error, no wait
+    late = client.mark()
+    assert late.wait(0.1) and late.energy_j != late.energy_j  # NaN at once
+    t0 = time.monotonic()
+    client.close()
+    assert time.monotonic() - t0 < 1.0
+    assert [r["event"] for r in _records(tmp_path / "clocks.jsonl")][-2:] == ["reset", "close"]
+
+
+class _GpuPoint:
+    """Stands in for a recorded CUDA event: synchronize() returns once the test says the GPU got there."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.reached = threading.Event()
+        self.released_at: float | None = None
+
+    def synchronize(self) -> None:
+        self.reached.wait(10)
+
+    def release(self) -> None:
+        self.released_at = time.monotonic()
+        self.reached.set()
+
+
+def test_changes_wait_for_gpu_progress(tmp_path):
+    points: list[_GpuPoint] = []
+
+    def factory():
+        points.append(_GpuPoint())
+        return points[-1]
+
+    client = ClockClient(event_factory=factory)
+    client.start_thread(_sim(tmp_path, latency_s=0.0))
+    client.instruction_begins(0, 0, 1200, "forward")  # the CPU runs ahead: both are queued at once
+    client.instruction_begins(0, 1, 990, "backward")
+    time.sleep(0.1)
+    assert _decisions(tmp_path / "clocks.jsonl") == []  # the GPU has reached neither boundary
+    points[0].release()
+    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 1, 5)
+    assert _decisions(tmp_path / "clocks.jsonl") == [("set", 1200, None)]
+    time.sleep(0.05)
+    points[1].release()
+    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 2, 5)
+    sets = [r for r in _records(tmp_path / "clocks.jsonl") if r["event"] == "set"]
+    assert sets[1]["mhz"] == 990 and sets[1]["t"] >= points[1].released_at
+    client.close()
+
+
+def test_coalescing_window_from_env(monkeypatch):
+    from kareus_megatron.errors import ConfigError
+    from kareus_megatron.runtime.clock_client import coalesce_from_env
+
+    monkeypatch.delenv("KAREUS_CLOCK_COALESCE_MS", raising=False)
+    assert ClockClient()._coalesce_s == 0.005 and ClockClient(event_factory=object)._coalesce_s == 0.0
+    monkeypatch.setenv("KAREUS_CLOCK_COALESCE_MS", "20")
+    assert ClockClient()._coalesce_s == pytest.approx(0.02)
+    for bad in ("x", "-1", "5000"):
+        monkeypatch.setenv("KAREUS_CLOCK_COALESCE_MS", bad)
+        with pytest.raises(ConfigError, match="KAREUS_CLOCK_COALESCE_MS"):
+            coalesce_from_env(0.0)

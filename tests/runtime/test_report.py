@@ -1,0 +1,109 @@
+"""Measurement log (single process, simulated GPU) and `kareus report` on it; `kareus env`."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+
+import plans
+from kareus_megatron.cli.main import main
+from kareus_megatron.hardware.device.sim import SimulatedGPU
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.plan.io import plan_sha256, save_plan
+from kareus_megatron.runtime.clock_controller import ClockClient
+from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.runtime.run_report import compare, load_run_log, predicted_stage_energy_j
+
+
+def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
+    client = ClockClient()
+    client.start_thread(SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0))
+    log = tmp_path / "run.jsonl"
+    meter = IterationMeter(log, mark=client.mark, header={"plan_sha256": plan_sha256(plan), "backend": "simulated"},
+                           publish_every=2)
+    for it in range(iterations):
+        meter.begin(it)
+        for k, ins in enumerate(plan.stages[0].instructions[:4]):
+            client.instruction_begins(it, k, ins.sm_clock_mhz, ins.kind)
+            time.sleep(busy_s / 4)
+            client.instruction_ends()
+        meter.end(it)
+        if it == 2:  # publishing lags: iterations 0 and 1 are out once 3 are pending
+            assert [r["iteration"] for r in meter.records] == [0, 1]
+    meter.flush()
+    meter.close()
+    client.close()
+    return log, meter
+
+
+def test_meter_writes_every_iteration(tmp_path):
+    plan = plans.tiny_plan()
+    log, meter = _record_run(tmp_path, plan)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert recs[0]["kind"] == "header" and recs[0]["world"] == 1
+    its = recs[1:]
+    assert [r["iteration"] for r in its] == list(range(5))
+    for r in its:
+        assert 0.01 <= r["time_s"] < 0.5
+        # busy at >= blocked power for the whole window
+        assert r["energy_j"] >= gpu_spec(plan.gpu).p_blocked_w * r["time_s"] * 0.99
+        assert r["stages"] == [{"pp_rank": 0, "time_s": r["time_s"], "energy_j": r["energy_j"], "gpus": 1}]
+
+
+def test_predicted_stage_energy_matches_plan_total_model():
+    plan = plans.tiny_plan()
+    pb = gpu_spec(plan.gpu).p_blocked_w
+    per_stage = predicted_stage_energy_j(plan, pb)
+    st0 = plan.stages[0].instructions
+    busy = sum(i.predicted_time_s for i in st0)
+    assert per_stage[0] == pytest.approx(sum(i.predicted_energy_j for i in st0) + pb * max(0.0, 0.05 - busy))
+
+
+def test_report_cli_prints_table_and_plot(tmp_path, capsys):
+    plan = plans.tiny_plan(pp=1, m=4, gpus_per_node=1)
+    save_plan(plan, tmp_path / "plan.json")
+    log, meter = _record_run(tmp_path, plan)
+    assert main(["report", str(log), "--plan", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration time" in out and "stage 0 energy" in out and "1 warm-up left out" in out
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    cmp = compare(load_run_log(log), plan, gpu_spec(plan.gpu).p_blocked_w, skip=1)
+    assert cmp.used == 4 and cmp.notes == []
+    assert cmp.rows[0].measured == pytest.approx(statistics.median(r["time_s"] for r in meter.records[1:]))
+    assert cmp.rows[1].measured == pytest.approx(statistics.median(r["energy_j"] for r in meter.records[1:]))
+    assert cmp.rows[0].predicted == plan.predicted.iteration_time_s
+
+
+def test_report_notes_other_plan(tmp_path, capsys):
+    plan = plans.tiny_plan(pp=1, m=4, gpus_per_node=1)
+    log, _ = _record_run(tmp_path, plan, iterations=2)
+    other = plans.tiny_plan(pp=1, m=4, gpus_per_node=1, seed=3)
+    save_plan(other, tmp_path / "other.json")
+    assert main(["report", str(log), "--plan", str(tmp_path / "other.json"), "--no-plot"]) == 0
+    assert "different plan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "no iteration records"),
+    ("{oops\n", "run.jsonl:1 is not JSON"),
+    ('{"kind": "something"}\n', "unknown record kind"),
+])
+def test_report_bad_log(tmp_path, capsys, content, needle):
+    save_plan(plans.tiny_plan(), tmp_path / "plan.json")
+    (tmp_path / "run.jsonl").write_text(content)
+    assert main(["report", str(tmp_path / "run.jsonl"), "--plan", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
+
+
+def test_env_cli(capsys, monkeypatch):
+    monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-core    0.16.1" in out and "simulated GPU" in out and "NVML" in out
+    assert main(["env", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["megatron_core_supported"] is True and rep["simulated"]["latency_ms"] == 15.0
