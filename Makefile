@@ -37,4 +37,4 @@ repro: $(VENV)/.core
 	$(BIN)/python benchmarks/reproduce.py
 
 clean:
-	rm -rf $(VENV) kareus-out build *.egg-info
+	rm -rf $(VENV) kareus-out repro-out build *.egg-info

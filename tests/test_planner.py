@@ -90,7 +90,8 @@ def test_frontier_document_layout(planned):
     assert (cfg["model"], cfg["gpu"], cfg["tp"], cfg["pp"], cfg["layers_per_stage"]) == (
         "llama3.2-3b", "a100-sxm4-40gb", 8, 2, [15, 13])
     # The chosen points include the plans that decide the reductions: the file's points reproduce them.
-    from_points = reductions({n: [(p["time_s"], p["energy_j"]) for p in m["points"]] for n, m in doc["methods"].items()})
+    pts = {n: [(p["time_s"], p["energy_j"]) for p in m["points"]] for n, m in doc["methods"].items()}
+    from_points = reductions(pts)
     for name in METHODS:
         for key, v in doc["reductions"][name].items():
             assert (v is None and from_points[name][key] is None) or v == pytest.approx(from_points[name][key])

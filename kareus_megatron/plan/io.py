@@ -63,6 +63,12 @@ def plan_sha256(plan: Plan) -> str:
     return hashlib.sha256(json.dumps(plan.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     """Write JSON to `path` through a temporary file and rename, so no reader sees half a file."""
     p = Path(path)
@@ -72,6 +78,7 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -40,6 +40,11 @@ def remove_instruction_listener(fn: Listener) -> None:
         _listeners.remove(fn)
 
 
+def is_registered(fn: Listener) -> bool:
+    """True when `fn` is a registered listener."""
+    return fn in _listeners
+
+
 def notify_instruction(event: InstructionEvent) -> None:
     """Call every listener with `event` (training thread; listeners must not block)."""
     for fn in tuple(_listeners):

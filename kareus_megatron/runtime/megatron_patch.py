@@ -114,6 +114,7 @@ class LiveRun:
     layers_on_rank: int | None = None
     model: dict[str, int] = field(default_factory=dict)
     unsupported: list[str] = field(default_factory=list)
+    modules: list[Any] = field(default_factory=list, repr=False, compare=False)  # the model chunks
 
 
 def _group_size(group: Any) -> int | None:
@@ -152,6 +153,7 @@ def live_run_from_call(kwargs: dict[str, Any]) -> LiveRun:
         pp=pp, pp_rank=pp_rank, vp=len(chunks), num_microbatches=int(kwargs["num_microbatches"]),
         seq_length=kwargs.get("seq_length"), micro_batch_size=kwargs.get("micro_batch_size"),
         tp=tp, cp=cp, dp=dp, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+        modules=chunks,
     )
     heads = getattr(config, "num_attention_heads", None)
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):

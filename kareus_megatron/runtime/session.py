@@ -83,6 +83,7 @@ class RuntimeSession:
         self.ready: dict[str, Any] = {}
         self.meter: IterationMeter | None = None
         self.patch: megatron_patch.PatchState | None = None
+        self.overlap_engine: Any = None  # set up here when the plan runs 2 nanobatches
         self.closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -131,8 +132,17 @@ class RuntimeSession:
             hooks.remove_instruction_listener(self._on_instruction)
             if megatron_patch.installed_state() is self.patch:
                 megatron_patch.uninstall()
+            self._close_overlap()
             if self.client is not None:
                 self.client.close()
+
+    def _close_overlap(self) -> None:
+        if self.overlap_engine is not None:
+            from kareus_megatron.runtime import overlap
+
+            if overlap.get_engine() is self.overlap_engine:
+                overlap.set_engine(None)
+            self.overlap_engine = None
 
     def abort(self) -> None:
         """Stop without the final collective (after an error): uninstall, reset clocks, stop."""
@@ -163,6 +173,22 @@ class RuntimeSession:
             raise
         if self.meter is not None:
             self.meter.pp_rank = live.pp_rank
+        self._setup_overlap(plan, live)
+
+    def _setup_overlap(self, plan: Plan, live: megatron_patch.LiveRun) -> None:
+        """With 2-nanobatch instructions: check the model has partitioned layers, start the engine.
+
+        A user who called ``overlap.setup_overlap`` already keeps that engine. Called on every rank
+        before the first instruction (the engine builds its communicators collectively).
+        """
+        if not any(i.nanobatches > 1 for s in plan.stages for i in s.instructions):
+            return
+        from kareus_megatron.runtime import overlap
+
+        overlap.check_model_for_plan(live.modules, plan)  # PlanMismatchError for a standard model
+        if hooks.is_registered(overlap.get_engine().state.on_instruction):
+            return
+        self.overlap_engine = overlap.setup_overlap(plan, micro_batch_size=plan.parallel.micro_batch_size)
 
     @property
     def _clock_control(self) -> bool:

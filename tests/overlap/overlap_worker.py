@@ -350,6 +350,38 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
         }
 
 
+def _runtime_install(res: dict[str, Any]) -> None:
+    """The public API alone (kareus_megatron.megatron.install) sets the overlap engine up from the plan."""
+    import kareus_megatron.megatron as kareus
+    from kareus_megatron.errors import PlanMismatchError
+    from kareus_megatron.runtime import hooks
+    from kareus_megatron.runtime.overlap import get_engine
+
+    m = 2
+    ref, part = _models(False)
+    base, _ = _train(ref, m, 2)
+    plan = _plan(m, False)
+    kareus.install(plan, backend="simulated", controller="thread")
+    try:
+        got, _ = _train(part, m, 2)
+        engine = get_engine()
+        seen = engine.state.instructions_seen
+        listening = hooks.is_registered(engine.state.on_instruction)
+    finally:
+        kareus.uninstall()
+    released = not hooks.is_registered(engine.state.on_instruction)
+    kareus.install(plan, backend="simulated", controller="thread")
+    try:
+        _train(ref, m, 1)
+        refused = ""
+    except PlanMismatchError as e:
+        refused = str(e)
+    finally:
+        kareus.uninstall()
+    res["runtime_install"] = {"losses_ref": base, "losses_part": got, "instructions_seen": seen,
+                              "listening": listening, "released": released, "refused": refused}
+
+
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
     """TP=2 (2 ranks): every layer scenario, then training steps without pipelining."""
     _setup(rank, world, port)
@@ -359,6 +391,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     _refusals(res)
     _ddp_scenarios(res)
     _training_steps(res, outdir)
+    _runtime_install(res)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

@@ -138,6 +138,17 @@ def test_training_step_losses_equal(ranks, recompute):
         _check_training(rk[f"train.pp1.rc{int(recompute)}"], recompute, instructions=4)
 
 
+def test_public_install_sets_up_the_overlap_engine(ranks):
+    for rk in ranks:
+        r = rk["runtime_install"]
+        assert r["listening"] and r["released"]
+        assert r["instructions_seen"] == 2 * 4  # 2 iterations x (2 forward + 2 backward)
+        if r["losses_ref"][0]:
+            for a, b in zip(sum(r["losses_ref"], []), sum(r["losses_part"], [])):
+                assert abs(a - b) <= 1e-5 * abs(a) + 1e-6
+        assert "no partitioned layers" in r["refused"]
+
+
 def test_unsupported_configs_refused_at_build(ranks):
     sp, sel = ranks[0]["refuse.sp"], ranks[0]["refuse.selective"]
     assert sp and "sequence_parallel=True" in sp and "get_gpt_layer_local_spec" in sp and "\n" not in sp
