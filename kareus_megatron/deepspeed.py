@@ -21,204 +21,32 @@ clocks; at interpreter exit clocks are reset anyway.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import time
-import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from kareus_megatron.errors import ClockControlError, ConfigError, PlanError
-from kareus_megatron.plan.io import load_plan, plan_sha256
+from kareus_megatron.errors import ConfigError, PlanError
+from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime import deepspeed_patch, hooks
-from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.runtime import deepspeed_patch
+from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
 
-OnError = Literal["fail", "warn"]
 CONFIG_KEYS = ("plan", "log", "on_error", "point", "method")
 
 
-def _cuda_event_factory() -> Any:
-    """A maker of recorded CUDA events (GPU-aligned instruction boundaries), or None on CPU."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - DeepSpeed always has torch
-        return None
-    if not torch.cuda.is_available():
-        return None
+class DeepSpeedSession(RuntimeSession):
+    """`plan` running in this DeepSpeed process: clock client, per-step meter, PipelineEngine patch.
 
-    def make() -> Any:
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
+    A RuntimeSession on runtime.deepspeed_patch; ``plan=None`` measures the run at default clocks.
+    """
 
-    return make
+    def __init__(self, plan: Plan | None, **kwargs: Any) -> None:
+        """Configure (RuntimeSession's keyword arguments); nothing starts until `start()`."""
+        super().__init__(plan, framework_patch=deepspeed_patch, **kwargs)
 
 
-class _Reading:
-    """A measurement point read at once on the training thread (measurement-only sessions)."""
-
-    def __init__(self, t: float, energy_j: float) -> None:
-        self.t, self.energy_j = t, energy_j
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-
-class DeepSpeedSession:
-    """`plan` running in this DeepSpeed process: clock client, per-step meter, PipelineEngine patch."""
-
-    def __init__(self, plan: Plan | None, *, source: str = "the plan", backend: str | None = None,
-                 gpu: str | None = None, local_rank: int | None = None, log_path: str | None = None,
-                 on_error: OnError = "fail", controller: Literal["process", "thread"] = "process",
-                 clock_log: str | None = None) -> None:
-        """Configure; nothing starts until `start()`."""
-        from kareus_megatron.runtime.session import local_rank_from_env
-
-        if on_error not in ("fail", "warn"):
-            raise ConfigError(f"on_error {on_error!r} is not allowed; use fail or warn")
-        if controller not in ("process", "thread"):
-            raise ConfigError(f"controller {controller!r} is not allowed; use process or thread")
-        self.plan, self.source, self.backend, self.gpu = plan, source, backend, gpu
-        self.local_rank = local_rank_from_env() if local_rank is None else local_rank
-        self.log_path, self.on_error, self.controller = log_path, on_error, controller
-        self.clock_log = clock_log if clock_log is not None else os.environ.get("KAREUS_CLOCK_LOG")
-        self.client: Any = None
-        self.device: Any = None  # measurement-only: the device, read on the training thread
-        self.ready: dict[str, Any] = {}
-        self.meter: IterationMeter | None = None
-        self.patch: deepspeed_patch.PatchState | None = None
-        self.closed = False
-
-    def start(self) -> DeepSpeedSession:
-        """Open the device (and, with a plan, the clock controller), then patch DeepSpeed."""
-        from kareus_megatron.hardware.device import backend_from_env, open_gpu
-        from kareus_megatron.runtime.session import physical_gpu_index
-
-        deepspeed_patch.check_deepspeed_version()
-        backend = backend_from_env(self.backend)
-        gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
-            self.plan.gpu if backend == "simulated" and self.plan is not None else None)
-        index = physical_gpu_index(self.local_rank)
-        header: dict[str, Any] = {"plan": None if self.plan is None else self.source, "backend": backend,
-                                  "framework": "deepspeed"}
-        if self.plan is None:
-            self.device = open_gpu(index, backend=backend, gpu=gpu)
-            header.update(gpu=self.device.spec.name, clock_control=False)
-            self.meter = IterationMeter(self.log_path, mark=self._read_now, header=header)
-        else:
-            from kareus_megatron.runtime.clock_controller import ClockClient
-
-            client = ClockClient(event_factory=_cuda_event_factory())
-            self.client = client
-            if self.controller == "thread":
-                self.ready = client.start_thread(open_gpu(index, backend=backend, gpu=gpu), log_path=self.clock_log)
-            else:
-                self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log)
-            if self.ready.get("op") == "error":
-                if self.on_error == "fail":
-                    client.close()
-                    raise ClockControlError(str(self.ready.get("message")))
-                warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
-            header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
-                          clock_control=client.clock_control, predicted=self.plan.predicted.model_dump())
-            self.meter = IterationMeter(self.log_path, mark=client.mark, header=header)
-            hooks.add_instruction_listener(self._on_instruction)
-        try:
-            self.patch = deepspeed_patch.install(self.plan, self, self.source)
-        except BaseException:
-            self._release()
-            raise
-        atexit.register(self._atexit)
-        return self
-
-    def close(self) -> None:
-        """Publish the last step (collective: call on every rank), unpatch, reset clocks."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self.meter is not None:
-                try:
-                    self.meter.flush()
-                finally:
-                    self.meter.close()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        hooks.remove_instruction_listener(self._on_instruction)
-        if self.patch is not None and deepspeed_patch.installed_state() is self.patch:
-            deepspeed_patch.uninstall()
-        if self.client is not None:
-            self.client.close()
-        if self.device is not None:
-            self.device.close()
-
-    def _atexit(self) -> None:
-        # At exit the process group may be gone: no collective, just reset clocks and stop.
-        if not self.closed:
-            self.closed = True
-            self._release()
-
-    # -- measurement-only reading --------------------------------------------------------------
-    def _read_now(self) -> _Reading:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        except ImportError:  # pragma: no cover - DeepSpeed always has torch
-            pass
-        return _Reading(time.monotonic(), float(self.device.energy_j()))
-
-    # -- called by the patch (training thread) --------------------------------------------------
-    def validate(self, plan: Plan | None, live: deepspeed_patch.LiveEngine, source: str) -> None:
-        """Check the plan against the engine before the first step; bind the meter to this stage."""
-        if plan is not None:
-            control = self.client is not None and self.client.clock_control
-            supported = tuple(self.ready.get("supported") or ()) if control else None
-            try:
-                deepspeed_patch.validate_plan(plan, live, supported or None,
-                                              self.ready.get("gpu") if control else None, source)
-            except Exception:
-                if self.client is not None:
-                    self.client.reset(timeout_s=2.0)
-                raise
-        if self.meter is not None:
-            self.meter.pp_rank = live.stage_id
-
-    def iteration_begins(self, iteration: int) -> None:
-        if self.meter is not None:
-            self.meter.begin(iteration)
-
-    def iteration_ends(self, iteration: int) -> None:
-        if self.meter is not None:
-            self.meter.end(iteration)
-
-    def instruction_begins_unplanned(self, kind: str) -> None:
-        set_busy = getattr(self.device, "set_busy", None)
-        if set_busy is not None:
-            set_busy(True)
-
-    def instruction_ends(self) -> None:
-        if self.client is not None:
-            self.client.instruction_ends()
-        elif self.device is not None and hasattr(self.device, "set_busy"):
-            self.device.set_busy(False)
-
-    def training_failed(self) -> None:
-        if self.client is not None:
-            self.client.reset(timeout_s=2.0)
-
-    def _on_instruction(self, event: hooks.InstructionEvent) -> None:
-        if self.client is not None:
-            self.client.instruction_begins(event.iteration, event.index, event.instruction.sm_clock_mhz,
-                                           event.instruction.kind)
-
-
-_session: DeepSpeedSession | None = None
+_slot = SessionSlot(DeepSpeedSession)
 
 
 def _resolve_plan(plan: Plan | str | os.PathLike[str], point: str = "fastest",
@@ -249,30 +77,22 @@ def _resolve_plan(plan: Plan | str | os.PathLike[str], point: str = "fastest",
 
 def install(plan: Plan | str | os.PathLike[str] | None, *, log_path: str | os.PathLike[str] | None = None,
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
-            local_rank: int | None = None, controller: Literal["process", "thread"] = "process",
+            local_rank: int | None = None, controller: Controller = "process",
             clock_log: str | None = None, point: str = "fastest", method: str = "kareus") -> DeepSpeedSession:
     """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session."""
-    global _session
     resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
-    if _session is not None:
-        _session.close()
-    _session = DeepSpeedSession(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                                log_path=os.fspath(log_path) if log_path else None, on_error=on_error,
-                                controller=controller, clock_log=clock_log).start()
-    return _session
+    return _slot.install(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
+                         log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log)
 
 
 def uninstall() -> None:
     """Close the installed session (collective: call on every rank); no-op when none is installed."""
-    global _session
-    if _session is not None:
-        _session.close()
-        _session = None
+    _slot.uninstall()
 
 
 def current_session() -> DeepSpeedSession | None:
     """The session installed by `install`, `from_config` or `install_from_env`, if any."""
-    return _session
+    return _slot.session
 
 
 def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) -> dict[str, Any]:

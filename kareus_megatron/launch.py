@@ -17,7 +17,14 @@ import sys
 from collections.abc import Sequence
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.runtime.entry import kareus_parser, run_guarded, split_at_double_dash, start_session
+from kareus_megatron.runtime.entry import (
+    debug_requested,
+    kareus_parser,
+    run_guarded,
+    run_script_in_session,
+    split_at_double_dash,
+    start_session,
+)
 
 PROG = "python -m kareus_megatron.launch"
 
@@ -26,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the --kareus-* flags, install the plan, run the script; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, target = split_at_double_dash(argv)
-    debug = "--kareus-debug" in ours or bool(os.environ.get("KAREUS_DEBUG"))
+    debug = debug_requested(ours)
 
     def body() -> int:
         parser = kareus_parser(PROG)
@@ -46,24 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"training script {target[0]} does not exist")
             script_argv = target
         session = start_session(ns)
-        sys.argv = script_argv
-        code = 0
-        try:
+
+        def run() -> None:
             if module is not None:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
                 sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
                 runpy.run_path(target[0], run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            session.abort()  # no collective after a failure: other ranks may be elsewhere
-            raise
-        if code == 0:
-            session.close()
-        else:
-            session.abort()
-        return code
+
+        return run_script_in_session(session, script_argv, run)
 
     return run_guarded(PROG, debug, body)
 

@@ -13,41 +13,32 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
 
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.session import RuntimeSession
+from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
 
-_session: RuntimeSession | None = None
+_slot = SessionSlot(RuntimeSession)
 
 
 def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,
-            on_error: Literal["fail", "warn"] = "fail", backend: str | None = None, gpu: str | None = None,
-            local_rank: int | None = None, controller: Literal["process", "thread"] = "process",
+            on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
+            local_rank: int | None = None, controller: Controller = "process",
             source: str | None = None) -> RuntimeSession:
     """Run `plan` (a Plan or a plan file) in this process; return the started session."""
-    global _session
     source = source or "the plan"
     if not isinstance(plan, Plan):
         source = str(plan)
         plan = load_plan(Path(plan))
-    if _session is not None:
-        _session.close()
-    _session = RuntimeSession(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                              log_path=os.fspath(log_path) if log_path else None, on_error=on_error,
-                              controller=controller).start()
-    return _session
+    return _slot.install(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
+                         log_path=log_path, on_error=on_error, controller=controller)
 
 
 def uninstall() -> None:
     """Close the installed session (collective: call on every rank); no-op when none is installed."""
-    global _session
-    if _session is not None:
-        _session.close()
-        _session = None
+    _slot.uninstall()
 
 
 def current_session() -> RuntimeSession | None:
     """The session installed by `install`, if any."""
-    return _session
+    return _slot.session

@@ -20,7 +20,13 @@ import sys
 from collections.abc import Sequence
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.runtime.entry import kareus_parser, run_guarded, start_session
+from kareus_megatron.runtime.entry import (
+    debug_requested,
+    kareus_parser,
+    run_guarded,
+    run_script_in_session,
+    start_session,
+)
 
 PROG = "pretrain_gpt.py (kareus)"
 
@@ -45,27 +51,14 @@ def megatron_lm_script(directory: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Install the plan and run Megatron-LM's pretrain_gpt.py; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--kareus-debug" in argv or bool(os.environ.get("KAREUS_DEBUG"))
+    debug = debug_requested(argv)
 
     def body() -> int:
         ns, rest = kareus_parser(PROG, _extra).parse_known_args(argv)
         script = megatron_lm_script(ns.megatron_lm_dir)
         sys.path.insert(0, os.path.dirname(script))  # Megatron-LM's megatron/ package wins from here on
         session = start_session(ns)
-        sys.argv = [script, *rest]
-        code = 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            session.abort()
-            raise
-        if code == 0:
-            session.close()
-        else:
-            session.abort()
-        return code
+        return run_script_in_session(session, [script, *rest], lambda: runpy.run_path(script, run_name="__main__"))
 
     return run_guarded(PROG, debug, body)
 

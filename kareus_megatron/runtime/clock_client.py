@@ -1,9 +1,14 @@
 """Clock client: the training side of the clock controller (see runtime/clock_controller.py).
 
-The training thread only enqueues ("instruction begins/ends", "mark"); a forwarder thread waits for
-GPU progress (a CUDA event recorded at the instruction boundary; on CPU the enqueue time,
-``time.monotonic()``) and passes what has been reached to the controller, several messages per write.
-A *mark* is a measurement point: the controller answers it with the GPU energy (J) at that point.
+The training thread only enqueues ("instruction begins/ends", "mark"). On a GPU a forwarder thread
+waits for GPU progress (a CUDA event recorded at the instruction boundary) and passes on what has been
+reached. On a CPU there is nothing to wait for (timestamps are the enqueue time, ``time.monotonic()``):
+the training thread gathers messages for a *coalescing window* (KAREUS_CLOCK_COALESCE_MS; by default
+one simulated clock call, 15 ms, as a change cannot take effect sooner) and then writes them itself,
+in one non-blocking write to the controller's pipe (what the pipe cannot take yet stays queued); a
+backstop thread sends what is left when the training thread goes quiet (it looks every
+``BACKSTOP_S``). A *mark* is a measurement point: the controller answers it with the GPU energy (J)
+at that point; on a CPU the controller may hold the answers until the client waits for one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ from kareus_megatron.errors import ConfigError, DeviceUnavailableError, KareusEr
 
 if TYPE_CHECKING:
     from kareus_megatron.runtime.clock_controller import ClockController
+
+
+# How often (s) the CPU backstop thread looks for messages left behind by a quiet training thread.
+BACKSTOP_S = 0.05
+# Upper bound (s) of the default CPU gathering window, which follows a simulated clock call's latency.
+MAX_DEFAULT_COALESCE_S = 0.05
 
 
 def coalesce_from_env(default_s: float) -> float:
@@ -48,8 +59,9 @@ def _error_class(name: Any) -> type[KareusError]:
 class MarkTicket:
     """The answer to one ``mark``: GPU-aligned time (time.monotonic(), s) and energy (J) at that point."""
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, push: Callable[[], Any] | None = None) -> None:
         self.seq = seq
+        self._push = push  # sends messages still gathering on the training side (CPU mode)
         self._done = threading.Event()
         self.t: float | None = None
         self.energy_j: float | None = None
@@ -60,6 +72,8 @@ class MarkTicket:
 
     def wait(self, timeout: float | None = 10.0) -> bool:
         """Wait for the answer; True once it has arrived."""
+        if not self._done.is_set() and self._push is not None:
+            self._push()  # the mark may still be gathering here, its answer held there: ask now
         return self._done.wait(timeout)
 
 
@@ -68,19 +82,27 @@ class ClockClient:
 
     def __init__(self, event_factory: Callable[[], Any] | None = None, coalesce_s: float | None = None) -> None:
         """`event_factory` makes a recorded CUDA event (GPU); None means CPU timing (time.monotonic).
-        `coalesce_s`: how long the forwarder lets messages gather before one write (default:
-        KAREUS_CLOCK_COALESCE_MS, else 5 ms on CPU, where timestamps are taken at enqueue and a
-        simulated clock call takes 15 ms anyway, and 0 on GPU, where waiting on events paces it)."""
+        `coalesce_s`: how long messages gather before one write (default: KAREUS_CLOCK_COALESCE_MS,
+        else on CPU, where timestamps are taken at enqueue, the controller's simulated clock call
+        latency (at least 5 ms, at most MAX_DEFAULT_COALESCE_S), and 0 on GPU, where waiting on
+        events paces the forwarder)."""
         self._event_factory = event_factory
+        self._coalesce_given = coalesce_s is not None or bool(os.environ.get("KAREUS_CLOCK_COALESCE_MS"))
         if coalesce_s is None:
             coalesce_s = coalesce_from_env(0.0 if event_factory is not None else 0.005)
         self._coalesce_s = coalesce_s
-        # Messages for the forwarder. On CPU the training thread only appends (no lock, no wake-up);
-        # the forwarder looks every `coalesce_s`. With CUDA events each append rings the doorbell.
+        # GPU: messages for the forwarder; each append rings the doorbell unless it gathers messages.
         self._local: collections.deque[tuple[Any, dict[str, Any]] | None] = collections.deque()
         self._doorbell = threading.Event()
-        self._parked = False  # the forwarder sleeps until rung (idle for a while)
+        self._parked = False  # the helper thread sleeps until rung (idle for a while)
+        # CPU: messages gathering on the training side, sent by whichever thread finds them due.
+        self._direct = event_factory is None
+        self._out: collections.deque[dict[str, Any]] = collections.deque()  # appended without a lock
+        self._out_since = 0.0  # enqueue time (s) of the oldest message in _out
+        self._out_lock = threading.Lock()  # one sender at a time, so batches leave in order
+        self._stopping = False
         self._send: Callable[[list[dict[str, Any]]], None] | None = None
+        self._backlog: Callable[[], bool] = lambda: False  # bytes the pipe has not taken yet
         self._seq = 0
         self._tickets: dict[int, MarkTicket] = {}
         self._acks: dict[int, threading.Event] = {}
@@ -96,25 +118,38 @@ class ClockClient:
         self.gone = False
         self._want_ends = True
         self._idle_from: float | None = None
-        self._forwarder = threading.Thread(target=self._forward, name="kareus-clock-forwarder", daemon=True)
+        helper, name = (self._backstop, "backstop") if self._direct else (self._forward, "forwarder")
+        self._forwarder = threading.Thread(target=helper, name=f"kareus-clock-{name}", daemon=True)
 
     # -- starting ----------------------------------------------------------------------------
     def start_process(self, index: int, backend: str | None = None, gpu: str | None = None,
                       log_path: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
         """Start the side process for local GPU `index`; return its ``ready`` message or raise."""
+        from kareus_megatron.runtime.clock_controller import encode_messages
+
         cmd = [sys.executable, "-m", "kareus_megatron.runtime.clock_controller", "--index", str(index),
                "--backend", backend or "", "--gpu", gpu or "", "--log", log_path or ""]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         stdin = self._proc.stdin
         assert stdin is not None
+        fd = stdin.fileno()
+        if self._direct:
+            os.set_blocking(fd, False)  # the training thread writes: a full pipe must not block it
         send_lock = threading.Lock()
+        unsent = bytearray()
 
         def send(batch: list[dict[str, Any]]) -> None:
-            data = (json.dumps(batch, separators=(",", ":")) + "\n").encode()
             with send_lock:
-                stdin.write(data)
-                stdin.flush()
+                if batch:
+                    unsent.extend(encode_messages(batch))
+                while unsent:
+                    try:
+                        n = os.write(fd, unsent)
+                    except BlockingIOError:
+                        return  # the pipe is full: the rest goes with a later write (backstop)
+                    del unsent[:n]
 
+        self._backlog = lambda: bool(unsent)
         self._send = send
         threading.Thread(target=self._read_process, name="kareus-clock-reader", daemon=True).start()
         return self._await_ready(timeout_s)
@@ -151,6 +186,10 @@ class ClockClient:
             raise _error_class(ready.get("type"))(str(ready.get("message")))
         self.clock_control = True
         self._want_ends = bool(ready.get("busy_events", True))  # only a simulated GPU needs them
+        latency_s = ready.get("latency_s")
+        if self._direct and not self._coalesce_given and isinstance(latency_s, (int, float)):
+            # A change cannot take effect faster than one clock call: gather for that long (CPU).
+            self._coalesce_s = min(max(self._coalesce_s, float(latency_s)), MAX_DEFAULT_COALESCE_S)
         self._forwarder.start()
         return ready
 
@@ -194,12 +233,19 @@ class ClockClient:
 
     # -- training thread ---------------------------------------------------------------------
     def _enqueue(self, msg: dict[str, Any]) -> None:
-        event = self._event_factory() if self._event_factory is not None else None
-        if event is None:
-            msg["t"] = time.monotonic()
+        if self._direct:
+            now = msg["t"] = time.monotonic()
             if self._idle_from is not None:  # the previous instruction's end rides along
                 msg["idle_from"], self._idle_from = self._idle_from, None
-        self._put((event, msg))
+            if not self._out:
+                self._out_since = now
+            self._out.append(msg)
+            if now - self._out_since >= self._coalesce_s:
+                self._push()
+            elif self._parked:
+                self._doorbell.set()
+            return
+        self._put((self._event_factory(), msg))
 
     def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
         """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread)."""
@@ -218,11 +264,13 @@ class ClockClient:
         """Enqueue a measurement point; the ticket fills with its GPU-aligned time and energy."""
         with self._lock:
             self._seq += 1
-            ticket = self._tickets[self._seq] = MarkTicket(self._seq)
+            ticket = self._tickets[self._seq] = MarkTicket(self._seq, self._ask_answers if self._direct else None)
         if self.closed or self.gone:
             with self._lock:
                 self._tickets.pop(ticket.seq, None)
             ticket._fill(None, float("nan"))
+        elif self._direct:  # CPU: the answer is read when the meter publishes; the controller may hold it
+            self._enqueue({"op": "mark", "seq": ticket.seq, "lazy": 1})
         else:
             self._enqueue({"op": "mark", "seq": ticket.seq})
         return ticket
@@ -234,7 +282,11 @@ class ClockClient:
             self._seq += 1
             seq = self._seq
             ev = self._acks[seq] = threading.Event()
-        self._put((None, {"op": op, "seq": seq}), ring=True)
+        if self._direct:
+            self._out.append({"op": op, "seq": seq})
+            self._push()
+        else:
+            self._put((None, {"op": op, "seq": seq}), ring=True)
         return ev.wait(timeout_s)
 
     def reset(self, timeout_s: float = 5.0) -> bool:
@@ -243,7 +295,48 @@ class ClockClient:
             return True
         return self._request("reset", timeout_s)
 
-    # -- forwarder thread --------------------------------------------------------------------
+    # -- CPU: direct sends -------------------------------------------------------------------
+    def _push(self) -> bool:
+        """Send every gathered message now (any thread); False once the controller is gone."""
+        with self._out_lock:
+            batch = []
+            while True:
+                try:
+                    batch.append(self._out.popleft())
+                except IndexError:
+                    break
+            if not batch and not self._backlog():
+                return True
+            return self._send_batch(batch)
+
+    def _ask_answers(self) -> None:
+        """Send what is gathering and ask the controller for the answers to marks it holds."""
+        if not (self.closed or self.gone):
+            self._out.append({"op": "answer"})
+            self._push()
+
+    def _backstop(self) -> None:
+        """Helper thread (CPU): send what a quiet training thread left behind; park when idle."""
+        idle_since = time.monotonic()
+        while not self._stopping:
+            now = time.monotonic()
+            if self._out or self._backlog():
+                idle_since = now
+                if now - self._out_since >= self._coalesce_s or self._backlog():
+                    if not self._push():
+                        return
+            elif now - idle_since >= 1.0:
+                self._parked = True  # idle: sleep until an enqueue rings
+                if not (self._out or self._stopping):
+                    self._doorbell.wait()
+                self._parked = False
+                self._doorbell.clear()
+                idle_since = time.monotonic()
+                continue
+            self._doorbell.wait(max(BACKSTOP_S, self._coalesce_s))
+            self._doorbell.clear()
+
+    # -- GPU: forwarder thread ---------------------------------------------------------------
     def _put(self, item: tuple[Any, dict[str, Any]] | None, ring: bool = False) -> None:
         self._local.append(item)
         if ring or self._coalesce_s <= 0 or self._parked:
@@ -309,7 +402,11 @@ class ClockClient:
             return
         self._request("close", timeout_s)
         self.closed = True
-        self._put(None, ring=True)
+        if self._direct:
+            self._stopping = True
+            self._doorbell.set()
+        else:
+            self._put(None, ring=True)
         if self._controller_thread is not None:
             self._controller_thread.join(timeout_s)
         if self._proc is not None:

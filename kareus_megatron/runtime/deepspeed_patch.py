@@ -21,12 +21,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
+from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Instruction, Plan
 from kareus_megatron.runtime import hooks
+from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
 
+FRAMEWORK = "deepspeed"  # the plan's framework this patch runs
 SUPPORTED_DEEPSPEED_SERIES = ("0.19",)  # major.minor; the patch points were read in 0.19.8
 
 
@@ -51,6 +53,11 @@ def check_deepspeed_version(v: str | None = None) -> str:
     return v
 
 
+def check_version() -> str:
+    """The framework check a runtime session runs before it starts anything (DeepSpeed's version)."""
+    return check_deepspeed_version()
+
+
 # ---- the engine's facts and validation --------------------------------------------------------
 
 
@@ -63,6 +70,11 @@ class LiveEngine:
     micro_batches: int
     micro_batch_size: int | None = None
     dp: int | None = None
+
+    @property
+    def pp_rank(self) -> int:
+        """The pipeline rank (the stage id), as the runtime session names it."""
+        return self.stage_id
 
 
 def live_engine(engine: Any) -> LiveEngine:
@@ -103,10 +115,7 @@ def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[in
     """Every way `plan` does not fit the DeepSpeed engine `live` (empty when it fits)."""
     par = plan.parallel
     out: list[str] = []
-
-    def cmp(name: str, planned: Any, actual: Any) -> None:
-        if actual is not None and planned != actual:
-            out.append(f"{name}: plan {planned}, engine {actual}")
+    cmp = functools.partial(compare, out, side="engine")
 
     cmp("pipeline stages", par.pp, live.stages)
     cmp("micro-batches per step (gradient_accumulation_steps)", par.num_microbatches, live.micro_batches)
@@ -128,31 +137,23 @@ def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[in
             out.append(f"instruction order of stage {live.stage_id} differs from DeepSpeed's TrainSchedule at "
                        f"position {at} (plan {have[at] if at < len(have) else 'nothing'}, "
                        f"TrainSchedule {want[at] if at < len(want) else 'nothing'})")
-    if device_gpu is not None and plan.gpu != device_gpu:
-        out.append(f"GPU: plan made for {plan.gpu}, this GPU is {device_gpu}")
-    if supported_clocks_mhz and live.stage_id < len(plan.stages):
-        ok = set(supported_clocks_mhz)
-        bad = sorted({c for c in plan.clock_sequence(live.stage_id) if c not in ok})
-        if bad:
-            out.append(f"SM clocks {', '.join(map(str, bad))} MHz are not lockable on this GPU")
+    out.extend(device_mismatches(plan, live.stage_id, supported_clocks_mhz, device_gpu))
     return out
 
 
 def validate_plan(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None,
                   device_gpu: str | None = None, source: str = "the plan") -> None:
     """Raise one PlanMismatchError listing every mismatch between `plan` and the engine."""
-    problems = plan_mismatches(plan, live, supported_clocks_mhz, device_gpu)
-    if problems:
-        raise PlanMismatchError(
-            f"{source} does not match this DeepSpeed pipeline (stage {live.stage_id}): " + "; ".join(problems)
-            + ". Regenerate the plan for this configuration (kareus plan --framework deepspeed) or fix the config."
-        )
+    raise_mismatches(plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
+                     f"{source} does not match this DeepSpeed pipeline (stage {live.stage_id})",
+                     "Regenerate the plan for this configuration (kareus plan --framework deepspeed) "
+                     "or fix the config.")
 
 
 # ---- the patch ------------------------------------------------------------------------------
 
 
-class PatchState:
+class PatchState(BasePatchState):
     """Per-process state of the installed patch; `session` gets validate/iteration/instruction calls.
 
     With ``plan=None`` (measurement only, e.g. the Megatron-LM baseline) steps and compute
@@ -160,20 +161,14 @@ class PatchState:
     """
 
     def __init__(self, plan: Plan | None, session: Any, source: str = "the plan") -> None:
-        self.plan = plan
-        self.session = session
-        self.source = source
-        self.active = False
-        self.validated = False
-        self.iteration = 0
-        self.position = 0
+        super().__init__(plan, session, source)
         self.stage_id = 0
         self.num_buffers = 0
         self.count = {"forward": 0, "backward": 0}
         self._lookup: dict[tuple[str, int], tuple[int, Instruction]] = {}
         self.buffer_mismatches = 0
 
-    def bind(self, engine: Any, live: LiveEngine) -> None:
+    def bind(self, live: LiveEngine) -> None:
         self.stage_id = live.stage_id
         from deepspeed.runtime.pipe import schedule
 
@@ -183,8 +178,8 @@ class PatchState:
             instrs = self.plan.stages[live.stage_id].instructions
             self._lookup = {(i.kind, i.microbatch): (k, i) for k, i in enumerate(instrs)}
 
-    def begin_step(self) -> None:
-        self.active, self.position = True, 0
+    def begin_iteration(self) -> None:
+        super().begin_iteration()
         self.count = {"forward": 0, "backward": 0}
 
     def instruction(self, kind: str, buffer_id: int) -> None:
@@ -237,23 +232,7 @@ def _wrap_train_batch(fn: Any) -> Any:
         st = _state
         if st is None or st.active:
             return fn(self, *args, **kwargs)
-        if not st.validated:
-            live = live_engine(self)
-            st.session.validate(st.plan, live, st.source)  # raises PlanMismatchError before any instruction
-            st.bind(self, live)
-            st.validated = True
-        st.begin_step()
-        st.session.iteration_begins(st.iteration)
-        try:
-            result = fn(self, *args, **kwargs)
-        except BaseException:
-            st.active = False
-            st.session.training_failed()
-            raise
-        st.active = False
-        st.session.iteration_ends(st.iteration)
-        st.iteration += 1
-        return result
+        return st.run_iteration(lambda: live_engine(self), lambda: fn(self, *args, **kwargs))
 
     return train_batch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -109,6 +110,33 @@ def start_session(ns: argparse.Namespace) -> Any:
 
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
     return kareus.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error)
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+    """Whether tracebacks were asked for (--kareus-debug among `argv`, or KAREUS_DEBUG set)."""
+    return "--kareus-debug" in argv or bool(os.environ.get("KAREUS_DEBUG"))
+
+
+def run_script_in_session(session: Any, argv: list[str], run: Callable[[], Any]) -> int:
+    """Run a training script (`run`, with ``sys.argv`` = `argv`) under `session`; return its exit status.
+
+    A clean exit closes the session (the last iteration is logged: a collective); a non-zero exit or
+    an exception aborts it (no collective: other ranks may be elsewhere) and the exception propagates.
+    """
+    sys.argv = argv
+    code = 0
+    try:
+        run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        session.abort()
+        raise
+    if code == 0:
+        session.close()
+    else:
+        session.abort()
+    return code
 
 
 def run_guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:

@@ -19,12 +19,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
+from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Instruction, Plan
 from kareus_megatron.runtime import hooks
+from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
 
+FRAMEWORK = "megatron"  # the plan's framework this patch runs
 SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
 VOCAB_PADDING = 1024  # largest vocabulary padding (per TP rank) accepted as the same vocabulary
 SCHEDULE_FUNCTIONS = (
@@ -92,6 +94,11 @@ def check_megatron_core_version() -> str:
             "(or the matching Megatron-LM release)"
         )
     return v
+
+
+def check_version() -> str:
+    """The framework check a runtime session runs before it starts anything (megatron-core's version)."""
+    return check_megatron_core_version()
 
 
 # ---- live run facts and validation ------------------------------------------------------------
@@ -179,10 +186,7 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
     """Every way `plan` does not fit `live` (empty when it fits)."""
     par = plan.parallel
     out: list[str] = []
-
-    def cmp(name: str, planned: Any, actual: Any) -> None:
-        if actual is not None and planned != actual:
-            out.append(f"{name}: plan {planned}, run {actual}")
+    cmp = functools.partial(compare, out)
 
     cmp("pipeline parallel size (pp)", par.pp, live.pp)
     cmp("virtual pipeline chunks (vp)", par.vp, live.vp)
@@ -207,13 +211,7 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
     if live.pp_rank < len(par.layers_per_stage) and live.layers_on_rank is not None:
         cmp(f"transformer layers on pipeline rank {live.pp_rank}", par.layers_per_stage[live.pp_rank],
             live.layers_on_rank)
-    if device_gpu is not None and plan.gpu != device_gpu:
-        out.append(f"GPU: plan made for {plan.gpu}, this GPU is {device_gpu}")
-    if supported_clocks_mhz and live.pp_rank < len(plan.stages):
-        ok = set(supported_clocks_mhz)
-        bad = sorted({c for c in plan.clock_sequence(live.pp_rank) if c not in ok})
-        if bad:
-            out.append(f"SM clocks {', '.join(map(str, bad))} MHz are not lockable on this GPU")
+    out.extend(device_mismatches(plan, live.pp_rank, supported_clocks_mhz, device_gpu))
     out.extend(live.unsupported)
     return out
 
@@ -221,36 +219,29 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
 def validate_plan(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
                   device_gpu: str | None = None, source: str = "the plan") -> None:
     """Raise one PlanMismatchError listing every mismatch between `plan` and the live run."""
-    problems = plan_mismatches(plan, live, supported_clocks_mhz, device_gpu)
-    if problems:
-        raise PlanMismatchError(
-            f"{source} does not match this run (pipeline rank {live.pp_rank}): " + "; ".join(problems)
-            + ". Regenerate the plan for this configuration (kareus plan) or fix the launch arguments."
-        )
+    raise_mismatches(plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
+                     f"{source} does not match this run (pipeline rank {live.pp_rank})",
+                     "Regenerate the plan for this configuration (kareus plan) or fix the launch arguments.")
 
 
 # ---- the patch ------------------------------------------------------------------------------
 
 
-class PatchState:
+class PatchState(BasePatchState):
     """Per-process state of the installed patch; `session` receives instruction and iteration events."""
 
+    plan: Plan
+
     def __init__(self, plan: Plan, session: Any, source: str = "the plan") -> None:
-        self.plan = plan
-        self.session = session
-        self.source = source
-        self.active = False
-        self.validated = False
-        self.iteration = 0
-        self.position = 0
+        super().__init__(plan, session, source)
         self.pp_rank = 0
         self._lookup: dict[tuple[str, int, int], tuple[int, Instruction]] = {}
         self._fwd_ids: dict[int, tuple[int, int]] = {}
         self.order_deviations = 0
 
-    def bind_rank(self, pp_rank: int) -> None:
-        self.pp_rank = pp_rank
-        instrs = self.plan.stages[pp_rank].instructions
+    def bind(self, live: LiveRun) -> None:
+        self.pp_rank = live.pp_rank
+        instrs = self.plan.stages[live.pp_rank].instructions
         self._lookup = {(i.kind, i.chunk, i.microbatch): (k, i) for k, i in enumerate(instrs)}
 
     def announce(self, kind: str, chunk: int, microbatch: int) -> None:
@@ -297,23 +288,7 @@ def _wrap_schedule(name: str, fn: Any) -> Any:
         st = _state
         if st is None or kwargs.get("forward_only", False) or st.active:
             return fn(*args, **kwargs)
-        if not st.validated:
-            live = live_run_from_call(kwargs)
-            st.session.validate(st.plan, live, st.source)  # raises PlanMismatchError
-            st.bind_rank(live.pp_rank)
-            st.validated = True
-        st.active, st.position = True, 0
-        st.session.iteration_begins(st.iteration)
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException:
-            st.active = False
-            st.session.training_failed()
-            raise
-        st.active = False
-        st.session.iteration_ends(st.iteration)
-        st.iteration += 1
-        return result
+        return st.run_iteration(lambda: live_run_from_call(kwargs), lambda: fn(*args, **kwargs))
 
     return schedule
 

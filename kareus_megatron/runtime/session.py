@@ -2,17 +2,23 @@
 
 The session opens the clock controller for this process's GPU, checks clock permission before
 training (``on_error="fail"``: ClockControlError; ``"warn"``: a warning, default clocks), installs
-the megatron-core patch, and closes everything on ``close()`` or at interpreter exit. The GPU index
+the framework patch (``framework_patch``: runtime.megatron_patch or runtime.deepspeed_patch; each
+exposes FRAMEWORK, check_version, install, uninstall, installed_state and validate_plan), and closes
+everything on ``close()`` or at interpreter exit. Without a plan (``plan=None``, DeepSpeed only) the
+run is only *measured*: no clock controller, the device is read on the training thread. The GPU index
 is the local rank, mapped through CUDA_VISIBLE_DEVICES when that lists integer indices (NVML ignores
-CUDA_VISIBLE_DEVICES).
+CUDA_VISIBLE_DEVICES). ``SessionSlot`` holds the one session a framework API (kareus_megatron.megatron,
+kareus_megatron.deepspeed) has installed in this process.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import time
 import warnings
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any, Generic, Literal, TypeVar
 
 from kareus_megatron.errors import ClockControlError, ConfigError
 from kareus_megatron.plan.io import plan_sha256
@@ -22,6 +28,7 @@ from kareus_megatron.runtime.clock_client import ClockClient
 from kareus_megatron.runtime.measurement import IterationMeter
 
 OnError = Literal["fail", "warn"]
+Controller = Literal["process", "thread"]
 
 
 def local_rank_from_env() -> int:
@@ -60,16 +67,30 @@ def _cuda_event_factory() -> Any:
     return make
 
 
+class _Reading:
+    """A measurement point read at once on the training thread (measurement-only sessions)."""
+
+    def __init__(self, t: float, energy_j: float) -> None:
+        self.t, self.energy_j = t, energy_j
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
 class RuntimeSession:
     """Runs `plan` in this process: validate, announce instructions, control clocks, measure."""
 
-    def __init__(self, plan: Plan, *, source: str = "the plan", backend: str | None = None,
+    def __init__(self, plan: Plan | None, *, source: str = "the plan", backend: str | None = None,
                  gpu: str | None = None, local_rank: int | None = None, log_path: str | None = None,
-                 on_error: OnError = "fail", controller: Literal["process", "thread"] = "process",
-                 clock_log: str | None = None) -> None:
+                 on_error: OnError = "fail", controller: Controller = "process",
+                 clock_log: str | None = None, framework_patch: ModuleType = megatron_patch) -> None:
         """Configure; nothing starts until `start()`."""
         if on_error not in ("fail", "warn"):
-            raise ConfigError(f"--kareus-on-error {on_error!r} is not allowed; use fail or warn")
+            raise ConfigError(f"on_error (--kareus-on-error) {on_error!r} is not allowed; use fail or warn")
+        if controller not in ("process", "thread"):
+            raise ConfigError(f"controller {controller!r} is not allowed; use process or thread")
+        if plan is None and framework_patch is megatron_patch:
+            raise ConfigError("a Megatron session needs a plan; measurement without a plan is DeepSpeed-only")
         self.plan = plan
         self.source = source
         self.backend = backend
@@ -79,41 +100,53 @@ class RuntimeSession:
         self.on_error = on_error
         self.controller = controller
         self.clock_log = clock_log if clock_log is not None else os.environ.get("KAREUS_CLOCK_LOG")
+        self.framework_patch = framework_patch
         self.client: ClockClient | None = None
+        self.device: Any = None  # measurement-only: the device, read on the training thread
         self.ready: dict[str, Any] = {}
         self.meter: IterationMeter | None = None
-        self.patch: megatron_patch.PatchState | None = None
+        self.patch: Any = None  # the framework patch's PatchState
         self.overlap_engine: Any = None  # set up here when the plan runs 2 nanobatches
         self.closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> RuntimeSession:
-        """Start the clock controller, check permission, install the patch."""
-        from kareus_megatron.hardware.device import backend_from_env
+        """Start the clock controller (measure only: open the device), check permission, install the patch."""
+        from kareus_megatron.hardware.device import backend_from_env, open_gpu
 
-        megatron_patch.check_megatron_core_version()
+        self.framework_patch.check_version()
         backend = backend_from_env(self.backend)
-        gpu = self.gpu or os.environ.get("KAREUS_GPU") or (self.plan.gpu if backend == "simulated" else None)
+        gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
+            self.plan.gpu if backend == "simulated" and self.plan is not None else None)
         index = physical_gpu_index(self.local_rank)
-        client = ClockClient(event_factory=_cuda_event_factory())
-        if self.controller == "thread":
-            from kareus_megatron.hardware.device import open_gpu
-
-            self.ready = client.start_thread(open_gpu(index, backend=backend, gpu=gpu), log_path=self.clock_log)
+        header: dict[str, Any] = {"plan": None if self.plan is None else self.source, "backend": backend}
+        if self.framework_patch.FRAMEWORK != "megatron":
+            header["framework"] = self.framework_patch.FRAMEWORK
+        if self.plan is None:
+            self.device = open_gpu(index, backend=backend, gpu=gpu)
+            header.update(gpu=self.device.spec.name, clock_control=False)
+            self.meter = IterationMeter(self.log_path, mark=self._read_now, header=header)
         else:
-            self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log)
-        self.client = client
-        if self.ready.get("op") == "error":
-            if self.on_error == "fail":
-                client.close()
-                raise ClockControlError(str(self.ready.get("message")))
-            warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
-        header = {"plan": self.source, "plan_sha256": plan_sha256(self.plan), "gpu": self.ready.get("gpu"),
-                  "backend": backend, "clock_control": client.clock_control,
-                  "predicted": self.plan.predicted.model_dump()}
-        self.meter = IterationMeter(self.log_path, mark=client.mark, header=header)
-        hooks.add_instruction_listener(self._on_instruction)
-        self.patch = megatron_patch.install(self.plan, self, self.source)
+            client = ClockClient(event_factory=_cuda_event_factory())
+            if self.controller == "thread":
+                self.ready = client.start_thread(open_gpu(index, backend=backend, gpu=gpu), log_path=self.clock_log)
+            else:
+                self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log)
+            self.client = client
+            if self.ready.get("op") == "error":
+                if self.on_error == "fail":
+                    client.close()
+                    raise ClockControlError(str(self.ready.get("message")))
+                warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
+            header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
+                          clock_control=client.clock_control, predicted=self.plan.predicted.model_dump())
+            self.meter = IterationMeter(self.log_path, mark=client.mark, header=header)
+            hooks.add_instruction_listener(self._on_instruction)
+        try:
+            self.patch = self.framework_patch.install(self.plan, self, self.source)
+        except BaseException:
+            self._release()
+            raise
         atexit.register(self._atexit)
         return self
 
@@ -129,12 +162,28 @@ class RuntimeSession:
                 finally:
                     self.meter.close()
         finally:
-            hooks.remove_instruction_listener(self._on_instruction)
-            if megatron_patch.installed_state() is self.patch:
-                megatron_patch.uninstall()
+            self._release(close_overlap=True)
+
+    def abort(self) -> None:
+        """Stop without the final collective (after an error): uninstall, reset clocks, stop."""
+        self._atexit()
+
+    def _atexit(self) -> None:
+        # At exit the process group may be gone: no collective, just reset clocks and stop.
+        if not self.closed:
+            self.closed = True
+            self._release()
+
+    def _release(self, close_overlap: bool = False) -> None:
+        hooks.remove_instruction_listener(self._on_instruction)
+        if self.patch is not None and self.framework_patch.installed_state() is self.patch:
+            self.framework_patch.uninstall()
+        if close_overlap:  # not after a failure or at exit: the engine's communicators may be gone
             self._close_overlap()
-            if self.client is not None:
-                self.client.close()
+        if self.client is not None:
+            self.client.close()
+        if self.device is not None:
+            self.device.close()
 
     def _close_overlap(self) -> None:
         if self.overlap_engine is not None:
@@ -144,36 +193,37 @@ class RuntimeSession:
                 overlap.set_engine(None)
             self.overlap_engine = None
 
-    def abort(self) -> None:
-        """Stop without the final collective (after an error): uninstall, reset clocks, stop."""
-        self._atexit()
-        if megatron_patch.installed_state() is self.patch:
-            megatron_patch.uninstall()
+    # -- measurement-only reading --------------------------------------------------------------
+    def _read_now(self) -> _Reading:
+        try:
+            import torch
 
-    def _atexit(self) -> None:
-        # At exit the process group may be gone: no collective, just reset clocks and stop.
-        if self.closed:
-            return
-        self.closed = True
-        hooks.remove_instruction_listener(self._on_instruction)
-        if self.client is not None:
-            self.client.close()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except ImportError:  # pragma: no cover - the frameworks always have torch
+            pass
+        return _Reading(time.monotonic(), float(self.device.energy_j()))
 
     # -- called by the patch (training thread) -----------------------------------------------
-    def validate(self, plan: Plan, live: megatron_patch.LiveRun, source: str) -> None:
-        """Check the plan against the live run before the first instruction; bind this rank."""
-        supported = tuple(self.ready.get("supported") or ()) or None
-        device_gpu = self.ready.get("gpu")
-        try:
-            megatron_patch.validate_plan(plan, live, supported if self._clock_control else None,
-                                         device_gpu if self._clock_control else None, source)
-        except Exception:
-            if self.client is not None:
-                self.client.reset(timeout_s=2.0)
-            raise
+    def validate(self, plan: Plan | None, live: Any, source: str) -> None:
+        """Check the plan against the live run before the first instruction; bind this rank.
+
+        `live` is the patch's view of the run (megatron_patch.LiveRun, deepspeed_patch.LiveEngine).
+        """
+        if plan is not None:
+            supported = tuple(self.ready.get("supported") or ()) or None
+            device_gpu = self.ready.get("gpu")
+            try:
+                self.framework_patch.validate_plan(plan, live, supported if self._clock_control else None,
+                                                   device_gpu if self._clock_control else None, source)
+            except Exception:
+                if self.client is not None:
+                    self.client.reset(timeout_s=2.0)
+                raise
         if self.meter is not None:
             self.meter.pp_rank = live.pp_rank
-        self._setup_overlap(plan, live)
+        if plan is not None and self.framework_patch is megatron_patch:
+            self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
 
     def _setup_overlap(self, plan: Plan, live: megatron_patch.LiveRun) -> None:
         """With 2-nanobatch instructions: check the model has partitioned layers, start the engine.
@@ -202,9 +252,17 @@ class RuntimeSession:
         if self.meter is not None:
             self.meter.end(iteration)
 
+    def instruction_begins_unplanned(self, kind: str) -> None:
+        """A compute instruction outside the plan (measurement only): mark a simulated device busy."""
+        set_busy = getattr(self.device, "set_busy", None)
+        if set_busy is not None:
+            set_busy(True)
+
     def instruction_ends(self) -> None:
         if self.client is not None:
             self.client.instruction_ends()
+        elif self.device is not None and hasattr(self.device, "set_busy"):
+            self.device.set_busy(False)
 
     def training_failed(self) -> None:
         """An exception left the schedule: reset clocks now (the next iteration re-applies them)."""
@@ -215,3 +273,27 @@ class RuntimeSession:
         if self.client is not None:
             self.client.instruction_begins(event.iteration, event.index, event.instruction.sm_clock_mhz,
                                            event.instruction.kind)
+
+
+S = TypeVar("S", bound=RuntimeSession)
+
+
+class SessionSlot(Generic[S]):
+    """The one session a framework API has installed in this process (install replaces, uninstall closes)."""
+
+    def __init__(self, session_class: type[S]) -> None:
+        self.session_class = session_class
+        self.session: S | None = None
+
+    def install(self, plan: Plan | None, *, log_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> S:
+        """Close the installed session (if any), then start and hold a new one for `plan`."""
+        self.uninstall()
+        self.session = self.session_class(plan, log_path=os.fspath(log_path) if log_path else None,
+                                          **kwargs).start()
+        return self.session
+
+    def uninstall(self) -> None:
+        """Close the installed session (collective: call on every rank); no-op when none is installed."""
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from _dist import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_plan_launch_compare(tmp_path, monkeypatch):
@@ -35,7 +30,7 @@ def test_plan_launch_compare(tmp_path, monkeypatch):
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     r = subprocess.run(
         ["bash", str(ROOT / "launch" / "run_comparison.sh"), "--plan-dir", str(plans), "--log-dir", str(logs),
-         "--nodes", "1", "--gpus-per-node", "2", "--master-port", str(_free_port()), "--point", "fastest",
+         "--nodes", "1", "--gpus-per-node", "2", "--master-port", str(free_port()), "--point", "fastest",
          "--methods", "megatron,perseus,nanobatch_perseus",  # kareus runs in test_deepspeed_patch (CPU budget)
          "--script", str(HERE / "ds_train.py"), "--skip-iterations", "1", "--", "--steps", "3"],
         env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)

@@ -10,8 +10,6 @@ TrainSchedule, the config/env entry points, and the version check.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import ds_worker  # noqa: E402
+from _dist import read_ranks, spawn  # noqa: E402
 
 from kareus_megatron.errors import ConfigError, UnsupportedVersionError  # noqa: E402
 from kareus_megatron.plan.io import save_plan, write_json_atomic  # noqa: E402
@@ -48,17 +47,9 @@ def ds_plan(method: str, clocks, m: int = M, *, time_s: float = 0.05, energy_j: 
     })
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Spawn the 2 ranks once; return (workdir, {rank: {scenario: result}}, plans, log_dir)."""
-    import torch.multiprocessing as mp
-
     from kareus_megatron.cluster import MANIFEST_FILE, RUN_FORMAT
 
     d = tmp_path_factory.mktemp("ds")
@@ -83,13 +74,8 @@ def runs(tmp_path_factory):
         method = sc["name"].split("-")[0]
         write_json_atomic(logs / sc["name"] / MANIFEST_FILE,
                           {"format": RUN_FORMAT, "method": method, "point": 0, "plan": sc.get("plan")})
-    env_backup = dict(os.environ)
-    try:
-        mp.spawn(ds_worker.worker, args=(2, _free_port(), str(d), scenarios), nprocs=2, join=True)
-    finally:
-        os.environ.clear()
-        os.environ.update(env_backup)
-    results = {r: json.loads((d / f"r{r}.json").read_text()) for r in range(2)}
+    spawn(ds_worker.worker, 2, str(d), scenarios)  # restores os.environ (the workers' setup changes it)
+    results = dict(enumerate(read_ranks(d, "r{rank}.json", 2)))
     for r in range(2):
         assert "crash" not in results[r], results[r]["crash"]
     return d, results, plans, logs

@@ -9,19 +9,12 @@ shows each collective overlapping the other nanobatch's compute at the planned s
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-import torch.multiprocessing as mp
 
+from _dist import read_ranks, spawn
 from kareus_megatron.runtime.overlap import overlap_violations
 from kareus_megatron.workload.layer_vocab import TP_PARTITION_SLOTS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +22,8 @@ def ranks(tmp_path_factory):
     import overlap_worker
 
     out = tmp_path_factory.mktemp("overlap")
-    mp.spawn(overlap_worker.worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    spawn(overlap_worker.worker, 2, str(out))
+    ranks = read_ranks(out, "rank{rank}.json", 2)
     for r, rk in enumerate(ranks):
         rk["trace_files"] = {p.name: json.loads(p.read_text()) for p in out.glob(f"*.trace.rank{r}.json")}
     return ranks
@@ -180,8 +173,8 @@ def pp_ranks(tmp_path_factory):
     import overlap_worker
 
     out = tmp_path_factory.mktemp("overlap_pp")
-    mp.spawn(overlap_worker.worker_pp, args=(4, _free_port(), str(out)), nprocs=4, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    spawn(overlap_worker.worker_pp, 4, str(out))
+    return read_ranks(out, "rank{rank}.json", 4)
 
 
 def test_tp2_pp2_1f1b_training_equal(pp_ranks):

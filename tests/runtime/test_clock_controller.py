@@ -267,3 +267,50 @@ def test_coalescing_window_from_env(monkeypatch):
         monkeypatch.setenv("KAREUS_CLOCK_COALESCE_MS", bad)
         with pytest.raises(ConfigError, match="KAREUS_CLOCK_COALESCE_MS"):
             coalesce_from_env(0.0)
+
+
+def test_wire_format_round_trip():
+    from kareus_megatron.runtime.clock_controller import decode_line, encode_messages
+
+    t = time.monotonic()
+    batch = [{"op": "begin", "iteration": 3, "index": 2, "mhz": 1200, "kind": "forward", "t": t, "idle_from": t - 1e-3},
+             {"op": "begin", "iteration": 3, "index": 3, "mhz": 990, "kind": "backward", "t": t},
+             {"op": "mark", "seq": 5, "t": t, "lazy": 1}, {"op": "mark", "seq": 6, "t": t, "idle_from": t},
+             {"op": "end", "t": t}, {"op": "reset", "seq": 7}, {"op": "answer"}]
+    lines = [line for line in encode_messages(batch).split(b"\n") if line]
+    assert len(lines) == len(batch) and lines[0].startswith(b"b ") and lines[-1].startswith(b"{")
+    decoded = [m for line in lines for m in decode_line(line)]
+    for sent, got in zip(batch, decoded):  # times travel as whole microseconds
+        assert {k: v for k, v in got.items() if k not in ("t", "idle_from")} == \
+            {k: v for k, v in sent.items() if k not in ("t", "idle_from")}
+        for k in ("t", "idle_from"):
+            assert (k in got) == (k in sent) and (k not in got or abs(got[k] - sent[k]) < 2e-6)
+    assert decode_line(b'[{"op":"close","seq":1}]') == [{"op": "close", "seq": 1}]
+    with pytest.raises(ValueError, match="unknown clock controller message"):
+        decode_line(b"x 1 2")
+
+
+def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, monkeypatch):
+    """CPU: no forwarder; begins gather for the window; lazy mark answers wait until asked for."""
+    import threading
+
+    from kareus_megatron.runtime import clock_controller
+
+    monkeypatch.delenv("KAREUS_CLOCK_COALESCE_MS", raising=False)
+    client = ClockClient()
+    client.start_thread(_sim(tmp_path, latency_s=0.012))
+    assert client._coalesce_s == pytest.approx(0.012)  # one simulated clock call
+    names = {t.name for t in threading.enumerate()}
+    assert "kareus-clock-backstop" in names and "kareus-clock-forwarder" not in names
+    tickets = [client.mark() for _ in range(clock_controller.HOLD_MARKS - 1)]
+    client.instruction_begins(0, 0, 1200, "forward")
+    time.sleep(0.02)
+    client.instruction_begins(0, 1, 990, "backward")  # the window has passed: sent at once, in order
+    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 2, 5)
+    assert [m for _, m, _ in _decisions(tmp_path / "clocks.jsonl")] == [1200, 990]
+    assert not any(t._done.is_set() for t in tickets)  # held by the controller: no reply wake-ups yet
+    assert tickets[0].wait(5) and all(t.wait(0) for t in tickets)  # waiting asks for them
+    assert all(t.energy_j >= 0 for t in tickets)
+    client.instruction_begins(0, 2, 1005, "forward")  # left behind by a quiet training thread
+    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 3, 5)  # the backstop sends it
+    client.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import plans
+from _dist import free_port
 from kareus_megatron import launch
 from kareus_megatron.cli.main import main
 from kareus_megatron.plan.io import save_plan, write_json_atomic
@@ -64,14 +64,8 @@ STANDIN_PRETRAIN = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two(cmd: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

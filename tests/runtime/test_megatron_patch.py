@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 import plans
+from _dist import read_ranks, spawn
 from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
 from kareus_megatron.runtime import megatron_patch
 from kareus_megatron.runtime.megatron_patch import LiveRun, plan_mismatches, validate_plan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +18,9 @@ def spawned(tmp_path_factory):
     import patch_worker
 
     out = tmp_path_factory.mktemp("patch")
-    env = {"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "15"}
-    with pytest.MonkeyPatch.context() as mpatch:
-        for k, v in env.items():
-            mpatch.setenv(k, v)
-        mpatch.delenv("KAREUS_GPU", raising=False)
-        mp.spawn(patch_worker.worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    spawn(patch_worker.worker, 2, str(out),
+          env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "15", "KAREUS_GPU": None})
+    ranks = read_ranks(out, "rank{rank}.json", 2)
     return out, ranks
 
 

@@ -114,6 +114,11 @@ class SimulatedGPU:
         if self._log is not None:
             self._log.write({"t": time.monotonic(), "pid": os.getpid(), "gpu": self.index, "event": event, **fields})
 
+    @property
+    def logging(self) -> bool:
+        """Whether events are written to a log (KAREUS_SIMULATED_LOG or `log_path`)."""
+        return self._log is not None
+
     # -- energy model ------------------------------------------------------------------------
     def _power_w(self) -> float:
         if not self._busy:

@@ -1,0 +1,88 @@
+"""What the framework patches (megatron_patch, deepspeed_patch) share: plan checks and step bookkeeping.
+
+A *mismatch* is one line naming a way the plan does not fit the live run ("NAME: plan X, run Y");
+every check collects them all and ``raise_mismatches`` turns them into ONE PlanMismatchError.
+A *patch state* (``BasePatchState``) is a patch's per-process bookkeeping: the plan, the session that
+gets validate/iteration/instruction calls, and the iteration counter; ``run_iteration`` runs one
+wrapped training iteration (DeepSpeed: one ``train_batch`` step) around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kareus_megatron.errors import PlanMismatchError
+from kareus_megatron.plan.schema import Plan
+
+
+def compare(out: list[str], name: str, planned: Any, actual: Any, side: str = "run") -> None:
+    """Append "NAME: plan P, SIDE A" to `out` when `actual` is known (not None) and differs from `planned`."""
+    if actual is not None and planned != actual:
+        out.append(f"{name}: plan {planned}, {side} {actual}")
+
+
+def device_mismatches(plan: Plan, stage: int, supported_clocks_mhz: tuple[int, ...] | None,
+                      device_gpu: str | None) -> list[str]:
+    """The GPU model and the lockable SM clocks (MHz) of pipeline stage `stage` against this device.
+
+    None (not known, e.g. without clock control) skips a check.
+    """
+    out: list[str] = []
+    if device_gpu is not None and plan.gpu != device_gpu:
+        out.append(f"GPU: plan made for {plan.gpu}, this GPU is {device_gpu}")
+    if supported_clocks_mhz and stage < len(plan.stages):
+        ok = set(supported_clocks_mhz)
+        bad = sorted({c for c in plan.clock_sequence(stage) if c not in ok})
+        if bad:
+            out.append(f"SM clocks {', '.join(map(str, bad))} MHz are not lockable on this GPU")
+    return out
+
+
+def raise_mismatches(problems: list[str], what: str, fix: str) -> None:
+    """Raise one PlanMismatchError "WHAT: p1; p2; ... FIX" when `problems` is not empty."""
+    if problems:
+        raise PlanMismatchError(f"{what}: " + "; ".join(problems) + f". {fix}")
+
+
+class BasePatchState:
+    """Per-process state of an installed patch; `session` gets validate/iteration/instruction calls.
+
+    ``active``: inside a training iteration; ``position``: instructions announced in it so far.
+    Subclasses implement ``bind(live)`` (map this rank's planned instructions after validation).
+    """
+
+    def __init__(self, plan: Plan | None, session: Any, source: str = "the plan") -> None:
+        self.plan = plan
+        self.session = session
+        self.source = source
+        self.active = False
+        self.validated = False
+        self.iteration = 0
+        self.position = 0
+
+    def bind(self, live: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def begin_iteration(self) -> None:
+        self.active, self.position = True, 0
+
+    def run_iteration(self, read_live: Callable[[], Any], call: Callable[[], Any]) -> Any:
+        """Validate once (before any instruction), then run `call` as one measured iteration."""
+        if not self.validated:
+            live = read_live()
+            self.session.validate(self.plan, live, self.source)  # raises PlanMismatchError
+            self.bind(live)
+            self.validated = True
+        self.begin_iteration()
+        self.session.iteration_begins(self.iteration)
+        try:
+            result = call()
+        except BaseException:
+            self.active = False
+            self.session.training_failed()
+            raise
+        self.active = False
+        self.session.iteration_ends(self.iteration)
+        self.iteration += 1
+        return result
