@@ -33,7 +33,7 @@ from kareus_megatron.workload.models import model_spec
 from kareus_megatron.workload.parallel import make_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "perseus_sosp24" / "stage_profile"
+DATA = ROOT / "benchmarks" / "data" / "perseus_sosp24"
 OUT = ROOT / "kareus_megatron" / "data" / "a100-sxm4-80gb.perseus.calib.json"
 # Perseus splits: GPT-3 "0,12,...,84,97" (12 layers a stage), BLOOM "0,9,...,63,71" (9 a stage, 7 + output last).
 WORKLOADS = {

@@ -32,7 +32,7 @@ from kareus_megatron.search.schedules import instruction_order
 from kareus_megatron.search.simulate import simulate_choice
 from kareus_megatron.search.solver import solve_frontier
 
-PROFILE = Path(__file__).resolve().parents[2] / "shared/data/perseus_sosp24/stage_profile/gpt3-175b+a100_sxm_bf16.csv"
+PROFILE = Path(__file__).resolve().parent / "data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
 P_BLOCKED_W = 83.64  # A100, measured by the Perseus authors (notes section 1)
 UNIT_S = 0.001
 STAGES = 8

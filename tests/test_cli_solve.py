@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kareus_megatron.cli import main as cli_main
 from kareus_megatron.plan.io import load_plan
 
-GPT3 = Path(__file__).resolve().parents[2] / "shared/data/perseus_sosp24/stage_profile/gpt3-175b+a100_sxm_bf16.csv"
+GPT3 = Path(__file__).resolve().parents[1] / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
 HEADER = ["stage", "instruction", "frequency", "time", "energy"]
 
 
