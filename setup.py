@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 TORCH = "torch==2.13.0"
 MEGATRON_CORE = "megatron-core==0.16.1"
 DEEPSPEED = "deepspeed==0.19.8"
-NVML = "nvidia-ml-py>=12.535"
+NVML = "nvidia-ml-py==13.615.71"
 
 setup(
     name="kareus-megatron",
