@@ -6,6 +6,8 @@ status 2; the message names the bad value, what is allowed, and the fix.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KareusError(Exception):
     """Base class; the CLI prints it as one line and exits with status 2."""
@@ -53,3 +55,12 @@ class ClockControlError(DeviceUnavailableError):
 
 class UnsupportedVersionError(KareusError):
     """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""
+
+
+def describe_validation_error(e: Any, limit: int = 3) -> str:
+    """One line naming the first `limit` bad fields of a pydantic ValidationError ("a.b: msg; ...")."""
+    errs = e.errors()
+    parts = [f"{'.'.join(str(x) for x in err.get('loc', ())) or '(top level)'}: {err.get('msg', 'invalid')}"
+             for err in errs[:limit]]
+    more = f" (and {len(errs) - limit} more)" if len(errs) > limit else ""
+    return "; ".join(parts) + more

@@ -151,3 +151,14 @@ def test_profile_completeness_check(keep, tmp_path_factory):
     else:
         with pytest.raises(ProfileError, match="no (forward|backward) rows for stage"):
             stage_options(prof, 2)
+
+
+def test_out_current_directory_is_refused(tmp_path, monkeypatch, capsys):
+    from kareus_megatron.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "p.csv"
+    path.write_text(open(GPT3).read())
+    assert main(["solve", "--profile", str(path), "--pp", "8", "--microbatches", "4", "--out", "."]) == 2
+    assert "current directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"]

@@ -113,3 +113,40 @@ def test_fuzzed_plans_either_load_or_raise_plan_error(path, value):
     except PlanError:
         return
     assert isinstance(plan, Plan)
+
+
+def test_replace_directory_swaps_whole_or_leaves_out_untouched(tmp_path):
+    import os
+    import stat
+
+    from kareus_megatron.plan.io import replace_directory, write_json_atomic
+
+    out = tmp_path / "out"
+    with replace_directory(out) as tmp:
+        write_json_atomic(tmp / "frontier.json", {"v": 1})
+        (tmp / "plans").mkdir()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's private 0700
+    assert stat.S_IMODE((out / "frontier.json").stat().st_mode) == 0o666 & ~umask
+    with pytest.raises(RuntimeError):
+        with replace_directory(out) as tmp:
+            write_json_atomic(tmp / "frontier.json", {"v": 2})
+            raise RuntimeError("half-way")
+    assert json.loads((out / "frontier.json").read_text()) == {"v": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left behind
+
+
+def test_check_output_dir_refuses_what_a_swap_would_damage(tmp_path, monkeypatch):
+    from kareus_megatron.errors import ConfigError
+    from kareus_megatron.plan.io import check_output_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    for bad, needle in ((tmp_path / "file", "not a directory"), (tmp_path, "current directory"),
+                        (tmp_path.parent, "current directory"), (tmp_path / "foreign", "no frontier.json")):
+        with pytest.raises(ConfigError, match=needle):
+            check_output_dir(bad)
+    check_output_dir(tmp_path / "new")

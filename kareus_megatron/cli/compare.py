@@ -61,20 +61,19 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Read the logs, write frontier.json (+ plot), print the tables; 0 on success."""
     from kareus_megatron.cluster import measured_frontier
-    from kareus_megatron.errors import ConfigError
-    from kareus_megatron.plan.io import write_json_atomic
+    from kareus_megatron.plan.io import check_output_dir, replace_directory, write_json_atomic
 
-    doc, runs = measured_frontier(args.log_dir, args.skip_iterations)
     out = Path(args.out) if args.out else Path(args.log_dir) / "compare"
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out")
-    write_json_atomic(out / "frontier.json", doc)
-    if not args.no_plot:
-        from kareus_megatron.plotting.frontier import save_frontier_png
+    check_output_dir(out)
+    doc, runs = measured_frontier(args.log_dir, args.skip_iterations)
+    with replace_directory(out) as tmp:
+        write_json_atomic(tmp / "frontier.json", doc)
+        if not args.no_plot:
+            from kareus_megatron.plotting.frontier import save_frontier_png
 
-        gpu = doc["config"]["gpu"]
-        save_frontier_png(out / "frontier.png", doc,
-                          title=f"measured: {len(runs)} runs in {args.log_dir}" + (f" on {gpu}" if gpu else ""))
+            gpu = doc["config"]["gpu"]
+            save_frontier_png(tmp / "frontier.png", doc,
+                              title=f"measured: {len(runs)} runs in {args.log_dir}" + (f" on {gpu}" if gpu else ""))
     print_tables(doc, runs)
     print(f"wrote {out / 'frontier.json'}" + ("" if args.no_plot else f" and {out / 'frontier.png'}"))
     return 0

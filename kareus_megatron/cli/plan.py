@@ -11,11 +11,8 @@ left half-written; bad input leaves DIR untouched.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,22 +58,6 @@ def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
         raise ConfigError(f"{flag} {text!r}: every item must be a {cast.__name__}.") from None
 
 
-def _check_out_dir(out: Path) -> None:
-    from kareus_megatron.errors import ConfigError
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
-    here = Path.cwd().resolve()
-    if out.resolve() == here or out.resolve() in here.parents:
-        raise ConfigError(f"--out {out} is the current directory or above it; the output directory is "
-                          "replaced as a whole, so name a subdirectory (e.g. --out kareus-out).")
-    if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
-        raise ConfigError(
-            f"--out {out} is a non-empty directory that is not a kareus plan output (no frontier.json); "
-            "choose an empty or new directory."
-        )
-
-
 def schedule_for(framework: str, vp: int) -> str:
     """Pipeline schedule name of `framework` with `vp` virtual chunks per stage."""
     if framework == "deepspeed":
@@ -113,7 +94,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
                 f"--timeline {args.timeline!r} is not a plan this run writes; use METHOD-NN with METHOD one of "
                 f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
             )
-    _check_out_dir(Path(args.out))
+    from kareus_megatron.plan.io import check_output_dir
+
+    check_output_dir(Path(args.out))
     gpu, model, par = workload_from_args(args)
     cal = load_calibration(args.calibration) if args.calibration else None
     kernel = KernelModel(gpu, cal)
@@ -164,25 +147,13 @@ def _timeline_choice(args: argparse.Namespace, result: Any, built: list[Any]) ->
     return by_name[f"{method}-00"]
 
 
-def _normal_permissions(root: Path) -> None:
-    """Give `root` and everything under it the modes a plain mkdir/open would (temp files are private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for p in root.rglob("*"):
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-
-
 def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
     """Write every output into a temporary directory next to `out`, then swap it into place."""
-    from kareus_megatron.plan.io import save_plan, write_json_atomic
+    from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
     from kareus_megatron.plotting.frontier import method_label, save_frontier_png
     from kareus_megatron.plotting.timeline import Bar, save_timeline_png, trace_events
 
-    parent = out.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with replace_directory(out) as tmp:
         write_json_atomic(tmp / "frontier.json", doc)
         for b in built:
             save_plan(b.plan, tmp / b.relpath)
@@ -207,17 +178,6 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
             title=f"{chosen.name} ({method_label(chosen.method)}): {p.iteration_time_s:.3f} s, "
             f"{p.iteration_energy_j / 1e3:.1f} kJ per iteration; hatched = 2 nanobatches",
         )
-        _normal_permissions(tmp)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "previous")
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _fmt_pct(x: float | None) -> str:

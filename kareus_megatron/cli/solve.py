@@ -17,9 +17,6 @@ Everything is written to a temporary directory next to DIR and renamed into plac
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +76,6 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise ConfigError(f"--layers-per-stage needs {args.pp} positive integers (one per stage), "
                           f"got {args.layers_per_stage!r}")
     return layers
-
-
-def _check_out_dir(out: Path) -> None:
-    from kareus_megatron.errors import ConfigError
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
-    if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
-        raise ConfigError(f"--out {out} is a non-empty directory that is not a kareus output (no frontier.json); "
-                          "choose an empty or new directory.")
 
 
 def stage_options(profile: Any, pp: int) -> dict[tuple[int, str], Any]:
@@ -189,34 +176,24 @@ def solve_profile(
 
 
 def _write(out: Path, doc: dict[str, Any], plans: list[Any], zeus: bool) -> None:
-    from kareus_megatron.plan.io import save_plan, write_json_atomic
+    from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
 
-    parent = out.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
-    old: Path | None = None
-    try:
+    with replace_directory(out) as tmp:
         write_json_atomic(tmp / "frontier.json", doc)
         for nn, plan in enumerate(plans):
             save_plan(plan, tmp / "plans" / f"solve-{nn:02d}.json")
             if zeus:
                 (tmp / "zeus").mkdir(exist_ok=True)
                 (tmp / "zeus" / f"freqs_pipeline_{nn:02d}.py").write_text(zeus_solution_text(plan))
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "previous")
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Solve the profile's frontier, write DIR and print a table; exit 0."""
     layers = _check_args(args)
     out = Path(args.out)
-    _check_out_dir(out)
+    from kareus_megatron.plan.io import check_output_dir
+
+    check_output_dir(out)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

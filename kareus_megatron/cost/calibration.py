@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kareus_megatron.cost.params import GPU_PARAM_NAMES, KERNEL_PARAM_NAMES, PARAM_NAMES
-from kareus_megatron.errors import CalibrationError
+from kareus_megatron.errors import CalibrationError, describe_validation_error
 from kareus_megatron.hardware.gpus import GPUSpec
 
 FORMAT = "kareus-calibration/1"
@@ -74,12 +74,6 @@ class Calibration(BaseModel):
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "file"
-    return f"{where}: {err.get('msg', 'invalid')}"
-
-
 def calibration_from_dict(data: Any, what: str = "calibration") -> Calibration:
     """Validate a parsed calibration document; CalibrationError names the first problem."""
     if not isinstance(data, dict):
@@ -92,7 +86,9 @@ def calibration_from_dict(data: Any, what: str = "calibration") -> Calibration:
     try:
         return Calibration.model_validate(data)
     except ValidationError as e:
-        raise CalibrationError(f"{what} is invalid ({_first_error(e)}); regenerate it with `kareus calibrate`.") from e
+        raise CalibrationError(
+            f"{what} is invalid ({describe_validation_error(e, limit=1)}); regenerate it with `kareus calibrate`."
+        ) from e
 
 
 def load_calibration(path: str | Path) -> Calibration:

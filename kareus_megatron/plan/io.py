@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from kareus_megatron.errors import PlanError, PlanVersionError
+from kareus_megatron.errors import ConfigError, PlanError, PlanVersionError, describe_validation_error
 from kareus_megatron.plan.schema import PLAN_FORMAT, Plan
 
 SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")
-
-
-def _first_error(e: ValidationError) -> str:
-    errs = e.errors()
-    parts = []
-    for err in errs[:3]:
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-        parts.append(f"{loc}: {err['msg']}")
-    more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
-    return "; ".join(parts) + more
 
 
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:
@@ -41,7 +34,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     try:
         return Plan.model_validate(data)
     except ValidationError as e:
-        raise PlanError(f"{source}: {_first_error(e)}") from None
+        raise PlanError(f"{source}: {describe_validation_error(e)}") from None
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
@@ -93,3 +86,39 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
 def plan_json_schema() -> dict[str, Any]:
     """The JSON Schema of kareus-plan/1 (the file shipped as plan/plan.schema.json)."""
     return Plan.model_json_schema()
+
+
+def check_output_dir(out: Path) -> None:
+    """Refuse an --out that replacing as a whole could damage; ConfigError naming the fix."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise ConfigError(f"--out {out} is the current directory or above it; the output directory is "
+                          "replaced as a whole, so name a subdirectory (e.g. --out kareus-out).")
+    if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
+        raise ConfigError(f"--out {out} is a non-empty directory that is not a kareus output (no frontier.json); "
+                          "choose an empty or new directory.")
+
+
+@contextlib.contextmanager
+def replace_directory(out: Path) -> Iterator[Path]:
+    """Yield a temporary directory next to `out`; when the block succeeds it replaces `out` as a whole.
+
+    On any error the temporary directory is removed and `out` is left as it was: nothing half-written.
+    """
+    parent = out.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700; files and subdirectories already have normal modes
+        old = None
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / "previous")
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful swap
