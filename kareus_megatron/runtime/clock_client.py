@@ -3,36 +3,55 @@
 The training thread only enqueues ("instruction begins/ends", "mark"). On a GPU a forwarder thread
 waits for GPU progress (a CUDA event recorded at the instruction boundary) and passes on what has been
 reached. On a CPU there is nothing to wait for (timestamps are the enqueue time, ``time.monotonic()``):
-the training thread gathers messages for a *coalescing window* (KAREUS_CLOCK_COALESCE_MS; by default
-one simulated clock call, 15 ms, as a change cannot take effect sooner) and then writes them itself,
-in one non-blocking write to the controller's pipe (what the pipe cannot take yet stays queued); a
-backstop thread sends what is left when the training thread goes quiet (it looks every
-``BACKSTOP_S``). A *mark* is a measurement point: the controller answers it with the GPU energy (J)
-at that point; on a CPU the controller may hold the answers until the client waits for one.
+the training thread gathers messages for a *coalescing window* (KAREUS_CLOCK_COALESCE_MS; default
+``CPU_COALESCE_S``, 100 ms) and then writes them itself, in one non-blocking write to the controller's
+pipe (what the pipe cannot take yet stays queued); a backstop thread sends what is left when the
+training thread goes quiet (it looks every ``BACKSTOP_S``). Every message carries its own time, and the
+simulated GPU accounts busy and idle power by those times, so the window only delays when a clock
+change is made, by at most one window; it keeps the side channel to about ten wake-ups a second, which
+matters when the trainers already use every core. A *mark* is a measurement point: the controller
+answers it with the GPU energy (J) at that point; on a CPU the controller holds the answers until the
+client waits for one.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError, KareusError
+from kareus_megatron.runtime.clock_wire import (
+    CODE_BEGIN,
+    CODE_END,
+    CODE_MARK,
+    KINDS,
+    NO_TIME,
+    encode_control,
+    encode_records,
+)
 
 if TYPE_CHECKING:
     from kareus_megatron.runtime.clock_controller import ClockController
 
+_KIND_CODE = {kind: k for k, kind in enumerate(KINDS)}
+# A message before its time is known: a record without t (code, a, b, c, d) or a control dict.
+Pending = tuple[float, ...] | dict[str, Any]
 
-# How often (s) the CPU backstop thread looks for messages left behind by a quiet training thread.
-BACKSTOP_S = 0.05
-# Upper bound (s) of the default CPU gathering window, which follows a simulated clock call's latency.
-MAX_DEFAULT_COALESCE_S = 0.05
+
+# Default CPU gathering window (s).
+CPU_COALESCE_S = 0.1
+# How often (s) the CPU backstop thread looks for records a quiet training thread left behind (at
+# least the window); a training thread that keeps enqueueing sends its own.
+BACKSTOP_S = 0.25
 
 
 def coalesce_from_env(default_s: float) -> float:
@@ -56,25 +75,54 @@ def _error_class(name: Any) -> type[KareusError]:
     return cls if isinstance(cls, type) and issubclass(cls, KareusError) else DeviceUnavailableError
 
 
-class MarkTicket:
-    """The answer to one ``mark``: GPU-aligned time (time.monotonic(), s) and energy (J) at that point."""
+class _Outgoing:
+    """Bytes for the controller built up in order: runs of records, then control lines (GPU forwarder)."""
 
-    def __init__(self, seq: int, push: Callable[[], Any] | None = None) -> None:
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._recs = array("d")
+
+    def __bool__(self) -> bool:
+        return bool(self._parts or self._recs)
+
+    def record(self, msg: tuple[float, ...], t: float) -> None:
+        code, a, b, c, d = msg
+        self._recs.extend((code, t, NO_TIME, a, b, c, d))
+
+    def control(self, msg: dict[str, Any]) -> None:
+        self._flush_records()
+        self._parts.append(encode_control(msg))
+
+    def _flush_records(self) -> None:
+        if self._recs:
+            self._parts.append(encode_records(self._recs))
+            self._recs = array("d")
+
+    def take(self) -> bytes:
+        self._flush_records()
+        data, self._parts = b"".join(self._parts), []
+        return data
+
+
+class MarkTicket:
+    """The answer to one ``mark``: GPU-aligned time (time.monotonic(), s) and energy (J) at that point.
+
+    Made at every iteration boundary, so it is small: waiting uses the client's shared condition."""
+
+    __slots__ = ("seq", "_client", "done", "t", "energy_j")
+
+    def __init__(self, seq: int, client: ClockClient | None = None) -> None:
         self.seq = seq
-        self._push = push  # sends messages still gathering on the training side (CPU mode)
-        self._done = threading.Event()
+        self._client = client  # None: already answered (the controller is gone)
+        self.done = False
         self.t: float | None = None
         self.energy_j: float | None = None
 
-    def _fill(self, t: float | None, energy_j: float) -> None:
-        self.t, self.energy_j = t, energy_j
-        self._done.set()
-
     def wait(self, timeout: float | None = 10.0) -> bool:
         """Wait for the answer; True once it has arrived."""
-        if not self._done.is_set() and self._push is not None:
-            self._push()  # the mark may still be gathering here, its answer held there: ask now
-        return self._done.wait(timeout)
+        if self.done or self._client is None:
+            return self.done
+        return self._client._wait_ticket(self, timeout)
 
 
 class ClockClient:
@@ -83,28 +131,28 @@ class ClockClient:
     def __init__(self, event_factory: Callable[[], Any] | None = None, coalesce_s: float | None = None) -> None:
         """`event_factory` makes a recorded CUDA event (GPU); None means CPU timing (time.monotonic).
         `coalesce_s`: how long messages gather before one write (default: KAREUS_CLOCK_COALESCE_MS,
-        else on CPU, where timestamps are taken at enqueue, the controller's simulated clock call
-        latency (at least 5 ms, at most MAX_DEFAULT_COALESCE_S), and 0 on GPU, where waiting on
-        events paces the forwarder)."""
+        else CPU_COALESCE_S on CPU, where timestamps are taken at enqueue, and 0 on GPU, where
+        waiting on events paces the forwarder)."""
         self._event_factory = event_factory
-        self._coalesce_given = coalesce_s is not None or bool(os.environ.get("KAREUS_CLOCK_COALESCE_MS"))
         if coalesce_s is None:
-            coalesce_s = coalesce_from_env(0.0 if event_factory is not None else 0.005)
+            coalesce_s = coalesce_from_env(0.0 if event_factory is not None else CPU_COALESCE_S)
         self._coalesce_s = coalesce_s
         # GPU: messages for the forwarder; each append rings the doorbell unless it gathers messages.
-        self._local: collections.deque[tuple[Any, dict[str, Any]] | None] = collections.deque()
+        self._local: collections.deque[tuple[Any, Pending] | None] = collections.deque()
         self._doorbell = threading.Event()
         self._parked = False  # the helper thread sleeps until rung (idle for a while)
-        # CPU: messages gathering on the training side, sent by whichever thread finds them due.
+        # CPU: records gathering on the training side (appended without a lock, clock_wire.RECORD_FIELDS
+        # floats each), sent by whichever thread finds them due.
         self._direct = event_factory is None
-        self._out: collections.deque[dict[str, Any]] = collections.deque()  # appended without a lock
-        self._out_since = 0.0  # enqueue time (s) of the oldest message in _out
+        self._recs = array("d")
+        self._out_since = 0.0  # enqueue time (s) of the oldest record in _recs
         self._out_lock = threading.Lock()  # one sender at a time, so batches leave in order
         self._stopping = False
-        self._send: Callable[[list[dict[str, Any]]], None] | None = None
+        self._send: Callable[[bytes], None] | None = None
         self._backlog: Callable[[], bool] = lambda: False  # bytes the pipe has not taken yet
-        self._seq = 0
+        self._seqs = itertools.count(1)  # next() is atomic: marks and requests from any thread
         self._tickets: dict[int, MarkTicket] = {}
+        self._answered = threading.Condition(threading.Lock())  # tickets filled (reader thread)
         self._acks: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self._ready: dict[str, Any] | None = None
@@ -117,7 +165,7 @@ class ClockClient:
         self.closed = False
         self.gone = False
         self._want_ends = True
-        self._idle_from: float | None = None
+        self._idle_from = NO_TIME  # CPU: end of the last instruction, sent with the next record
         helper, name = (self._backstop, "backstop") if self._direct else (self._forward, "forwarder")
         self._forwarder = threading.Thread(target=helper, name=f"kareus-clock-{name}", daemon=True)
 
@@ -125,11 +173,12 @@ class ClockClient:
     def start_process(self, index: int, backend: str | None = None, gpu: str | None = None,
                       log_path: str | None = None, timeout_s: float = 60.0) -> dict[str, Any]:
         """Start the side process for local GPU `index`; return its ``ready`` message or raise."""
-        from kareus_megatron.runtime.clock_controller import encode_messages
-
         cmd = [sys.executable, "-m", "kareus_megatron.runtime.clock_controller", "--index", str(index),
                "--backend", backend or "", "--gpu", gpu or "", "--log", log_path or ""]
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        # One thread per library pool: a BLAS pool would spin on the trainers' cores for nothing.
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                      env=env)
         stdin = self._proc.stdin
         assert stdin is not None
         fd = stdin.fileno()
@@ -138,10 +187,10 @@ class ClockClient:
         send_lock = threading.Lock()
         unsent = bytearray()
 
-        def send(batch: list[dict[str, Any]]) -> None:
+        def send(data: bytes) -> None:
             with send_lock:
-                if batch:
-                    unsent.extend(encode_messages(batch))
+                if data:
+                    unsent.extend(data)
                 while unsent:
                     try:
                         n = os.write(fd, unsent)
@@ -160,7 +209,7 @@ class ClockClient:
 
         ctl = ClockController(device, self._on_reply, log_path=log_path)
         self._thread_controller = ctl
-        self._send = ctl.submit_batch
+        self._send = ctl.feed
         self._on_reply(ctl.probe())
         self._controller_thread = threading.Thread(target=ctl.run, name="kareus-clock-controller", daemon=True)
         self._controller_thread.start()
@@ -186,10 +235,6 @@ class ClockClient:
             raise _error_class(ready.get("type"))(str(ready.get("message")))
         self.clock_control = True
         self._want_ends = bool(ready.get("busy_events", True))  # only a simulated GPU needs them
-        latency_s = ready.get("latency_s")
-        if self._direct and not self._coalesce_given and isinstance(latency_s, (int, float)):
-            # A change cannot take effect faster than one clock call: gather for that long (CPU).
-            self._coalesce_s = min(max(self._coalesce_s, float(latency_s)), MAX_DEFAULT_COALESCE_S)
         self._forwarder.start()
         return ready
 
@@ -208,8 +253,7 @@ class ClockClient:
         with self._lock:
             tickets, self._tickets = list(self._tickets.values()), {}
             acks, self._acks = list(self._acks.values()), {}
-        for ticket in tickets:
-            ticket._fill(None, float("nan"))
+        self._fill(tickets, [(None, float("nan"))] * len(tickets))
         for ev in acks:
             ev.set()
 
@@ -219,10 +263,9 @@ class ClockClient:
             self._ready = msg
             self._ready_event.set()
         elif op == "mark":
-            with self._lock:
-                ticket = self._tickets.pop(msg["seq"], None)
+            ticket = self._tickets.pop(msg["seq"], None)
             if ticket is not None:
-                ticket._fill(msg.get("t"), float(msg["energy_j"]))
+                self._fill([ticket], [(msg.get("t"), float(msg["energy_j"]))])
         elif op == "ack":
             if "counts" in msg:
                 self.counts = msg["counts"]
@@ -232,59 +275,68 @@ class ClockClient:
                 ev.set()
 
     # -- training thread ---------------------------------------------------------------------
-    def _enqueue(self, msg: dict[str, Any]) -> None:
-        if self._direct:
-            now = msg["t"] = time.monotonic()
-            if self._idle_from is not None:  # the previous instruction's end rides along
-                msg["idle_from"], self._idle_from = self._idle_from, None
-            if not self._out:
-                self._out_since = now
-            self._out.append(msg)
-            if now - self._out_since >= self._coalesce_s:
-                self._push()
-            elif self._parked:
-                self._doorbell.set()
+    def _enqueue(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0) -> None:
+        if not self._direct:
+            self._put((self._event_factory(), (code, a, b, c, d)))
             return
-        self._put((self._event_factory(), msg))
+        now = time.monotonic()
+        idle, self._idle_from = self._idle_from, NO_TIME  # the previous instruction's end rides along
+        recs = self._recs
+        if not recs:
+            self._out_since = now
+        recs.extend((code, now, idle, a, b, c, d))
+        if now - self._out_since >= self._coalesce_s:
+            self._push()
+        elif self._parked:
+            self._doorbell.set()
 
     def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
         """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread)."""
         if (self.clock_control or self._want_ends) and not (self.closed or self.gone):
-            self._enqueue({"op": "begin", "iteration": iteration, "index": index, "mhz": int(mhz), "kind": kind})
+            self._enqueue(CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends" (training thread); only a simulated GPU needs it."""
         if self._want_ends and not (self.closed or self.gone):
-            if self._event_factory is None:
-                self._idle_from = time.monotonic()  # sent with the next message: no queue operation
+            if self._direct:
+                self._idle_from = time.monotonic()  # sent with the next record: no queue operation
             else:
-                self._enqueue({"op": "end"})
+                self._enqueue(CODE_END, 0.0)
 
     def mark(self) -> MarkTicket:
         """Enqueue a measurement point; the ticket fills with its GPU-aligned time and energy."""
-        with self._lock:
-            self._seq += 1
-            ticket = self._tickets[self._seq] = MarkTicket(self._seq, self._ask_answers if self._direct else None)
         if self.closed or self.gone:
-            with self._lock:
-                self._tickets.pop(ticket.seq, None)
-            ticket._fill(None, float("nan"))
-        elif self._direct:  # CPU: the answer is read when the meter publishes; the controller may hold it
-            self._enqueue({"op": "mark", "seq": ticket.seq, "lazy": 1})
-        else:
-            self._enqueue({"op": "mark", "seq": ticket.seq})
+            ticket = MarkTicket(0)
+            ticket.t, ticket.energy_j, ticket.done = None, float("nan"), True
+            return ticket
+        seq = next(self._seqs)
+        ticket = self._tickets[seq] = MarkTicket(seq, self)
+        # CPU: lazy, the answer is read when the meter publishes; the controller holds it until asked
+        self._enqueue(CODE_MARK, seq, 1.0 if self._direct else 0.0)
+        if self.gone and self._tickets.pop(seq, None) is not None:  # it went away meanwhile
+            self._fill([ticket], [(None, float("nan"))])
         return ticket
+
+    def _fill(self, tickets: list[MarkTicket], answers: list[tuple[float | None, float]]) -> None:
+        with self._answered:
+            for ticket, (t, energy_j) in zip(tickets, answers):
+                ticket.t, ticket.energy_j, ticket.done = t, energy_j, True
+            self._answered.notify_all()
+
+    def _wait_ticket(self, ticket: MarkTicket, timeout: float | None) -> bool:
+        if self._direct and not ticket.done:
+            self._ask_answers()  # the mark may still be gathering here, its answer held there: ask now
+        with self._answered:
+            return self._answered.wait_for(lambda: ticket.done, timeout)
 
     def _request(self, op: str, timeout_s: float) -> bool:
         if self.gone:
             return False
+        seq = next(self._seqs)
         with self._lock:
-            self._seq += 1
-            seq = self._seq
             ev = self._acks[seq] = threading.Event()
         if self._direct:
-            self._out.append({"op": op, "seq": seq})
-            self._push()
+            self._push({"op": op, "seq": seq})
         else:
             self._put((None, {"op": op, "seq": seq}), ring=True)
         return ev.wait(timeout_s)
@@ -296,38 +348,37 @@ class ClockClient:
         return self._request("reset", timeout_s)
 
     # -- CPU: direct sends -------------------------------------------------------------------
-    def _push(self) -> bool:
-        """Send every gathered message now (any thread); False once the controller is gone."""
+    def _push(self, control: dict[str, Any] | None = None) -> bool:
+        """Send every gathered record now, then `control` (any thread); False once the controller is gone."""
         with self._out_lock:
-            batch = []
-            while True:
-                try:
-                    batch.append(self._out.popleft())
-                except IndexError:
-                    break
-            if not batch and not self._backlog():
+            recs = self._recs
+            n = len(recs)  # the training thread may append meanwhile: those stay for the next push
+            data = encode_records(recs[:n]) if n else b""
+            del recs[:n]
+            if control is not None:
+                data += encode_control(control)
+            if not data and not self._backlog():
                 return True
-            return self._send_batch(batch)
+            return self._send_bytes(data)
 
     def _ask_answers(self) -> None:
         """Send what is gathering and ask the controller for the answers to marks it holds."""
         if not (self.closed or self.gone):
-            self._out.append({"op": "answer"})
-            self._push()
+            self._push({"op": "answer"})
 
     def _backstop(self) -> None:
         """Helper thread (CPU): send what a quiet training thread left behind; park when idle."""
         idle_since = time.monotonic()
         while not self._stopping:
             now = time.monotonic()
-            if self._out or self._backlog():
+            if self._recs or self._backlog():
                 idle_since = now
                 if now - self._out_since >= self._coalesce_s or self._backlog():
                     if not self._push():
                         return
             elif now - idle_since >= 1.0:
                 self._parked = True  # idle: sleep until an enqueue rings
-                if not (self._out or self._stopping):
+                if not (self._recs or self._stopping):
                     self._doorbell.wait()
                 self._parked = False
                 self._doorbell.clear()
@@ -337,12 +388,12 @@ class ClockClient:
             self._doorbell.clear()
 
     # -- GPU: forwarder thread ---------------------------------------------------------------
-    def _put(self, item: tuple[Any, dict[str, Any]] | None, ring: bool = False) -> None:
+    def _put(self, item: tuple[Any, Pending] | None, ring: bool = False) -> None:
         self._local.append(item)
         if ring or self._coalesce_s <= 0 or self._parked:
             self._doorbell.set()
 
-    def _take_all(self) -> list[tuple[Any, dict[str, Any]] | None]:
+    def _take_all(self) -> list[tuple[Any, Pending] | None]:
         items = []
         while True:
             try:
@@ -366,7 +417,7 @@ class ClockClient:
                 continue
             items = self._take_all()
             idle_since = time.monotonic()
-            batch: list[dict[str, Any]] = []
+            out = _Outgoing()
             stop = False
             for item in items:
                 if item is None:
@@ -374,22 +425,22 @@ class ClockClient:
                     break
                 event, msg = item
                 if event is not None:
-                    if batch:  # pass on what was reached before blocking on this event
-                        if not self._send_batch(batch):
-                            return
-                        batch = []
+                    if out and not self._send_bytes(out.take()):  # pass on what was reached first
+                        return
                     event.synchronize()  # blocks this helper thread only, until the GPU reaches the point
-                    msg["t"] = time.monotonic()
-                batch.append(msg)
-            if batch and not self._send_batch(batch):
+                if isinstance(msg, dict):
+                    out.control(msg)
+                else:
+                    out.record(msg, time.monotonic())
+            if out and not self._send_bytes(out.take()):
                 return
             if stop:
                 return
 
-    def _send_batch(self, batch: list[dict[str, Any]]) -> bool:
+    def _send_bytes(self, data: bytes) -> bool:
         try:
             assert self._send is not None
-            self._send(batch)
+            self._send(data)
         except (BrokenPipeError, OSError, ValueError):
             self._controller_gone()  # it reset the clocks on its way out
             return False

@@ -15,13 +15,12 @@ reason ``stale``); a change to the clock already locked is skipped with reason `
 are reset when the client closes or asks for it, when the controller gets SIGTERM/SIGINT, and when its
 parent (the trainer) is gone: stdin closes, or the parent PID changes, checked every 0.2 s.
 
-Messages to the controller (between processes: lines on its stdin, see ``encode_messages``):
-``begin`` {t, iteration, index, mhz, kind}, ``end`` {t} (only a simulated GPU needs it: busy vs
-blocked power), ``mark`` {seq, t, lazy?} -> reply ``mark`` {seq, t, energy_j} (at once; with ``lazy``
-held until HOLD_MARKS are due, or an ``answer`` {} asks for them), ``reset`` {seq} -> ``ack``,
-``close`` {seq} -> ``ack`` {counts}. Replies are one JSON object per line on its stdout (the marks of
-one batch in one write); on start it sends ``ready`` {gpu, backend, supported, busy_events, latency_s,
-pid} or ``error`` {type, message}.
+Messages to the controller travel in the wire format of runtime/clock_wire.py (records for begin, end
+and mark; JSON lines for answer, reset, close): ``mark`` -> reply ``mark`` {seq, t, energy_j} (at once;
+a lazy one is held until HOLD_MARKS are due or an ``answer`` asks for them), ``reset`` {seq} ->
+``ack``, ``close`` {seq} -> ``ack`` {counts}. Replies are one JSON object per line on its stdout (the
+marks of one batch in one write); on start it sends ``ready`` {gpu, backend, supported, busy_events,
+latency_s, pid} or ``error`` {type, message}.
 """
 
 from __future__ import annotations
@@ -38,56 +37,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus_megatron.errors import ClockControlError, KareusError
+from kareus_megatron.runtime.clock_wire import CODE_BEGIN, CODE_END, KINDS, FrameReader
 
 _POLL_S = 0.2
-HOLD_MARKS = 8  # answers to lazy marks sent together (fewer wake-ups of the client's reply reader)
+HOLD_MARKS = 256  # answers to lazy marks sent together at most (the client asks when it publishes)
 _RELEASE_OPS = ("answer", "reset", "close", "parent_gone")
 Reply = Callable[[dict[str, Any]], None]
-
-
-def encode_messages(batch: list[dict[str, Any]]) -> bytes:
-    """Messages to the controller as pipe lines: ``begin``/``mark``/``end`` in a compact text form
-    (times in integer microseconds of time.monotonic(); JSON costs the trainer ~3x more), others as
-    one JSON object per line."""
-    out = []
-    for m in batch:
-        op, idle = m.get("op"), m.get("idle_from")
-        idle_us = "-" if idle is None else str(int(idle * 1e6))
-        kind = m.get("kind", "")
-        if op == "begin" and "t" in m and " " not in kind and kind:
-            out.append(f"b {m['iteration']} {m['index']} {m['mhz']} {kind} {int(m['t'] * 1e6)} {idle_us}\n")
-        elif op == "mark" and "t" in m:
-            out.append(f"m {m['seq']} {int(m['t'] * 1e6)} {idle_us} {1 if m.get('lazy') else 0}\n")
-        elif op == "end" and "t" in m and idle is None:
-            out.append(f"e {int(m['t'] * 1e6)}\n")
-        else:
-            out.append(json.dumps(m, separators=(",", ":")) + "\n")
-    return "".join(out).encode()
-
-
-def decode_line(line: bytes) -> list[dict[str, Any]]:
-    """The messages of one pipe line (see `encode_messages`; a JSON array of messages is also read)."""
-    if line[:1] in (b"[", b"{"):
-        msgs = json.loads(line)
-        return msgs if isinstance(msgs, list) else [msgs]
-    f = line.split()
-    code = f[0]
-    if code == b"b":
-        msg: dict[str, Any] = {"op": "begin", "iteration": int(f[1]), "index": int(f[2]), "mhz": int(f[3]),
-                               "kind": f[4].decode(), "t": int(f[5]) / 1e6}
-        idle = f[6]
-    elif code == b"m":
-        msg = {"op": "mark", "seq": int(f[1]), "t": int(f[2]) / 1e6}
-        idle = f[3]
-        if f[4] != b"0":
-            msg["lazy"] = 1
-    elif code == b"e":
-        return [{"op": "end", "t": int(f[1]) / 1e6}]
-    else:
-        raise ValueError(f"unknown clock controller message {line[:40]!r}")
-    if idle != b"-":
-        msg["idle_from"] = int(idle) / 1e6
-    return [msg]
 
 
 class ClockController:
@@ -102,7 +57,8 @@ class ClockController:
         self.device = device
         self._reply = reply
         self._reply_many = reply_many
-        self._inbox: queue.Queue[list[dict[str, Any]]] = queue.Queue()
+        # Items for the control loop: begins as (mhz, iteration, index, kind) tuples, control dicts.
+        self._inbox: queue.Queue[list[Any]] = queue.Queue()
         self._device_logs = hasattr(device, "log_event")  # the simulated backend keeps its own log
         self._log = JsonlAppender(log_path) if (log_path and not self._device_logs) else None
         # Whether decisions are written anywhere; without a log, skips only count (the common case).
@@ -111,6 +67,8 @@ class ClockController:
         self.clock_control = True
         self.counts = {"applied": 0, "stale": 0, "unchanged": 0, "errors": 0}
         self._held: list[dict[str, Any]] = []  # answers to lazy marks not sent yet
+        self._frames = FrameReader()
+        self._edges = getattr(device, "busy_edges", None)  # only a simulated GPU accounts busy power
         self._stop = threading.Event()
 
     # -- logging -----------------------------------------------------------------------------
@@ -144,35 +102,62 @@ class ClockController:
         }
 
     # -- input (any thread) ------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        """Accept bytes of the input stream (records and control lines, see the module docstring)."""
+        items = self._frames.feed(data)
+        if items:
+            self._take(items)
+
     def submit(self, msg: dict[str, Any]) -> None:
-        """Accept one message; energy marks are answered at once, the rest go to the control loop."""
-        self.submit_batch([msg])
+        """Accept one control message (``reset``, ``close``, ``answer``, ``parent_gone``)."""
+        self._take([msg])
 
-    def submit_batch(self, batch: list[dict[str, Any]]) -> None:
-        """Accept several messages in order (one write from the client).
-
-        Busy/idle changes (a simulated GPU's power state) and energy marks are handled at once, in
-        this thread, so they are never delayed by a clock call in progress; clock changes, resets
-        and close go to the control loop in order.
-        """
-        rest, answers = [], []
-        for msg in batch:
-            op = msg.get("op")
-            if "idle_from" in msg:  # the end of the previous instruction, sent along with this message
-                self._set_busy(False, msg["idle_from"])
-            if op == "mark":
-                (self._held if msg.get("lazy") else answers).append(self._answer_mark(msg))
+    def _take(self, items: list[Any]) -> None:
+        """Handle what arrived, in order. Busy/idle edges (a simulated GPU's power state) and energy
+        marks are handled at once, in this thread, so a clock call in progress never delays them;
+        clock changes, resets and close go to the control loop in order. Without a decision log only
+        the last begin of a run of begins is passed on, with the number it overtook."""
+        rest: list[Any] = []
+        answers: list[dict[str, Any]] = []
+        edges: list[float] = []  # t0, busy0, t1, busy1, ... (busy as 1.0 / 0.0)
+        release = False
+        each = self._logging and self.clock_control
+        for item in items:
+            if isinstance(item, dict):
+                op = item.get("op")
+                release = release or op in _RELEASE_OPS
+                if op != "answer":
+                    rest.append(item)
                 continue
-            if op in ("begin", "end"):
-                self._set_busy(op == "begin", msg.get("t"))
-                if op == "end":
-                    continue
-            if op == "answer":
-                continue
-            rest.append(msg)
+            last = None
+            overtaken = 0
+            it = iter(item)
+            for code, t, idle, a, b, c, d in zip(it, it, it, it, it, it, it):
+                if idle == idle:  # not NaN: the previous instruction ended then
+                    edges += (idle, 0.0)
+                if code == CODE_BEGIN:
+                    edges += (t, 1.0)
+                    if each:
+                        rest.append((int(c), int(a), int(b), int(d)))  # mhz, iteration, index, kind
+                    else:
+                        overtaken += last is not None
+                        last = (c, a, b, d)
+                elif code == CODE_END:
+                    edges += (t, 0.0)
+                else:  # a mark: its energy includes every edge before it
+                    if edges:
+                        self._busy_edges(edges)
+                        edges = []
+                    (self._held if b else answers).append(self._answer_mark(int(a), t))
+            if last is not None:
+                if overtaken:
+                    rest.append(("stale", overtaken))
+                rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3])))
+        if edges:
+            self._busy_edges(edges)
         # Lazy marks (a CPU client reads them only when it publishes) leave in groups of HOLD_MARKS, or
         # when asked (``answer``), or before a reset/close is acknowledged.
-        if self._held and (len(self._held) >= HOLD_MARKS or any(m.get("op") in _RELEASE_OPS for m in batch)):
+        if self._held and (len(self._held) >= HOLD_MARKS or release):
             answers, self._held = self._held + answers, []
         if answers and self._reply_many is not None:
             self._reply_many(answers)
@@ -182,15 +167,18 @@ class ClockController:
         if rest:
             self._inbox.put_nowait(rest)
 
-    def _answer_mark(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _busy_edges(self, edges: list[float]) -> None:
+        if self._edges is not None:
+            self._edges(edges)
+
+    def _answer_mark(self, seq: int, t: float) -> dict[str, Any]:
         at = getattr(self.device, "energy_j_at", None)  # a simulated GPU can read the past exactly
         try:
-            t = msg.get("t")
-            energy = float(at(t) if (at is not None and t is not None) else self.device.energy_j())
+            energy = float(at(t) if at is not None else self.device.energy_j())
         except KareusError as e:
             energy = float("nan")
             self._record("error", False, message=str(e))
-        return {"op": "mark", "seq": msg["seq"], "t": msg.get("t"), "energy_j": energy}
+        return {"op": "mark", "seq": seq, "t": t, "energy_j": energy}
 
     # -- control loop ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -227,23 +215,28 @@ class ClockController:
             self._final_reset(why)
         return why
 
-    def _handle(self, batch: list[dict[str, Any]]) -> str | None:
-        pending: dict[str, Any] | None = None
-        for msg in batch:
-            op = msg.get("op")
-            if op == "begin":
-                if pending is not None:
+    def _handle(self, batch: list[Any]) -> str | None:
+        pending: tuple[int, int, int, int] | None = None
+        for item in batch:
+            if isinstance(item, tuple):
+                if item[0] == "stale":  # begins overtaken within one block (not logged one by one)
+                    if self.clock_control:
+                        self.counts["stale"] += item[1]
+                    continue
+                if pending is not None:  # a begin overtakes the pending one
                     self._skip(pending, "stale")
-                pending = msg
-            elif op in ("reset", "close", "parent_gone"):
+                pending = item
+                continue
+            op = item.get("op")
+            if op in ("reset", "close", "parent_gone"):
                 if pending is not None:
                     self._skip(pending, "stale")
                     pending = None
                 if op == "reset":
                     self._reset("requested")
-                    self._reply({"op": "ack", "seq": msg.get("seq")})
+                    self._reply({"op": "ack", "seq": item.get("seq")})
                 elif op == "close":
-                    self._close_seq = msg.get("seq")
+                    self._close_seq = item.get("seq")
                     return "closed"
                 else:
                     return "parent-gone"
@@ -251,37 +244,34 @@ class ClockController:
             self._apply(pending)
         return None
 
-    def _set_busy(self, busy: bool, t: float | None) -> None:
-        set_busy = getattr(self.device, "set_busy", None)
-        if set_busy is not None:
-            set_busy(busy, t)
+    @staticmethod
+    def _context(begin: tuple[int, int, int, int]) -> dict[str, Any]:
+        _, iteration, index, kind = begin
+        return {"iteration": iteration, "index": index, "kind": KINDS[kind] if 0 <= kind < len(KINDS) else kind}
 
-    def _context(self, msg: dict[str, Any]) -> dict[str, Any]:
-        return {k: msg[k] for k in ("iteration", "index", "kind") if k in msg}
-
-    def _skip(self, msg: dict[str, Any], reason: str) -> None:
+    def _skip(self, begin: tuple[int, int, int, int], reason: str) -> None:
         if not self.clock_control:
             return  # begins arrive only for a simulated GPU's power accounting
         self.counts[reason] += 1
         if self._logging:
-            self._record("skip", False, mhz=msg["mhz"], reason=reason, **self._context(msg))
+            self._record("skip", False, mhz=begin[0], reason=reason, **self._context(begin))
 
-    def _apply(self, msg: dict[str, Any]) -> None:
-        mhz = int(msg["mhz"])
+    def _apply(self, begin: tuple[int, int, int, int]) -> None:
+        mhz = begin[0]
         if not self.clock_control:
             return
         if mhz == self._locked_mhz:
-            self._skip(msg, "unchanged")
+            self._skip(begin, "unchanged")
             return
         try:
             self.device.set_sm_clock_mhz(mhz)
         except KareusError as e:
             self.counts["errors"] += 1
-            self._record("error", False, mhz=mhz, message=str(e), **self._context(msg))
+            self._record("error", False, mhz=mhz, message=str(e), **self._context(begin))
             return
         self._locked_mhz = mhz
         self.counts["applied"] += 1
-        self._record("set", True, mhz=mhz, **self._context(msg))
+        self._record("set", True, mhz=mhz, **self._context(begin))
 
     def _reset(self, reason: str) -> None:
         if not self.clock_control:
@@ -363,15 +353,12 @@ def _serve(args: argparse.Namespace) -> int:
     reply(controller.probe())
 
     def read_stdin() -> None:
-        fd, rest = sys.stdin.fileno(), b""
+        fd = sys.stdin.fileno()
         while True:  # everything that has arrived, in one read per wake-up
             data = os.read(fd, 1 << 16)
             if not data:
                 break
-            *lines, rest = (rest + data).split(b"\n")
-            batch = [msg for line in lines if line.strip() for msg in decode_line(line)]
-            if batch:
-                controller.submit_batch(batch)
+            controller.feed(data)
         controller.submit({"op": "parent_gone"})  # EOF: the trainer closed the pipe or died
 
     threading.Thread(target=read_stdin, name="kareus-clock-stdin", daemon=True).start()

@@ -23,7 +23,6 @@ from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Instruction, Plan
-from kareus_megatron.runtime import hooks
 from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
@@ -198,7 +197,7 @@ class PatchState(BasePatchState):
             self.session.instruction_begins_unplanned(kind)
             return
         index, instr = entry
-        hooks.notify_instruction(hooks.InstructionEvent(self.stage_id, index, self.iteration, instr))
+        self.begin_planned(index, instr, self.stage_id)
 
 
 _state: PatchState | None = None
@@ -221,7 +220,7 @@ def _wrap_compute(kind: str, fn: Any) -> Any:
         try:
             return fn(self, *args, **kwargs)
         finally:
-            st.session.instruction_ends()
+            st.instruction_ends()
 
     return exec_compute
 

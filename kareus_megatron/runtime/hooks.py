@@ -2,8 +2,9 @@
 
 The framework patch (megatron-core or DeepSpeed) calls ``notify_instruction`` on the training thread
 just before each planned forward or backward instruction starts, with the plan's ``Instruction`` for
-it. Listeners (the clock controller's client, the overlap engine) must return quickly: they may only
-record state or enqueue work, never block on a device.
+it, right after it has handed the instruction's clock to the clock client (which it calls directly:
+that path runs at every instruction and is kept short). Listeners (the overlap engine, user code)
+must return quickly: they may only record state or enqueue work, never block on a device.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def remove_instruction_listener(fn: Listener) -> None:
 def is_registered(fn: Listener) -> bool:
     """True when `fn` is a registered listener."""
     return fn in _listeners
+
+
+def has_listeners() -> bool:
+    """True when any listener is registered (the patch builds no event otherwise)."""
+    return bool(_listeners)
 
 
 def notify_instruction(event: InstructionEvent) -> None:

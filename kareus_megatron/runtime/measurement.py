@@ -4,10 +4,13 @@ An *iteration* is one training call of the megatron-core schedule (forward_backw
 to exit; on a GPU both points are GPU-aligned (CUDA events waited for off the training thread by the
 clock client), on a CPU they are ``time.monotonic()`` on the training thread. Energy comes from the
 device's counter (NVML: total-energy counter; simulated: the power model). Ranks exchange their
-figures every ``publish_every`` iterations (default 10; one small all_gather over a gloo group, CPU
-tensors, so the GPU is never synchronised), leaving out the newest iteration, whose end the GPU may not
-have reached yet; ``flush()`` (at close) publishes the rest. Global rank 0 appends one line per
-iteration:
+figures in groups (one small all_gather over a gloo group, CPU tensors, so the GPU is never
+synchronised), leaving out the newest iteration, whose end the GPU may not have reached yet; ``flush()``
+(at close) publishes the rest. The first group is ``publish_every`` iterations (default 10); after each
+exchange every rank sizes the next group from the exchanged iteration times so that exchanges come
+about every ``publish_interval_s`` (default 10 s; at most MAX_GROUP iterations). Every rank sees the
+same exchanged figures, so all ranks agree on the next group without talking. Global rank 0 appends
+one line per iteration:
 
     {"kind": "iteration", "iteration": i, "time_s": T, "energy_j": E,
      "stages": [{"pp_rank": r, "time_s": max, "energy_j": sum, "gpus": n}, ...]}
@@ -26,6 +29,7 @@ from typing import Any
 from kareus_megatron.hardware.device.sim import JsonlAppender
 
 _FIELDS = 4  # iteration, pp_rank, time_s, energy_j
+MAX_GROUP = 1000  # iterations exchanged at most in one collective (bounds held tickets and lag)
 
 
 class _Point:
@@ -50,10 +54,13 @@ class IterationMeter:
     """Collects each iteration's time and energy on every rank; rank 0 writes the JSONL log."""
 
     def __init__(self, log_path: str | os.PathLike[str] | None, mark: Callable[[], Any] | None = None,
-                 header: dict[str, Any] | None = None, publish_every: int = 10) -> None:
+                 header: dict[str, Any] | None = None, publish_every: int = 10,
+                 publish_interval_s: float | None = 10.0) -> None:
         """`mark()` returns a ticket with .wait()/.t/.energy_j (the clock client); None: CPU time only.
-        Iterations are exchanged between ranks in groups of `publish_every` (one collective each)."""
+        Iterations are exchanged between ranks in groups (one collective each): first `publish_every`,
+        then as many as take about `publish_interval_s` (None: always `publish_every`)."""
         self._publish_every = max(1, int(publish_every))
+        self._publish_interval_s = publish_interval_s
         self._mark = mark
         self._log_path = os.fspath(log_path) if log_path else None
         self._log: JsonlAppender | None = None
@@ -103,12 +110,24 @@ class IterationMeter:
 
     def _publish(self, items: list[tuple[int, _Point, _Point]]) -> None:
         rows = self._local_rows(items)
-        gathered = _all_gather_rows(rows)
-        if gathered is None:
+        gathered, writer = _all_gather_rows(rows)
+        self._size_next_group(gathered)
+        if not writer:
             return  # not rank 0
         for k in range(len(rows)):
             per_rank = [g[k] for g in gathered]
             self._write(per_rank)
+
+    def _size_next_group(self, gathered: list[list[list[float]]]) -> None:
+        """Iterations in the next exchange: `publish_interval_s` over the median iteration time (s)
+        just exchanged. Computed from the gathered figures only, so every rank gets the same number."""
+        if self._publish_interval_s is None or not gathered:
+            return
+        times = [max(r[2] for r in per_rank) for per_rank in zip(*gathered)]
+        times = sorted(t for t in times if math.isfinite(t) and t > 0)
+        if times:
+            median = times[len(times) // 2]
+            self._publish_every = max(1, min(MAX_GROUP, math.ceil(self._publish_interval_s / median)))
 
     def _write(self, per_rank: list[list[float]]) -> None:
         stages: dict[int, dict[str, Any]] = {}
@@ -139,24 +158,22 @@ def _num(x: float) -> float | None:
     return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
 
 
-def _all_gather_rows(rows: list[list[float]]) -> list[list[list[float]]] | None:
-    """Gather every rank's rows; rank 0 gets [rank][row][field], other ranks None."""
+def _all_gather_rows(rows: list[list[float]]) -> tuple[list[list[list[float]]], bool]:
+    """Gather every rank's rows as [rank][row][field] (on every rank); True on the rank that writes (0)."""
     try:
         import torch
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - the runtime always has torch
-        return [rows]
+        return [rows], True
     if not (dist.is_available() and dist.is_initialized()):
         # No process group (single process, or already destroyed at exit): rank 0 writes its own rows.
-        return [rows] if os.environ.get("RANK", "0") == "0" else None
+        return [rows], os.environ.get("RANK", "0") == "0"
     if dist.get_world_size() == 1:
-        return [rows]
+        return [rows], True
     local = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), _FIELDS)
     out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(out, local, group=_cpu_group())
-    if dist.get_rank() != 0:
-        return None
-    return [o.tolist() for o in out]
+    return [o.tolist() for o in out], dist.get_rank() == 0
 
 
 _gloo_group: Any = None

@@ -21,7 +21,6 @@ from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Instruction, Plan
-from kareus_megatron.runtime import hooks
 from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
@@ -258,7 +257,7 @@ class PatchState(BasePatchState):
                     "planned at %d); clocks follow each instruction's identity", self.position, kind,
                     microbatch, chunk, index)
         self.position += 1
-        hooks.notify_instruction(hooks.InstructionEvent(self.pp_rank, index, self.iteration, instr))
+        self.begin_planned(index, instr, self.pp_rank)
 
     def remember_forward(self, out: Any, chunk: int, microbatch: int) -> None:
         self._fwd_ids[_tensor_key(out)] = (chunk, microbatch)
@@ -305,7 +304,7 @@ def _wrap_forward_step(fn: Any) -> Any:
             return fn(*args, **kwargs)
         st.announce("forward", chunk, mb)
         out = fn(*args, **kwargs)
-        st.session.instruction_ends()
+        st.instruction_ends()
         st.remember_forward(out[0], chunk, mb)
         return out
 
@@ -324,7 +323,7 @@ def _wrap_backward_step(fn: Any) -> Any:
             return fn(*args, **kwargs)
         st.announce("backward", ident[0], ident[1])
         out = fn(*args, **kwargs)
-        st.session.instruction_ends()
+        st.instruction_ends()
         return out
 
     return backward_step

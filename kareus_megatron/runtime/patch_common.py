@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus_megatron.errors import PlanMismatchError
-from kareus_megatron.plan.schema import Plan
+from kareus_megatron.plan.schema import Instruction, Plan
+from kareus_megatron.runtime import hooks
 
 
 def compare(out: list[str], name: str, planned: Any, actual: Any, side: str = "run") -> None:
@@ -49,7 +50,8 @@ class BasePatchState:
     """Per-process state of an installed patch; `session` gets validate/iteration/instruction calls.
 
     ``active``: inside a training iteration; ``position``: instructions announced in it so far.
-    Subclasses implement ``bind(live)`` (map this rank's planned instructions after validation).
+    Subclasses implement ``bind(live)`` (map this rank's planned instructions after validation) and
+    call ``begin_planned`` before and ``instruction_ends`` after every compute instruction.
     """
 
     def __init__(self, plan: Plan | None, session: Any, source: str = "the plan") -> None:
@@ -60,6 +62,17 @@ class BasePatchState:
         self.validated = False
         self.iteration = 0
         self.position = 0
+        # The session's per-instruction callables (the clock client's, when it has one), bound once.
+        self._clock_begins: Callable[[int, int, int, str], None] | None = None
+        self.instruction_ends: Callable[[], None] = session.instruction_ends
+
+    def begin_planned(self, index: int, instr: Instruction, rank: int) -> None:
+        """Planned instruction `index` of pipeline rank `rank` begins: its clock, then the hooks' listeners."""
+        begins = self._clock_begins
+        if begins is not None:
+            begins(self.iteration, index, instr.sm_clock_mhz, instr.kind)
+        if hooks.has_listeners():
+            hooks.notify_instruction(hooks.InstructionEvent(rank, index, self.iteration, instr))
 
     def bind(self, live: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -73,6 +86,7 @@ class BasePatchState:
             live = read_live()
             self.session.validate(self.plan, live, self.source)  # raises PlanMismatchError
             self.bind(live)
+            self._clock_begins, self.instruction_ends = self.session.instruction_callables()
             self.validated = True
         self.begin_iteration()
         self.session.iteration_begins(self.iteration)

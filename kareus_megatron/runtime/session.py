@@ -17,6 +17,7 @@ import atexit
 import os
 import time
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Generic, Literal, TypeVar
 
@@ -141,7 +142,6 @@ class RuntimeSession:
             header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
                           clock_control=client.clock_control, predicted=self.plan.predicted.model_dump())
             self.meter = IterationMeter(self.log_path, mark=client.mark, header=header)
-            hooks.add_instruction_listener(self._on_instruction)
         try:
             self.patch = self.framework_patch.install(self.plan, self, self.source)
         except BaseException:
@@ -175,7 +175,6 @@ class RuntimeSession:
             self._release()
 
     def _release(self, close_overlap: bool = False) -> None:
-        hooks.remove_instruction_listener(self._on_instruction)
         if self.patch is not None and self.framework_patch.installed_state() is self.patch:
             self.framework_patch.uninstall()
         if close_overlap:  # not after a failure or at exit: the engine's communicators may be gone
@@ -264,15 +263,17 @@ class RuntimeSession:
         elif self.device is not None and hasattr(self.device, "set_busy"):
             self.device.set_busy(False)
 
+    def instruction_callables(self) -> tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]:
+        """What the patch calls at every instruction: (begins(iteration, index, mhz, kind) or None,
+        ends()). With a clock controller these are the client's own methods (the shortest path)."""
+        if self.client is not None:
+            return self.client.instruction_begins, self.client.instruction_ends
+        return None, self.instruction_ends
+
     def training_failed(self) -> None:
         """An exception left the schedule: reset clocks now (the next iteration re-applies them)."""
         if self.client is not None:
             self.client.reset(timeout_s=2.0)
-
-    def _on_instruction(self, event: hooks.InstructionEvent) -> None:
-        if self.client is not None:
-            self.client.instruction_begins(event.iteration, event.index, event.instruction.sm_clock_mhz,
-                                           event.instruction.kind)
 
 
 S = TypeVar("S", bound=RuntimeSession)

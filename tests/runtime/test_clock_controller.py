@@ -11,11 +11,21 @@ import textwrap
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kareus_megatron.errors import ClockControlError
 from kareus_megatron.hardware.device.sim import SimulatedGPU
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.runtime.clock_controller import ClockClient, ClockController
+from kareus_megatron.runtime.clock_wire import (
+    CODE_MARK,
+    NO_TIME,
+    FrameReader,
+    begin_record,
+    encode_control,
+    encode_records,
+)
 
 
 def _records(path):
@@ -36,10 +46,12 @@ def test_batch_applies_latest_and_skips_stale(tmp_path):
     replies = []
     ctl = ClockController(_sim(tmp_path), replies.append)
     assert ctl.probe()["op"] == "ready"
-    begins = [{"op": "begin", "t": time.monotonic(), "iteration": 0, "index": k, "mhz": m, "kind": "forward"}
-              for k, m in enumerate((1200, 1005, 990))]
-    ctl._handle(begins)  # three instructions began while the controller was busy
-    ctl._handle([{"op": "begin", "t": time.monotonic(), "iteration": 0, "index": 3, "mhz": 990, "kind": "backward"}])
+    t = time.monotonic()
+    # three instructions began while the controller was busy
+    ctl.feed(encode_records([x for k, m in enumerate((1200, 1005, 990)) for x in begin_record(t, 0, k, m, "forward")]))
+    ctl._handle(ctl._inbox.get_nowait())
+    ctl.feed(encode_records(begin_record(t, 0, 3, 990, "backward")))
+    ctl._handle(ctl._inbox.get_nowait())
     assert _decisions(tmp_path / "clocks.jsonl") == [
         ("skip", 1200, "stale"), ("skip", 1005, "stale"), ("set", 990, None), ("skip", 990, "unchanged")
     ]
@@ -257,10 +269,10 @@ def test_changes_wait_for_gpu_progress(tmp_path):
 
 def test_coalescing_window_from_env(monkeypatch):
     from kareus_megatron.errors import ConfigError
-    from kareus_megatron.runtime.clock_client import coalesce_from_env
+    from kareus_megatron.runtime.clock_client import CPU_COALESCE_S, coalesce_from_env
 
     monkeypatch.delenv("KAREUS_CLOCK_COALESCE_MS", raising=False)
-    assert ClockClient()._coalesce_s == 0.005 and ClockClient(event_factory=object)._coalesce_s == 0.0
+    assert ClockClient()._coalesce_s == CPU_COALESCE_S and ClockClient(event_factory=object)._coalesce_s == 0.0
     monkeypatch.setenv("KAREUS_CLOCK_COALESCE_MS", "20")
     assert ClockClient()._coalesce_s == pytest.approx(0.02)
     for bad in ("x", "-1", "5000"):
@@ -269,25 +281,19 @@ def test_coalescing_window_from_env(monkeypatch):
             coalesce_from_env(0.0)
 
 
-def test_wire_format_round_trip():
-    from kareus_megatron.runtime.clock_controller import decode_line, encode_messages
-
+def test_wire_format_round_trip_in_any_chunks():
     t = time.monotonic()
-    batch = [{"op": "begin", "iteration": 3, "index": 2, "mhz": 1200, "kind": "forward", "t": t, "idle_from": t - 1e-3},
-             {"op": "begin", "iteration": 3, "index": 3, "mhz": 990, "kind": "backward", "t": t},
-             {"op": "mark", "seq": 5, "t": t, "lazy": 1}, {"op": "mark", "seq": 6, "t": t, "idle_from": t},
-             {"op": "end", "t": t}, {"op": "reset", "seq": 7}, {"op": "answer"}]
-    lines = [line for line in encode_messages(batch).split(b"\n") if line]
-    assert len(lines) == len(batch) and lines[0].startswith(b"b ") and lines[-1].startswith(b"{")
-    decoded = [m for line in lines for m in decode_line(line)]
-    for sent, got in zip(batch, decoded):  # times travel as whole microseconds
-        assert {k: v for k, v in got.items() if k not in ("t", "idle_from")} == \
-            {k: v for k, v in sent.items() if k not in ("t", "idle_from")}
-        for k in ("t", "idle_from"):
-            assert (k in got) == (k in sent) and (k not in got or abs(got[k] - sent[k]) < 2e-6)
-    assert decode_line(b'[{"op":"close","seq":1}]') == [{"op": "close", "seq": 1}]
+    items = [[*begin_record(t, 3, 2, 1200, "forward", t - 1e-3), *begin_record(t, 3, 3, 990, "backward")],
+             {"op": "reset", "seq": 7}, [CODE_MARK, t, NO_TIME, 5.0, 1.0, 0.0, 0.0], {"op": "answer"}]
+    data = b"".join(encode_records(i) if isinstance(i, list) else encode_control(i) for i in items)
+    for step in (1, 3, 8, 57, len(data)):  # however the pipe splits the stream
+        reader, got = FrameReader(), []
+        for k in range(0, len(data), step):
+            got += reader.feed(data[k:k + step])
+        assert [list(g) if not isinstance(g, dict) else g for g in got] == \
+            [[x if x == x else pytest.approx(x, nan_ok=True) for x in i] if isinstance(i, list) else i for i in items]
     with pytest.raises(ValueError, match="unknown clock controller message"):
-        decode_line(b"x 1 2")
+        FrameReader().feed(b"x 1 2\n")
 
 
 def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, monkeypatch):
@@ -297,9 +303,8 @@ def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, 
     from kareus_megatron.runtime import clock_controller
 
     monkeypatch.delenv("KAREUS_CLOCK_COALESCE_MS", raising=False)
-    client = ClockClient()
+    client = ClockClient(coalesce_s=0.012)
     client.start_thread(_sim(tmp_path, latency_s=0.012))
-    assert client._coalesce_s == pytest.approx(0.012)  # one simulated clock call
     names = {t.name for t in threading.enumerate()}
     assert "kareus-clock-backstop" in names and "kareus-clock-forwarder" not in names
     tickets = [client.mark() for _ in range(clock_controller.HOLD_MARKS - 1)]
@@ -308,9 +313,61 @@ def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, 
     client.instruction_begins(0, 1, 990, "backward")  # the window has passed: sent at once, in order
     assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 2, 5)
     assert [m for _, m, _ in _decisions(tmp_path / "clocks.jsonl")] == [1200, 990]
-    assert not any(t._done.is_set() for t in tickets)  # held by the controller: no reply wake-ups yet
+    assert not any(t.done for t in tickets)  # held by the controller: no reply wake-ups yet
     assert tickets[0].wait(5) and all(t.wait(0) for t in tickets)  # waiting asks for them
     assert all(t.energy_j >= 0 for t in tickets)
     client.instruction_begins(0, 2, 1005, "forward")  # left behind by a quiet training thread
     assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 3, 5)  # the backstop sends it
     client.close()
+
+
+_record = st.tuples(st.sampled_from([1.0, 2.0, 3.0]), st.floats(0, 1e6), st.one_of(st.just(NO_TIME), st.floats(0, 1e6)),
+                    st.integers(0, 10_000), st.integers(0, 500), st.integers(0, 2000), st.integers(0, 1))
+_control = st.fixed_dictionaries({"op": st.sampled_from(["answer", "reset", "close"]), "seq": st.integers(0, 10**9)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.lists(st.one_of(st.lists(_record, min_size=1, max_size=5), _control), max_size=8),
+       cuts=st.lists(st.integers(1, 400), max_size=12))
+def test_frame_reader_reassembles_any_split(items, cuts):
+    """Whatever chunks the pipe delivers, the reader returns the same blocks and control messages."""
+    data = b"".join(encode_records([x for r in i for x in r]) if isinstance(i, list) else encode_control(i)
+                    for i in items)
+    reader, got, pos = FrameReader(), [], 0
+    for n in cuts + [len(data)]:
+        got += reader.feed(data[pos:pos + n])
+        pos += n
+    assert pos >= len(data) and reader.feed(b"") == []
+    want = [[x for r in i for x in r] if isinstance(i, list) else i for i in items]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, dict):
+            assert g == w
+        else:
+            assert [x for x in g if x == x] == [x for x in w if x == x]  # NaN != NaN: compare the rest
+            assert [x != x for x in g] == [x != x for x in w]
+
+
+@pytest.mark.parametrize("bad", [b"x 1 2\n", b"R 1\n" + bytes(56) + b"garbage\n", b"R -3\n", b"R two\n"])
+def test_frame_reader_rejects_unknown_lines(bad):
+    with pytest.raises(ValueError, match="clock controller message"):
+        FrameReader().feed(bad)
+
+
+def test_busy_edges_account_like_set_busy():
+    """The controller's batched busy/idle edges give the energy set_busy gives edge by edge."""
+    spec = gpu_spec("a100-sxm4-40gb")
+    one, many = SimulatedGPU(spec, 0, latency_s=0.0), SimulatedGPU(spec, 0, latency_s=0.0)
+    t0 = time.monotonic() + 1.0
+    base = []
+    for dev in (one, many):  # the same starting point on both
+        dev.set_busy(False, t0 - 0.5)
+        base.append(dev.energy_j_at(t0 - 0.5))
+    edges = [(t0 + k * 0.01 + (0.004 if k % 2 else 0.0), k % 2 == 0) for k in range(40)]
+    for t, busy in edges:
+        one.set_busy(busy, t)
+    many.busy_edges([x for t, busy in edges for x in (t, 1.0 if busy else 0.0)])
+    t_end = edges[-1][0]
+    e_one, e_many = one.energy_j_at(t_end) - base[0], many.energy_j_at(t_end) - base[1]
+    assert e_many == pytest.approx(e_one, rel=1e-9)
+    assert e_many > spec.p_blocked_w * (t_end - t0 + 0.5) * 1.1  # busy power counted

@@ -14,6 +14,7 @@ from kareus_megatron.hardware.device.sim import SimulatedGPU
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256, save_plan
 from kareus_megatron.runtime.clock_controller import ClockClient
+from kareus_megatron.runtime import measurement
 from kareus_megatron.runtime.measurement import IterationMeter
 from kareus_megatron.runtime.run_report import compare, load_run_log, predicted_stage_energy_j
 
@@ -107,3 +108,26 @@ def test_env_cli(capsys, monkeypatch):
     assert main(["env", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["megatron_core_supported"] is True and rep["simulated"]["latency_ms"] == 15.0
+
+
+def test_meter_sizes_exchanges_by_time_and_every_rank_agrees():
+    """After an exchange every rank sizes the next group from the same gathered figures."""
+    def rows(times_s):
+        return [[float(i), 0.0, t, 1.0] for i, t in enumerate(times_s)]
+
+    gathered = [rows([0.02, 0.5, 0.01]), rows([0.03, 0.02, 0.04])]  # per rank; per iteration max 0.03, 0.5, 0.04
+    sizes = []
+    for _ in range(2):  # two ranks, same gathered figures
+        meter = IterationMeter(None, publish_every=10, publish_interval_s=1.0)
+        meter._size_next_group(gathered)
+        sizes.append(meter._publish_every)
+    assert sizes == [25, 25]  # 1 s over the median iteration time, 0.04 s
+    fixed = IterationMeter(None, publish_every=3, publish_interval_s=None)
+    fixed._size_next_group(gathered)
+    assert fixed._publish_every == 3
+    slow = IterationMeter(None, publish_interval_s=1.0)
+    slow._size_next_group([rows([5.0, float("nan")])])
+    assert slow._publish_every == 1  # iterations longer than the interval: every iteration
+    fast = IterationMeter(None, publish_interval_s=60.0)
+    fast._size_next_group([rows([1e-4])])
+    assert fast._publish_every == measurement.MAX_GROUP

@@ -147,6 +147,22 @@ class SimulatedGPU:
             self._busy = busy
             self._compute, self._memory = compute_activity, memory_activity
 
+    def busy_edges(self, edges: list[float]) -> None:
+        """`set_busy(busy, t)` for each pair (t, busy) of the flat list `edges` (t0, busy0, t1, ...; busy
+        1.0 or 0.0), in time order, at the default activity (one lock; the clock's hot path)."""
+        with self._lock:
+            self._compute, self._memory = DEFAULT_COMPUTE_ACTIVITY, DEFAULT_MEMORY_ACTIVITY
+            busy, self._busy = self._busy, True
+            p_busy, p_idle = self._power_w(), float(self.spec.p_blocked_w)
+            t_last, energy = self._t_last, self._energy_j
+            it = iter(edges)
+            for t, b in zip(it, it):
+                if t > t_last:
+                    energy += (p_busy if busy else p_idle) * (t - t_last)
+                    t_last = t
+                busy = b
+            self._t_last, self._energy_j, self._busy = t_last, energy, bool(busy)
+
     # -- GPUDevice contract ------------------------------------------------------------------
     def _check_open(self) -> None:
         if not self._open:
