@@ -3,15 +3,15 @@
 The training thread only enqueues ("instruction begins/ends", "mark"). On a GPU a forwarder thread
 waits for GPU progress (a CUDA event recorded at the instruction boundary) and passes on what has been
 reached. On a CPU there is nothing to wait for (timestamps are the enqueue time, ``time.monotonic()``):
-the training thread gathers messages for a *coalescing window* (KAREUS_CLOCK_COALESCE_MS; default
-``CPU_COALESCE_S``, 100 ms) and then writes them itself, in one non-blocking write to the controller's
-pipe (what the pipe cannot take yet stays queued); a backstop thread sends what is left when the
-training thread goes quiet (it looks every ``BACKSTOP_S``). Every message carries its own time, and the
-simulated GPU accounts busy and idle power by those times, so the window only delays when a clock
-change is made, by at most one window; it keeps the side channel to about ten wake-ups a second, which
-matters when the trainers already use every core. A *mark* is a measurement point: the controller
-answers it with the GPU energy (J) at that point; on a CPU the controller holds the answers until the
-client waits for one.
+the training thread only appends records, and a sender thread writes what has gathered once per
+*coalescing window* (KAREUS_CLOCK_COALESCE_MS; default ``CPU_COALESCE_S``, 250 ms) in one non-blocking
+write to the controller's pipe (what the pipe cannot take yet stays queued). The sender and the reply
+reader run in the time the trainers leave (``cpu_sched.idle_time_only``). Every message carries its
+own time, and the simulated GPU accounts busy and idle power by those times, so the window only delays
+when a clock change is made, by at most one window; it keeps the side channel to a few wake-ups a
+second, which matters when the trainers already use every core. A *mark* is a measurement point: the
+controller answers it with the GPU energy (J) at that point; on a CPU the controller holds the answers
+until the client waits for one.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError, KareusError
+from kareus_megatron.runtime import cpu_sched
 from kareus_megatron.runtime.clock_wire import (
     CODE_BEGIN,
     CODE_END,
@@ -48,10 +49,8 @@ Pending = tuple[float, ...] | dict[str, Any]
 
 
 # Default CPU gathering window (s).
-CPU_COALESCE_S = 0.1
-# How often (s) the CPU backstop thread looks for records a quiet training thread left behind (at
-# least the window); a training thread that keeps enqueueing sends its own.
-BACKSTOP_S = 0.25
+CPU_COALESCE_S = 0.25
+MIN_WAKE_S = 0.005  # the CPU sender thread sleeps at least this long between looks
 
 
 def coalesce_from_env(default_s: float) -> float:
@@ -165,8 +164,9 @@ class ClockClient:
         self.closed = False
         self.gone = False
         self._want_ends = True
+        self._cpu_sending = False  # CPU mode and instruction messages go out (see _refresh_sending)
         self._idle_from = NO_TIME  # CPU: end of the last instruction, sent with the next record
-        helper, name = (self._backstop, "backstop") if self._direct else (self._forward, "forwarder")
+        helper, name = (self._sender, "sender") if self._direct else (self._forward, "forwarder")
         self._forwarder = threading.Thread(target=helper, name=f"kareus-clock-{name}", daemon=True)
 
     # -- starting ----------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class ClockClient:
                     try:
                         n = os.write(fd, unsent)
                     except BlockingIOError:
-                        return  # the pipe is full: the rest goes with a later write (backstop)
+                        return  # the pipe is full: the rest goes with a later write (sender)
                     del unsent[:n]
 
         self._backlog = lambda: bool(unsent)
@@ -229,17 +229,21 @@ class ClockClient:
             if ready.get("type") == "ClockControlError":
                 self.clock_control = False
                 self._want_ends = bool(ready.get("busy_events", False))
+                self._refresh_sending()
                 self._forwarder.start()
                 return ready  # the caller decides: fail, or warn and train at default clocks
             self._kill()
             raise _error_class(ready.get("type"))(str(ready.get("message")))
         self.clock_control = True
         self._want_ends = bool(ready.get("busy_events", True))  # only a simulated GPU needs them
+        self._refresh_sending()
         self._forwarder.start()
         return ready
 
     def _read_process(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
+        if self._direct:
+            cpu_sched.idle_time_only()  # replies are only waited for when the meter publishes
         for line in self._proc.stdout:
             line = line.strip()
             if line:
@@ -249,6 +253,7 @@ class ClockClient:
     def _controller_gone(self) -> None:
         """The controller ended (closed, killed): wake every waiter; later marks answer NaN at once."""
         self.gone = True
+        self._refresh_sending()
         self._ready_event.set()
         with self._lock:
             tickets, self._tickets = list(self._tickets.values()), {}
@@ -275,6 +280,11 @@ class ClockClient:
                 ev.set()
 
     # -- training thread ---------------------------------------------------------------------
+    def _refresh_sending(self) -> None:
+        """Recompute the one flag the CPU hot path reads (after any state it depends on changes)."""
+        self._cpu_sending = (self._direct and (self.clock_control or self._want_ends)
+                             and not (self.closed or self.gone))
+
     def _enqueue(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0) -> None:
         if not self._direct:
             self._put((self._event_factory(), (code, a, b, c, d)))
@@ -285,23 +295,33 @@ class ClockClient:
         if not recs:
             self._out_since = now
         recs.extend((code, now, idle, a, b, c, d))
-        if now - self._out_since >= self._coalesce_s:
-            self._push()
-        elif self._parked:
+        if self._parked:
             self._doorbell.set()
 
     def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
-        """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread)."""
-        if (self.clock_control or self._want_ends) and not (self.closed or self.gone):
-            self._enqueue(CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))
+        """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread).
+
+        Runs at every instruction with cold caches: the CPU path is `_enqueue` written out."""
+        if not self._cpu_sending:
+            if (self.clock_control or self._want_ends) and not (self.closed or self.gone or self._direct):
+                self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))))
+            return
+        now = time.monotonic()
+        recs = self._recs
+        if not recs:
+            self._out_since = now
+        recs.extend((CODE_BEGIN, now, self._idle_from, iteration, index, mhz, _KIND_CODE.get(kind, -1)))
+        self._idle_from = NO_TIME
+        if self._parked:
+            self._doorbell.set()
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends" (training thread); only a simulated GPU needs it."""
-        if self._want_ends and not (self.closed or self.gone):
-            if self._direct:
+        if self._cpu_sending:
+            if self._want_ends:
                 self._idle_from = time.monotonic()  # sent with the next record: no queue operation
-            else:
-                self._enqueue(CODE_END, 0.0)
+        elif self._want_ends and not (self.closed or self.gone or self._direct):
+            self._enqueue(CODE_END, 0.0)
 
     def mark(self) -> MarkTicket:
         """Enqueue a measurement point; the ticket fills with its GPU-aligned time and energy."""
@@ -366,8 +386,10 @@ class ClockClient:
         if not (self.closed or self.gone):
             self._push({"op": "answer"})
 
-    def _backstop(self) -> None:
-        """Helper thread (CPU): send what a quiet training thread left behind; park when idle."""
+    def _sender(self) -> None:
+        """Helper thread (CPU): send the gathered records once per window, in the trainers' idle time;
+        park when nothing comes for a while."""
+        cpu_sched.idle_time_only()
         idle_since = time.monotonic()
         while not self._stopping:
             now = time.monotonic()
@@ -384,7 +406,8 @@ class ClockClient:
                 self._doorbell.clear()
                 idle_since = time.monotonic()
                 continue
-            self._doorbell.wait(max(BACKSTOP_S, self._coalesce_s))
+            self._doorbell.wait(max(MIN_WAKE_S, self._coalesce_s - (time.monotonic() - self._out_since)
+                                    if self._recs else self._coalesce_s))
             self._doorbell.clear()
 
     # -- GPU: forwarder thread ---------------------------------------------------------------
@@ -453,6 +476,7 @@ class ClockClient:
             return
         self._request("close", timeout_s)
         self.closed = True
+        self._refresh_sending()
         if self._direct:
             self._stopping = True
             self._doorbell.set()

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kareus_megatron.errors import ClockControlError, KareusError
+from kareus_megatron.runtime import cpu_sched
 from kareus_megatron.runtime.clock_wire import CODE_BEGIN, CODE_END, KINDS, FrameReader
 
 _POLL_S = 0.2
@@ -299,30 +300,12 @@ class ClockController:
 # ---- side process -----------------------------------------------------------------------------
 
 
-def _yield_to_training() -> None:
-    """Let the trainers go first on a busy CPU: no wake-up preemption (SCHED_BATCH), nice +5.
-
-    Each message from the trainer wakes this process; with default scheduling the woken controller
-    preempts the writing trainer on its core, so the trainer pays for the controller's work in time.
-    Its work is not latency-critical at the scale of a scheduler slice, and it still gets CPU time
-    (the 1 s reset on parent death holds). Threads started later inherit both (Linux: per thread).
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not allowed: keep the default
-        pass
-    try:
-        os.nice(5)
-    except (AttributeError, OSError):
-        pass
-
-
 def _serve(args: argparse.Namespace) -> int:
     """Body of the side process: stdin carries requests, stdout replies."""
     from kareus_megatron.hardware.device import open_gpu
 
     parent = os.getppid()
-    _yield_to_training()
+    cpu_sched.yield_to_training()  # each message from a trainer wakes this process: do not preempt it
     out_lock = threading.Lock()
     out = sys.stdout.buffer
 
@@ -343,6 +326,8 @@ def _serve(args: argparse.Namespace) -> int:
     except KareusError as e:
         reply({"op": "error", "type": type(e).__name__, "message": str(e)})
         return 2
+    if hasattr(device, "busy_edges"):  # a simulated GPU: the trainers are the device, take only idle time
+        cpu_sched.idle_time_only()
     controller = ClockController(device, reply, log_path=args.log or None, reply_many=reply_many)
 
     def on_signal(signum: int, frame: Any) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
-from kareus_megatron.plan.schema import Instruction, Plan
+from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,6 @@ class PatchState(BasePatchState):
         self.stage_id = 0
         self.num_buffers = 0
         self.count = {"forward": 0, "backward": 0}
-        self._lookup: dict[tuple[str, int], tuple[int, Instruction]] = {}
         self.buffer_mismatches = 0
 
     def bind(self, live: LiveEngine) -> None:
@@ -173,9 +172,7 @@ class PatchState(BasePatchState):
 
         self.num_buffers = schedule.TrainSchedule(micro_batches=live.micro_batches, stages=live.stages,
                                                   stage_id=live.stage_id).num_pipe_buffers()
-        if self.plan is not None:
-            instrs = self.plan.stages[live.stage_id].instructions
-            self._lookup = {(i.kind, i.microbatch): (k, i) for k, i in enumerate(instrs)}
+        self.plan_entries(live.stage_id, lambda i: (i.kind, i.microbatch))
 
     def begin_iteration(self) -> None:
         super().begin_iteration()
@@ -191,13 +188,9 @@ class PatchState(BasePatchState):
                 log.warning("kareus: %s buffer %d is not microbatch %d's buffer (%d buffers); the engine does "
                             "not run TrainSchedule, clocks may follow the wrong microbatches", kind, buffer_id,
                             mb, self.num_buffers)
-        self.position += 1
-        entry = self._lookup.get((kind, mb))
-        if entry is None:
+        if not self.announce((kind, mb)):
+            self.position += 1
             self.session.instruction_begins_unplanned(kind)
-            return
-        index, instr = entry
-        self.begin_planned(index, instr, self.stage_id)
 
 
 _state: PatchState | None = None

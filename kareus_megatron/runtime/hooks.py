@@ -46,9 +46,9 @@ def is_registered(fn: Listener) -> bool:
     return fn in _listeners
 
 
-def has_listeners() -> bool:
-    """True when any listener is registered (the patch builds no event otherwise)."""
-    return bool(_listeners)
+def listeners() -> list[Listener]:
+    """The live list of listeners (read-only for callers): empty means the patch builds no event."""
+    return _listeners
 
 
 def notify_instruction(event: InstructionEvent) -> None:

@@ -32,22 +32,13 @@ _FIELDS = 4  # iteration, pp_rank, time_s, energy_j
 MAX_GROUP = 1000  # iterations exchanged at most in one collective (bounds held tickets and lag)
 
 
-class _Point:
-    """A measurement point: GPU-aligned time (s) and energy (J), filled now or later."""
-
-    def __init__(self, ticket: Any = None) -> None:
-        self._ticket = ticket
-        self.t = None if ticket is not None else time.monotonic()
-        self.energy_j: float | None = None if ticket is not None else math.nan
-
-    def resolve(self, timeout_s: float = 60.0) -> tuple[float, float]:
-        if self._ticket is not None:
-            if self._ticket.wait(timeout_s) and self._ticket.t is not None:
-                self.t, self.energy_j = float(self._ticket.t), float(self._ticket.energy_j)
-            else:
-                self.t, self.energy_j = math.nan, math.nan
-            self._ticket = None
-        return float(self.t), float(self.energy_j)  # type: ignore[arg-type]
+def _resolve(point: Any, timeout_s: float = 60.0) -> tuple[float, float]:
+    """(time s, energy J) of a measurement point: a ticket (.wait/.t/.energy_j) or a bare time."""
+    if isinstance(point, float):
+        return point, math.nan
+    if point.wait(timeout_s) and point.t is not None:
+        return float(point.t), float(point.energy_j)
+    return math.nan, math.nan
 
 
 class IterationMeter:
@@ -65,13 +56,15 @@ class IterationMeter:
         self._log_path = os.fspath(log_path) if log_path else None
         self._log: JsonlAppender | None = None
         self._header = dict(header or {})
-        self._pending: list[tuple[int, _Point, _Point]] = []
-        self._start: _Point | None = None
+        self._pending: list[tuple[int, Any, Any]] = []  # (iteration, start point, end point)
+        self._start: Any = None
         self.pp_rank = 0
         self.records: list[dict[str, Any]] = []  # what rank 0 wrote (kept for tests and reports)
 
-    def _point(self) -> _Point:
-        return _Point(self._mark() if self._mark is not None else None)
+    def _point(self) -> Any:
+        """A measurement point: the clock client's ticket, or the time now (s) without a client."""
+        mark = self._mark
+        return mark() if mark is not None else time.monotonic()
 
     def begin(self, iteration: int) -> None:
         """Mark the start of `iteration` (training thread; does not wait)."""
@@ -81,11 +74,12 @@ class IterationMeter:
         """Mark the end of `iteration`; publish the previous iteration (one small collective)."""
         if self._start is None:
             return
-        self._pending.append((iteration, self._start, self._point()))
+        pending = self._pending
+        pending.append((iteration, self._start, self._point()))
         self._start = None
-        if len(self._pending) > self._publish_every:  # the newest stays: its end may not be reached yet
-            self._publish(self._pending[:-1])
-            del self._pending[:-1]
+        if len(pending) > self._publish_every:  # the newest stays: its end may not be reached yet
+            self._publish(pending[:-1])
+            del pending[:-1]
 
     def flush(self) -> None:
         """Publish every pending iteration; all ranks must call it (collective when distributed)."""
@@ -100,15 +94,15 @@ class IterationMeter:
             self._log = None
 
     # -- exchange --------------------------------------------------------------------------
-    def _local_rows(self, items: list[tuple[int, _Point, _Point]]) -> list[list[float]]:
+    def _local_rows(self, items: list[tuple[int, Any, Any]]) -> list[list[float]]:
         rows = []
         for iteration, p0, p1 in items:
-            t0, e0 = p0.resolve()
-            t1, e1 = p1.resolve()
+            t0, e0 = _resolve(p0)
+            t1, e1 = _resolve(p1)
             rows.append([float(iteration), float(self.pp_rank), t1 - t0, e1 - e0])
         return rows
 
-    def _publish(self, items: list[tuple[int, _Point, _Point]]) -> None:
+    def _publish(self, items: list[tuple[int, Any, Any]]) -> None:
         rows = self._local_rows(items)
         gathered, writer = _all_gather_rows(rows)
         self._size_next_group(gathered)

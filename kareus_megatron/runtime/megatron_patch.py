@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
-from kareus_megatron.plan.schema import Instruction, Plan
+from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
 
 log = logging.getLogger(__name__)
@@ -233,37 +233,26 @@ class PatchState(BasePatchState):
 
     def __init__(self, plan: Plan, session: Any, source: str = "the plan") -> None:
         super().__init__(plan, session, source)
-        self.pp_rank = 0
-        self._lookup: dict[tuple[str, int, int], tuple[int, Instruction]] = {}
-        self._fwd_ids: dict[int, tuple[int, int]] = {}
-        self.order_deviations = 0
+        self.fwd_ids: dict[int, tuple[int, int]] = {}  # id of a forward output -> (chunk, microbatch)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank
 
     def bind(self, live: LiveRun) -> None:
-        self.pp_rank = live.pp_rank
-        instrs = self.plan.stages[live.pp_rank].instructions
-        self._lookup = {(i.kind, i.chunk, i.microbatch): (k, i) for k, i in enumerate(instrs)}
+        self.plan_entries(live.pp_rank, lambda i: (i.kind, i.chunk, i.microbatch))
 
-    def announce(self, kind: str, chunk: int, microbatch: int) -> None:
-        entry = self._lookup.get((kind, chunk, microbatch))
-        if entry is None:  # not in the plan (cannot happen after validation); run it unplanned
-            log.warning("kareus: %s of microbatch %d chunk %d is not in the plan", kind, microbatch, chunk)
-            return
-        index, instr = entry
-        if index != self.position:
-            self.order_deviations += 1
-            if self.order_deviations == 1:
-                log.warning(
-                    "kareus: live instruction order differs from the plan at position %d (%s mb %d chunk %d is "
-                    "planned at %d); clocks follow each instruction's identity", self.position, kind,
-                    microbatch, chunk, index)
-        self.position += 1
-        self.begin_planned(index, instr, self.pp_rank)
+    def warn_unplanned(self, kind: str, chunk: int, microbatch: int) -> None:
+        """An instruction missing from the plan (cannot happen after validation) runs unplanned."""
+        log.warning("kareus: %s of microbatch %d chunk %d is not in the plan", kind, microbatch, chunk)
 
     def remember_forward(self, out: Any, chunk: int, microbatch: int) -> None:
-        self._fwd_ids[_tensor_key(out)] = (chunk, microbatch)
+        """Note that forward output `out` belongs to (chunk, microbatch); its backward gets it back."""
+        self.fwd_ids[_tensor_key(out)] = (chunk, microbatch)
 
     def recall_forward(self, output_tensor: Any) -> tuple[int, int] | None:
-        return self._fwd_ids.pop(_tensor_key(output_tensor), None)
+        """(chunk, microbatch) of the forward that returned `output_tensor`, once; None if unknown."""
+        return self.fwd_ids.pop(_tensor_key(output_tensor), None)
 
 
 def _tensor_key(t: Any) -> int:
@@ -302,10 +291,12 @@ def _wrap_forward_step(fn: Any) -> Any:
         chunk = kwargs.get("vp_stage") or 0
         if mb is None:
             return fn(*args, **kwargs)
-        st.announce("forward", chunk, mb)
+        if not st.announce(("forward", chunk, mb)):
+            st.warn_unplanned("forward", chunk, mb)
         out = fn(*args, **kwargs)
         st.instruction_ends()
-        st.remember_forward(out[0], chunk, mb)
+        key = out[0]  # remember_forward, written out (every forward runs this)
+        st.fwd_ids[id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key)] = (chunk, mb)
         return out
 
     return forward_step
@@ -317,11 +308,12 @@ def _wrap_backward_step(fn: Any) -> Any:
         st = _state
         if st is None or not st.active:
             return fn(*args, **kwargs)
-        output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")
-        ident = st.recall_forward(output_tensor)
+        key = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # recall_forward, written out
+        ident = st.fwd_ids.pop(id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key), None)
         if ident is None:
             return fn(*args, **kwargs)
-        st.announce("backward", ident[0], ident[1])
+        if not st.announce(("backward", ident[0], ident[1])):
+            st.warn_unplanned("backward", ident[0], ident[1])
         out = fn(*args, **kwargs)
         st.instruction_ends()
         return out

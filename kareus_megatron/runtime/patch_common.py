@@ -9,12 +9,15 @@ wrapped training iteration (DeepSpeed: one ``train_batch`` step) around it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from kareus_megatron.errors import PlanMismatchError
 from kareus_megatron.plan.schema import Instruction, Plan
 from kareus_megatron.runtime import hooks
+
+log = logging.getLogger("kareus_megatron.runtime")
 
 
 def compare(out: list[str], name: str, planned: Any, actual: Any, side: str = "run") -> None:
@@ -50,8 +53,11 @@ class BasePatchState:
     """Per-process state of an installed patch; `session` gets validate/iteration/instruction calls.
 
     ``active``: inside a training iteration; ``position``: instructions announced in it so far.
-    Subclasses implement ``bind(live)`` (map this rank's planned instructions after validation) and
-    call ``begin_planned`` before and ``instruction_ends`` after every compute instruction.
+    Subclasses implement ``bind(live)``, which maps this rank's planned instructions by a key of the
+    patch's choosing (``plan_entries``), and call ``announce(key)`` before and ``instruction_ends()``
+    after every compute instruction. This path runs at every instruction, after the framework's own
+    work has evicted it from the CPU caches, so it is kept to a few attribute reads: everything it
+    needs is looked up once (``_entries``; the session's callables at validation).
     """
 
     def __init__(self, plan: Plan | None, session: Any, source: str = "the plan") -> None:
@@ -62,17 +68,46 @@ class BasePatchState:
         self.validated = False
         self.iteration = 0
         self.position = 0
-        # The session's per-instruction callables (the clock client's, when it has one), bound once.
+        self.rank = 0  # this pipeline rank (stage), set by bind
+        self.order_deviations = 0
+        # key -> (index in the rank's plan, Instruction, SM clock MHz, kind)
+        self._entries: dict[Any, tuple[int, Instruction, int, str]] = {}
+        # The session's per-instruction and per-iteration callables, bound once at validation.
         self._clock_begins: Callable[[int, int, int, str], None] | None = None
         self.instruction_ends: Callable[[], None] = session.instruction_ends
+        self._iteration_begins: Callable[[int], None] = session.iteration_begins
+        self._iteration_ends: Callable[[int], None] = session.iteration_ends
+        self._listeners = hooks.listeners()
 
-    def begin_planned(self, index: int, instr: Instruction, rank: int) -> None:
-        """Planned instruction `index` of pipeline rank `rank` begins: its clock, then the hooks' listeners."""
+    def plan_entries(self, rank: int, key: Callable[[Instruction], Any]) -> None:
+        """Map rank `rank`'s planned instructions by `key(instruction)` (called by ``bind``)."""
+        self.rank = rank
+        if self.plan is not None:
+            self._entries = {key(i): (k, i, i.sm_clock_mhz, i.kind)
+                             for k, i in enumerate(self.plan.stages[rank].instructions)}
+
+    def announce(self, key: Any) -> bool:
+        """The planned instruction `key` begins: its clock, then the hooks' listeners. False when
+        `key` is not in the plan (the caller decides what an unplanned instruction means)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        index, instr, mhz, kind = entry
+        if index != self.position:
+            self._out_of_order(key, index)
+        self.position += 1
         begins = self._clock_begins
         if begins is not None:
-            begins(self.iteration, index, instr.sm_clock_mhz, instr.kind)
-        if hooks.has_listeners():
-            hooks.notify_instruction(hooks.InstructionEvent(rank, index, self.iteration, instr))
+            begins(self.iteration, index, mhz, kind)
+        if self._listeners:
+            hooks.notify_instruction(hooks.InstructionEvent(self.rank, index, self.iteration, instr))
+        return True
+
+    def _out_of_order(self, key: Any, index: int) -> None:
+        self.order_deviations += 1
+        if self.order_deviations == 1:
+            log.warning("kareus: live instruction order differs from the plan at position %d (%s is planned at "
+                        "%d); clocks follow each instruction's identity", self.position, key, index)
 
     def bind(self, live: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -87,9 +122,10 @@ class BasePatchState:
             self.session.validate(self.plan, live, self.source)  # raises PlanMismatchError
             self.bind(live)
             self._clock_begins, self.instruction_ends = self.session.instruction_callables()
+            self._iteration_begins, self._iteration_ends = self.session.iteration_callables()
             self.validated = True
         self.begin_iteration()
-        self.session.iteration_begins(self.iteration)
+        self._iteration_begins(self.iteration)
         try:
             result = call()
         except BaseException:
@@ -97,6 +133,6 @@ class BasePatchState:
             self.session.training_failed()
             raise
         self.active = False
-        self.session.iteration_ends(self.iteration)
+        self._iteration_ends(self.iteration)
         self.iteration += 1
         return result

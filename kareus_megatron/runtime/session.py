@@ -270,6 +270,12 @@ class RuntimeSession:
             return self.client.instruction_begins, self.client.instruction_ends
         return None, self.instruction_ends
 
+    def iteration_callables(self) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        """What the patch calls at every iteration boundary: the meter's own begin and end."""
+        if self.meter is not None:
+            return self.meter.begin, self.meter.end
+        return self.iteration_begins, self.iteration_ends
+
     def training_failed(self) -> None:
         """An exception left the schedule: reset clocks now (the next iteration re-applies them)."""
         if self.client is not None:

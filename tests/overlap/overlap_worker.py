@@ -257,6 +257,9 @@ class _Session:
     def instruction_callables(self):
         return None, self.instruction_ends
 
+    def iteration_callables(self):
+        return self.iteration_begins, self.iteration_ends
+
 
 def _order(pp: int, rank: int, m: int) -> list[tuple[str, int]]:
     """megatron-core's 1F1B order on pipeline rank `rank` (no pipelining when pp == 1: F0 B0 F1 B1 ...)."""

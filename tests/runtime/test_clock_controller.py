@@ -296,8 +296,9 @@ def test_wire_format_round_trip_in_any_chunks():
         FrameReader().feed(b"x 1 2\n")
 
 
-def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, monkeypatch):
-    """CPU: no forwarder; begins gather for the window; lazy mark answers wait until asked for."""
+def test_cpu_client_sends_per_window_and_holds_mark_answers(tmp_path, monkeypatch):
+    """CPU: no forwarder; the sender thread writes what gathered per window; lazy mark answers wait
+    until asked for."""
     import threading
 
     from kareus_megatron.runtime import clock_controller
@@ -306,18 +307,18 @@ def test_cpu_client_sends_from_training_thread_and_holds_mark_answers(tmp_path, 
     client = ClockClient(coalesce_s=0.012)
     client.start_thread(_sim(tmp_path, latency_s=0.012))
     names = {t.name for t in threading.enumerate()}
-    assert "kareus-clock-backstop" in names and "kareus-clock-forwarder" not in names
+    assert "kareus-clock-sender" in names and "kareus-clock-forwarder" not in names
     tickets = [client.mark() for _ in range(clock_controller.HOLD_MARKS - 1)]
     client.instruction_begins(0, 0, 1200, "forward")
     time.sleep(0.02)
-    client.instruction_begins(0, 1, 990, "backward")  # the window has passed: sent at once, in order
+    client.instruction_begins(0, 1, 990, "backward")  # in this window or the next, in order
     assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 2, 5)
     assert [m for _, m, _ in _decisions(tmp_path / "clocks.jsonl")] == [1200, 990]
     assert not any(t.done for t in tickets)  # held by the controller: no reply wake-ups yet
     assert tickets[0].wait(5) and all(t.wait(0) for t in tickets)  # waiting asks for them
     assert all(t.energy_j >= 0 for t in tickets)
     client.instruction_begins(0, 2, 1005, "forward")  # left behind by a quiet training thread
-    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 3, 5)  # the backstop sends it
+    assert _wait_for(lambda: len(_decisions(tmp_path / "clocks.jsonl")) == 3, 5)  # the sender sends it
     client.close()
 
 
