@@ -372,3 +372,21 @@ def test_busy_edges_account_like_set_busy():
     e_one, e_many = one.energy_j_at(t_end) - base[0], many.energy_j_at(t_end) - base[1]
     assert e_many == pytest.approx(e_one, rel=1e-9)
     assert e_many > spec.p_blocked_w * (t_end - t0 + 0.5) * 1.1  # busy power counted
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_cpu_helpers_take_only_idle_time(tmp_path, monkeypatch):
+    """On a CPU host the sender thread and the simulated GPU's controller process run SCHED_IDLE."""
+    import threading
+
+    for k, v in _env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    client = ClockClient()
+    client.start_process(0, gpu="a100-sxm4-40gb")
+    try:
+        sender = next(t for t in threading.enumerate() if t.name == "kareus-clock-sender")
+        assert _wait_for(lambda: os.sched_getscheduler(sender.native_id) == os.SCHED_IDLE, 5)
+        assert _wait_for(lambda: os.sched_getscheduler(client.controller_pid) == os.SCHED_IDLE, 5)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread is left alone
+    finally:
+        client.close()
