@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kareus_megatron.cost import KernelModel
@@ -61,6 +61,8 @@ _cell = st.one_of(st.integers(-5, 2000).map(str), st.floats(allow_nan=True, allo
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(_cell, _cell, _cell, _cell, _cell), max_size=6),
        st.permutations(list(COLUMNS)))
+@example([("1", "forward", "0", "1", "9.223372036854776e+18")], ["time", "instruction", "stage", "energy", "frequency"])
+@example([("1e300", "forward", "1", "1", "1")], ["stage", "instruction", "frequency", "time", "energy"])
 def test_parser_accepts_or_raises_profile_error(rows, header):
     text = ",".join(header) + "\n" + "".join(",".join(r) + "\n" for r in rows)
     try:

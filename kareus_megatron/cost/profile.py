@@ -20,6 +20,8 @@ from kareus_megatron.errors import ProfileError
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 INSTRUCTIONS = ("forward", "backward")
+MAX_STAGE = 100_000  # pipeline stages (a bound that keeps integers in numpy's int64)
+MAX_FREQUENCY_MHZ = 100_000  # SM clock (MHz); real ones are below 3000
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,14 +88,15 @@ def parse_perseus_profile(text: str, where: str = "profile") -> StageProfile:
             stage_f = float(row["stage"].strip())
         except ValueError:
             stage_f = -1.0
-        if not math.isfinite(stage_f) or stage_f < 0 or stage_f != int(stage_f):
-            raise ProfileError(f"{where} line {line}: stage = {row['stage']!r} must be a non-negative integer.")
+        if not math.isfinite(stage_f) or not 0 <= stage_f <= MAX_STAGE or stage_f != int(stage_f):
+            raise ProfileError(f"{where} line {line}: stage = {row['stage']!r} must be an integer in 0..{MAX_STAGE}.")
         instr = row["instruction"].strip()
         if instr not in INSTRUCTIONS:
             raise ProfileError(f"{where} line {line}: instruction = {instr!r}; allowed: forward, backward.")
         freq = _number(row["frequency"].strip(), "frequency", line, where)
-        if freq != int(freq):
-            raise ProfileError(f"{where} line {line}: frequency = {row['frequency']!r} must be a whole number of MHz.")
+        if freq != int(freq) or freq > MAX_FREQUENCY_MHZ:
+            raise ProfileError(f"{where} line {line}: frequency = {row['frequency']!r} must be a whole number of "
+                               f"MHz up to {MAX_FREQUENCY_MHZ}.")
         t = _number(row["time"].strip(), "time", line, where)
         e = _number(row["energy"].strip(), "energy", line, where)
         key = (int(stage_f), instr, int(freq))

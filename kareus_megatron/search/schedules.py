@@ -74,6 +74,13 @@ def interleaved_order(
     g = pp if group_size is None else group_size
     if g < 1:
         raise ConfigError(f"microbatch group size {g} must be >= 1")
+    # megatron-core 0.16.1 refuses these (its interleaved schedule would stall on dependency bubbles).
+    if not pp <= g <= num_microbatches:
+        raise InfeasibleConfigError(f"interleaved-1f1b: the microbatch group size ({g}) must lie in "
+                                    f"[pp={pp}, microbatches={num_microbatches}]; use more microbatches")
+    if 0 < num_microbatches % g < pp:
+        raise InfeasibleConfigError(f"interleaved-1f1b: microbatches ({num_microbatches}) modulo the group size "
+                                    f"({g}) must be 0 or at least pp={pp}; use a multiple of {g}")
     table = interleaved_table(num_microbatches, vp, g)
     total = len(table)
 
