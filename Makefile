@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 	$(BIN)/kareus plan
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q -x --hypothesis-seed=0 tests  # reproducible; plain `pytest tests` explores new examples
 
 bench: $(VENV)/.test
 	$(BIN)/pip install -q -e '.[bench]'
