@@ -60,6 +60,21 @@ def test_batch_applies_latest_and_skips_stale(tmp_path):
     assert ctl.counts == {"applied": 1, "stale": 2, "unchanged": 1, "errors": 0}
 
 
+def test_unlogged_block_passes_on_only_its_last_begin(tmp_path):
+    """Without a decision log, a block of begins reaches the control loop as (overtaken count, last)."""
+    ctl = ClockController(SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, log_path=None, latency_s=0.0),
+                          lambda m: None)
+    assert ctl.probe()["op"] == "ready"
+    t = time.monotonic()
+    mhz = (1200, 1005, 990, 1410, 1095)
+    ctl.feed(encode_records([x for k, m in enumerate(mhz) for x in begin_record(t + k * 1e-3, 0, k, m, "forward")]))
+    batch = ctl._inbox.get_nowait()
+    assert batch == [("stale", 4), (1095, 0, 4, 0)]
+    ctl._handle(batch)
+    assert ctl.counts == {"applied": 1, "stale": 4, "unchanged": 0, "errors": 0}
+    assert ctl.device.sm_clock_mhz() == 1095
+
+
 def test_thread_mode_applies_in_order_and_resets_on_close(tmp_path):
     client = ClockClient()
     ready = client.start_thread(_sim(tmp_path, latency_s=0.002))
