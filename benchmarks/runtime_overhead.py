@@ -6,7 +6,7 @@ per-iteration measurement log). Three arms share the same processes: *without* (
 original schedule functions; the idle controller takes no CPU), *with* (the installed patch) and
 *control* (the originals again). Every block of three iterations runs the arms in a seeded random
 order, so drift and periodic load on a shared machine hit every arm alike. ``--rounds`` x
-``--iterations`` iterations run per arm (default 20 x 20).
+``--iterations`` iterations run per arm (default 30 x 20).
 
 The overhead is the median iteration time (max over ranks) *with* the patch over the median of the two
 unpatched arms; the target is within 2%. The *control* arm against *without* is an A/A comparison: it
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its figures."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=ITERATIONS, help="iterations per arm and round (default 20)")
-    ap.add_argument("--rounds", type=int, default=20, help="rounds of --iterations per arm (default 20)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of --iterations per arm (default 30)")
     ap.add_argument("--latency-ms", type=float, default=15.0, help="simulated NVML latency (default 15)")
     ap.add_argument("--controller", choices=("process", "thread"), default="process",
                     help="clock controller as a side process per GPU (default, as in production) or a thread")
