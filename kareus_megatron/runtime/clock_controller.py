@@ -70,6 +70,12 @@ class ClockController:
         self._held: list[dict[str, Any]] = []  # answers to lazy marks not sent yet
         self._frames = FrameReader()
         self._edges = getattr(device, "busy_edges", None)  # only a simulated GPU accounts busy power
+        # Simulated time line (a simulated GPU with clock control): decisions at the records' own times.
+        self._timeline = getattr(device, "schedule_sm_clock", None)
+        self._virtual = False  # set by probe
+        self._vlock = threading.Lock()
+        self._free_at = float("-inf")  # when the simulated device finishes its last clock call (s)
+        self._pending: tuple[int, int, int, int] | None = None  # a begin waiting for the device
         self._stop = threading.Event()
 
     # -- logging -----------------------------------------------------------------------------
@@ -92,6 +98,7 @@ class ClockController:
             self.clock_control = False
             return {"op": "error", "type": type(e).__name__, "message": str(e),
                     "busy_events": hasattr(self.device, "set_busy")}
+        self._virtual = self._timeline is not None
         return {
             "op": "ready",
             "gpu": self.device.spec.name,
@@ -123,6 +130,10 @@ class ClockController:
         edges: list[float] = []  # t0, busy0, t1, busy1, ... (busy as 1.0 / 0.0)
         release = False
         each = self._logging and self.clock_control
+        virtual = self._virtual
+        if virtual:
+            self._vlock.acquire()
+        t = None
         for item in items:
             if isinstance(item, dict):
                 op = item.get("op")
@@ -138,7 +149,9 @@ class ClockController:
                     edges += (idle, 0.0)
                 if code == CODE_BEGIN:
                     edges += (t, 1.0)
-                    if each:
+                    if virtual:
+                        self._virtual_begin((int(c), int(a), int(b), int(d)), t)
+                    elif each:
                         rest.append((int(c), int(a), int(b), int(d)))  # mhz, iteration, index, kind
                     else:
                         overtaken += last is not None
@@ -146,6 +159,8 @@ class ClockController:
                 elif code == CODE_END:
                     edges += (t, 0.0)
                 else:  # a mark: its energy includes every edge before it
+                    if virtual:
+                        self._catch_up(t)
                     if edges:
                         self._busy_edges(edges)
                         edges = []
@@ -154,7 +169,13 @@ class ClockController:
                 if overtaken:
                     rest.append(("stale", overtaken))
                 rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3])))
-        if edges:
+        if virtual:
+            if t is not None:
+                self._catch_up(t)  # every record up to t has arrived: a call due by then is made
+            if edges:
+                self._busy_edges(edges)
+            self._vlock.release()
+        elif edges:
             self._busy_edges(edges)
         # Lazy marks (a CPU client reads them only when it publishes) leave in groups of HOLD_MARKS, or
         # when asked (``answer``), or before a reset/close is acknowledged.
@@ -180,6 +201,47 @@ class ClockController:
             energy = float("nan")
             self._record("error", False, message=str(e))
         return {"op": "mark", "seq": seq, "t": t, "energy_j": energy}
+
+    # -- simulated time line (under _vlock) ----------------------------------------------------
+    def _virtual_begin(self, begin: tuple[int, int, int, int], t: float) -> None:
+        """A begin at time `t`: call at once if the simulated device is free then, else wait (a begin
+        still waiting is overtaken: stale), as a controller that saw every message at its own time."""
+        self._catch_up(t)
+        if self._free_at <= t:
+            self._issue(begin, t)
+        else:
+            if self._pending is not None:
+                self._skip(self._pending, "stale")
+            self._pending = begin
+
+    def _catch_up(self, t: float) -> None:
+        """Make the waiting call if the device became free by `t` (it starts when the device is free)."""
+        if self._pending is not None and self._free_at <= t:
+            begin, self._pending = self._pending, None
+            self._issue(begin, self._free_at)
+
+    def _issue(self, begin: tuple[int, int, int, int], t: float) -> None:
+        mhz = begin[0]
+        if mhz == self._locked_mhz:
+            self._skip(begin, "unchanged")
+            return
+        assert self._timeline is not None
+        try:
+            self._free_at = float(self._timeline(mhz, t))
+        except KareusError as e:
+            self.counts["errors"] += 1
+            self._record("error", False, mhz=mhz, message=str(e), **self._context(begin))
+            return
+        self._locked_mhz = mhz
+        self.counts["applied"] += 1
+
+    def _drop_pending(self) -> None:
+        """Before a reset or close: a call due by now is made; one still waiting is overtaken."""
+        with self._vlock:
+            self._catch_up(time.monotonic())
+            if self._pending is not None:
+                self._skip(self._pending, "stale")
+                self._pending = None
 
     # -- control loop ------------------------------------------------------------------------
     def stop(self) -> None:
@@ -233,6 +295,8 @@ class ClockController:
                 if pending is not None:
                     self._skip(pending, "stale")
                     pending = None
+                if self._virtual:
+                    self._drop_pending()
                 if op == "reset":
                     self._reset("requested")
                     self._reply({"op": "ack", "seq": item.get("seq")})
@@ -277,12 +341,15 @@ class ClockController:
     def _reset(self, reason: str) -> None:
         if not self.clock_control:
             return
-        try:
-            self.device.reset_clocks()
-        except KareusError as e:
-            self._record("error", False, message=str(e), reason=reason)
-            return
-        self._locked_mhz = None
+        with self._vlock:
+            try:
+                self.device.reset_clocks()
+            except KareusError as e:
+                self._record("error", False, message=str(e), reason=reason)
+                return
+            self._locked_mhz = None
+            self._pending = None
+            self._free_at = time.monotonic()
         self._record("reset", True, mhz=self.device.spec.max_sm_clock_mhz, reason=reason)
 
     def _final_reset(self, why: str) -> None:

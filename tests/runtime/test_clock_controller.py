@@ -42,9 +42,17 @@ def _sim(tmp_path, latency_s=0.0, **kw):
     return SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, log_path=tmp_path / "clocks.jsonl", latency_s=latency_s, **kw)
 
 
+class _WallClockSim(SimulatedGPU):
+    """A simulated GPU without the simulated time line: the controller drives it in wall time, as NVML."""
+
+    schedule_sm_clock = None
+
+
 def test_batch_applies_latest_and_skips_stale(tmp_path):
+    """Wall-time controller (NVML): of the begins that arrived during a clock call, the latest wins."""
     replies = []
-    ctl = ClockController(_sim(tmp_path), replies.append)
+    ctl = ClockController(_WallClockSim(gpu_spec("a100-sxm4-40gb"), 0, log_path=tmp_path / "clocks.jsonl",
+                                        latency_s=0.0), replies.append)
     assert ctl.probe()["op"] == "ready"
     t = time.monotonic()
     # three instructions began while the controller was busy
@@ -60,9 +68,47 @@ def test_batch_applies_latest_and_skips_stale(tmp_path):
     assert ctl.counts == {"applied": 1, "stale": 2, "unchanged": 1, "errors": 0}
 
 
+def test_simulated_time_line_decides_at_the_records_own_times(tmp_path):
+    """Simulated GPU: decisions follow the records' timestamps, however late and batched they arrive."""
+    ctl = ClockController(_sim(tmp_path, latency_s=0.010), lambda m: None)
+    assert ctl.probe()["op"] == "ready"
+    t = time.monotonic() - 5.0  # the records arrive long after the fact
+    begins = [(0.0, 1200), (0.001, 1005), (0.002, 990), (0.030, 990)]
+    ctl.feed(encode_records([x for k, (dt, m) in enumerate(begins)
+                             for x in begin_record(t + dt, 0, k, m, "forward" if k < 3 else "backward")]))
+    assert ctl._inbox.empty()  # nothing for the wall-time loop
+    # 1200 is called at once (busy until +10 ms); 1005 waits and is overtaken by 990, which is called
+    # when the device is free (+10 ms, done +20 ms); at +30 ms 990 is already locked.
+    assert _decisions(tmp_path / "clocks.jsonl") == [
+        ("set", 1200, None), ("skip", 1005, "stale"), ("set", 990, None), ("skip", 990, "unchanged")
+    ]
+    sets = [r for r in _records(tmp_path / "clocks.jsonl") if r["event"] == "set"]
+    assert sets[0]["t_done"] == pytest.approx(t + 0.010) and sets[1]["t_issue"] == pytest.approx(t + 0.010)
+    assert ctl.counts == {"applied": 2, "stale": 1, "unchanged": 1, "errors": 0}
+
+
+def test_simulated_energy_follows_the_scheduled_clock():
+    """Busy power switches to the new clock at the call's end, even when the edges arrive afterwards."""
+    spec = gpu_spec("a100-sxm4-40gb")
+    gpu = SimulatedGPU(spec, 0, latency_s=0.010)
+    t0 = time.monotonic()
+    time.sleep(0.08)  # edges and the call lie in the past when they are given, as in batches
+    gpu.busy_edges([t0, 1.0])
+    base = gpu.energy_j_at(t0)
+    done = gpu.schedule_sm_clock(1005, t0)  # locks 1005 MHz at t0 + 10 ms
+    gpu.busy_edges([t0 + 0.05, 0.0])  # busy from t0 to t0 + 50 ms, then idle
+    from kareus_megatron.hardware.power import power_w
+
+    p_max = float(power_w(spec, spec.max_sm_clock_mhz, 0.8, 0.4))
+    p_low = float(power_w(spec, 1005, 0.8, 0.4))
+    want = p_max * (done - t0) + p_low * (t0 + 0.05 - done) + spec.p_blocked_w * 0.01
+    assert gpu.energy_j_at(t0 + 0.06) - base == pytest.approx(want, rel=1e-9)
+    assert p_low < p_max
+
+
 def test_unlogged_block_passes_on_only_its_last_begin(tmp_path):
     """Without a decision log, a block of begins reaches the control loop as (overtaken count, last)."""
-    ctl = ClockController(SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, log_path=None, latency_s=0.0),
+    ctl = ClockController(_WallClockSim(gpu_spec("a100-sxm4-40gb"), 0, log_path=None, latency_s=0.0),
                           lambda m: None)
     assert ctl.probe()["op"] == "ready"
     t = time.monotonic()
@@ -374,19 +420,20 @@ def test_busy_edges_account_like_set_busy():
     """The controller's batched busy/idle edges give the energy set_busy gives edge by edge."""
     spec = gpu_spec("a100-sxm4-40gb")
     one, many = SimulatedGPU(spec, 0, latency_s=0.0), SimulatedGPU(spec, 0, latency_s=0.0)
-    t0 = time.monotonic() + 1.0
+    t0 = time.monotonic() + 0.02
     base = []
     for dev in (one, many):  # the same starting point on both
-        dev.set_busy(False, t0 - 0.5)
-        base.append(dev.energy_j_at(t0 - 0.5))
-    edges = [(t0 + k * 0.01 + (0.004 if k % 2 else 0.0), k % 2 == 0) for k in range(40)]
+        dev.set_busy(False, t0 - 0.01)
+        base.append(dev._energy_j)
+    edges = [(t0 + k * 0.001 + (0.0004 if k % 2 else 0.0), k % 2 == 0) for k in range(40)]
+    time.sleep(0.08)  # read the energy once every edge lies in the past
     for t, busy in edges:
         one.set_busy(busy, t)
     many.busy_edges([x for t, busy in edges for x in (t, 1.0 if busy else 0.0)])
     t_end = edges[-1][0]
     e_one, e_many = one.energy_j_at(t_end) - base[0], many.energy_j_at(t_end) - base[1]
     assert e_many == pytest.approx(e_one, rel=1e-9)
-    assert e_many > spec.p_blocked_w * (t_end - t0 + 0.5) * 1.1  # busy power counted
+    assert e_many > spec.p_blocked_w * (t_end - t0 + 0.01) * 1.1  # busy power counted
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")

@@ -103,6 +103,7 @@ class SimulatedGPU:
         self._compute = DEFAULT_COMPUTE_ACTIVITY
         self._memory = DEFAULT_MEMORY_ACTIVITY
         self._t_last = time.monotonic()
+        self._changes: list[tuple[float, int]] = []  # scheduled clock changes (time s, MHz), in order
         self._energy_j = 0.0
         self._power_cache: dict[tuple[int, float, float], float] = {}
         self._open = True
@@ -130,6 +131,14 @@ class SimulatedGPU:
         return p
 
     def _advance(self, t: float) -> None:
+        """Integrate power up to `t`, applying the scheduled clock changes due by then in order."""
+        changes = self._changes
+        while changes and changes[0][0] <= t:
+            t_change, mhz = changes.pop(0)
+            if t_change > self._t_last:
+                self._energy_j += self._power_w() * (t_change - self._t_last)
+                self._t_last = t_change
+            self._mhz = mhz
         if t > self._t_last:
             self._energy_j += self._power_w() * (t - self._t_last)
             self._t_last = t
@@ -152,16 +161,40 @@ class SimulatedGPU:
         1.0 or 0.0), in time order, at the default activity (one lock; the clock's hot path)."""
         with self._lock:
             self._compute, self._memory = DEFAULT_COMPUTE_ACTIVITY, DEFAULT_MEMORY_ACTIVITY
+            it = iter(edges)
+            if self._changes:  # a scheduled clock change falls among them: the general path
+                for t, b in zip(it, it):
+                    self._advance(t)
+                    self._busy = bool(b)
+                return
             busy, self._busy = self._busy, True
             p_busy, p_idle = self._power_w(), float(self.spec.p_blocked_w)
             t_last, energy = self._t_last, self._energy_j
-            it = iter(edges)
             for t, b in zip(it, it):
                 if t > t_last:
                     energy += (p_busy if busy else p_idle) * (t - t_last)
                     t_last = t
                 busy = b
             self._t_last, self._energy_j, self._busy = t_last, energy, bool(busy)
+
+    def schedule_sm_clock(self, mhz: int, t_issue: float) -> float:
+        """Simulated time line (no waiting): a clock call issued at `t_issue` (time.monotonic(), s) locks
+        `mhz` MHz one simulated latency later; returns that time. Busy/idle edges and energy readings
+        that come later with earlier timestamps still see the clock in force at their own time. The
+        clock controller uses this instead of the blocking call when the trainer's messages arrive in
+        batches (CPU hosts), so the simulation does not depend on when the batches arrive."""
+        self._check_open()
+        mhz = int(mhz)
+        self._check_lockable(mhz)
+        self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
+        t_done = float(t_issue) + self.latency_s
+        with self._lock:
+            if self._changes and t_done < self._changes[-1][0]:
+                t_done = self._changes[-1][0]  # calls are serial: never before the previous one
+            self._changes.append((t_done, mhz))
+            self._locked = True
+        self.log_event("set", mhz=mhz, t_issue=t_issue, t_done=t_done)
+        return t_done
 
     # -- GPUDevice contract ------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -175,15 +208,18 @@ class SimulatedGPU:
                 "run as root or pass --kareus-on-error warn to train at default clocks"
             )
 
-    def set_sm_clock_mhz(self, mhz: int) -> None:
-        """Lock the SM clock to `mhz` (MHz) after the simulated NVML latency."""
-        self._check_open()
-        mhz = int(mhz)
+    def _check_lockable(self, mhz: int) -> None:
         if mhz not in self._supported:
             raise ClockControlError(
                 f"simulated {self.spec.name} cannot lock {mhz} MHz; supported: "
                 f"{self._supported[-1]}..{self._supported[0]} MHz ({len(self._supported)} clocks)"
             )
+
+    def set_sm_clock_mhz(self, mhz: int) -> None:
+        """Lock the SM clock to `mhz` (MHz) after the simulated NVML latency."""
+        self._check_open()
+        mhz = int(mhz)
+        self._check_lockable(mhz)
         self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
         if self.latency_s > 0:
             time.sleep(self.latency_s)
@@ -193,9 +229,15 @@ class SimulatedGPU:
         self.log_event("set", mhz=mhz)
 
     def sm_clock_mhz(self) -> int:
-        """Current SM clock (MHz)."""
+        """Current SM clock (MHz), counting scheduled changes due by now."""
         self._check_open()
-        return self._mhz
+        now = time.monotonic()
+        with self._lock:
+            mhz = self._mhz
+            for t, m in self._changes:
+                if t <= now:
+                    mhz = m
+            return mhz
 
     def reset_clocks(self) -> None:
         """Return to the default (maximum) SM clock after the simulated NVML latency."""
@@ -205,6 +247,7 @@ class SimulatedGPU:
             time.sleep(self.latency_s)
         with self._lock:
             self._advance(time.monotonic())
+            self._changes.clear()  # scheduled changes not reached yet are overtaken by the reset
             self._mhz, self._locked = self._default_mhz, False
         self.log_event("reset", mhz=self._mhz)
 
@@ -220,14 +263,22 @@ class SimulatedGPU:
             return self._energy_j
 
     def energy_j_at(self, t: float) -> float:
-        """Modelled energy (J) since open up to time `t` (time.monotonic(), s), which may lie a little in
-        the past: the power since then is taken to be the present one."""
+        """Modelled energy (J) since open up to time `t` (time.monotonic(), s): the busy/idle edges given
+        so far, then the present state up to `t`. Nothing is committed, so edges that arrive later
+        with timestamps before `t` still count. A `t` before the last edge is read back at the present
+        power (an approximation for readings that arrive out of order). A `t` in the future reads now."""
         self._check_open()
+        t = min(t, time.monotonic())
         with self._lock:
-            self._advance(time.monotonic())
-            if t >= self._t_last:
-                return self._energy_j
-            return max(0.0, self._energy_j - self._power_w() * (self._t_last - t))
+            if t < self._t_last:
+                return max(0.0, self._energy_j - self._power_w() * (self._t_last - t))
+            if self._changes and self._changes[0][0] <= t:  # a scheduled change falls before t: replay
+                saved = (self._energy_j, self._t_last, self._mhz, list(self._changes))
+                self._advance(t)
+                energy = self._energy_j
+                self._energy_j, self._t_last, self._mhz, self._changes = saved
+                return energy
+            return self._energy_j + self._power_w() * (t - self._t_last)
 
     def close(self) -> None:
         """Reset a locked clock, log the close and release the log file."""
