@@ -164,7 +164,7 @@ class ClockClient:
         self.closed = False
         self.gone = False
         self._want_ends = True
-        self._cpu_sending = False  # CPU mode and instruction messages go out (see _refresh_sending)
+        self._sending = False  # instruction messages go to the controller (see _refresh_sending)
         self._idle_from = NO_TIME  # CPU: end of the last instruction, sent with the next record
         helper, name = (self._sender, "sender") if self._direct else (self._forward, "forwarder")
         self._forwarder = threading.Thread(target=helper, name=f"kareus-clock-{name}", daemon=True)
@@ -281,9 +281,8 @@ class ClockClient:
 
     # -- training thread ---------------------------------------------------------------------
     def _refresh_sending(self) -> None:
-        """Recompute the one flag the CPU hot path reads (after any state it depends on changes)."""
-        self._cpu_sending = (self._direct and (self.clock_control or self._want_ends)
-                             and not (self.closed or self.gone))
+        """Recompute the one flag the per-instruction path reads (after any state it depends on changes)."""
+        self._sending = (self.clock_control or self._want_ends) and not (self.closed or self.gone)
 
     def _enqueue(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0) -> None:
         if not self._direct:
@@ -302,9 +301,10 @@ class ClockClient:
         """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread).
 
         Runs at every instruction with cold caches: the CPU path is `_enqueue` written out."""
-        if not self._cpu_sending:
-            if (self.clock_control or self._want_ends) and not (self.closed or self.gone or self._direct):
-                self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))))
+        if not self._sending:
+            return
+        if not self._direct:
+            self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))))
             return
         now = time.monotonic()
         recs = self._recs
@@ -317,11 +317,11 @@ class ClockClient:
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends" (training thread); only a simulated GPU needs it."""
-        if self._cpu_sending:
-            if self._want_ends:
+        if self._sending and self._want_ends:
+            if self._direct:
                 self._idle_from = time.monotonic()  # sent with the next record: no queue operation
-        elif self._want_ends and not (self.closed or self.gone or self._direct):
-            self._enqueue(CODE_END, 0.0)
+            else:
+                self._enqueue(CODE_END, 0.0)
 
     def mark(self) -> MarkTicket:
         """Enqueue a measurement point; the ticket fills with its GPU-aligned time and energy."""

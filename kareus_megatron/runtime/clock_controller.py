@@ -208,7 +208,7 @@ class ClockController:
         still waiting is overtaken: stale), as a controller that saw every message at its own time."""
         self._catch_up(t)
         if self._free_at <= t:
-            self._issue(begin, t)
+            self._apply(begin, at=t)
         else:
             if self._pending is not None:
                 self._skip(self._pending, "stale")
@@ -218,22 +218,7 @@ class ClockController:
         """Make the waiting call if the device became free by `t` (it starts when the device is free)."""
         if self._pending is not None and self._free_at <= t:
             begin, self._pending = self._pending, None
-            self._issue(begin, self._free_at)
-
-    def _issue(self, begin: tuple[int, int, int, int], t: float) -> None:
-        mhz = begin[0]
-        if mhz == self._locked_mhz:
-            self._skip(begin, "unchanged")
-            return
-        assert self._timeline is not None
-        try:
-            self._free_at = float(self._timeline(mhz, t))
-        except KareusError as e:
-            self.counts["errors"] += 1
-            self._record("error", False, mhz=mhz, message=str(e), **self._context(begin))
-            return
-        self._locked_mhz = mhz
-        self.counts["applied"] += 1
+            self._apply(begin, at=self._free_at)
 
     def _drop_pending(self) -> None:
         """Before a reset or close: a call due by now is made; one still waiting is overtaken."""
@@ -321,7 +306,9 @@ class ClockController:
         if self._logging:
             self._record("skip", False, mhz=begin[0], reason=reason, **self._context(begin))
 
-    def _apply(self, begin: tuple[int, int, int, int]) -> None:
+    def _apply(self, begin: tuple[int, int, int, int], at: float | None = None) -> None:
+        """Lock `begin`'s clock: now, in wall time (blocking, as NVML), or on the simulated time line
+        with the call issued at `at` (s)."""
         mhz = begin[0]
         if not self.clock_control:
             return
@@ -329,7 +316,11 @@ class ClockController:
             self._skip(begin, "unchanged")
             return
         try:
-            self.device.set_sm_clock_mhz(mhz)
+            if at is None:
+                self.device.set_sm_clock_mhz(mhz)
+            else:
+                assert self._timeline is not None
+                self._free_at = float(self._timeline(mhz, at))
         except KareusError as e:
             self.counts["errors"] += 1
             self._record("error", False, mhz=mhz, message=str(e), **self._context(begin))

@@ -246,14 +246,6 @@ class PatchState(BasePatchState):
         """An instruction missing from the plan (cannot happen after validation) runs unplanned."""
         log.warning("kareus: %s of microbatch %d chunk %d is not in the plan", kind, microbatch, chunk)
 
-    def remember_forward(self, out: Any, chunk: int, microbatch: int) -> None:
-        """Note that forward output `out` belongs to (chunk, microbatch); its backward gets it back."""
-        self.fwd_ids[_tensor_key(out)] = (chunk, microbatch)
-
-    def recall_forward(self, output_tensor: Any) -> tuple[int, int] | None:
-        """(chunk, microbatch) of the forward that returned `output_tensor`, once; None if unknown."""
-        return self.fwd_ids.pop(_tensor_key(output_tensor), None)
-
 
 def _tensor_key(t: Any) -> int:
     while isinstance(t, (list, tuple)) and t:
@@ -295,7 +287,7 @@ def _wrap_forward_step(fn: Any) -> Any:
             st.warn_unplanned("forward", chunk, mb)
         out = fn(*args, **kwargs)
         st.instruction_ends()
-        key = out[0]  # remember_forward, written out (every forward runs this)
+        key = out[0]  # its backward gets the same object back: remember (chunk, microbatch) by identity
         st.fwd_ids[id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key)] = (chunk, mb)
         return out
 
@@ -308,7 +300,7 @@ def _wrap_backward_step(fn: Any) -> Any:
         st = _state
         if st is None or not st.active:
             return fn(*args, **kwargs)
-        key = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # recall_forward, written out
+        key = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output: recall it
         ident = st.fwd_ids.pop(id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key), None)
         if ident is None:
             return fn(*args, **kwargs)

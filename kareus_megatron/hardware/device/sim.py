@@ -121,27 +121,36 @@ class SimulatedGPU:
         return self._log is not None
 
     # -- energy model ------------------------------------------------------------------------
-    def _power_w(self) -> float:
+    def _power_w(self, mhz: int | None = None) -> float:
+        """Power (W) of the present busy state at `mhz` MHz (default: the present clock)."""
         if not self._busy:
             return float(self.spec.p_blocked_w)
-        key = (self._mhz, self._compute, self._memory)
+        key = (self._mhz if mhz is None else mhz, self._compute, self._memory)
         p = self._power_cache.get(key)
         if p is None:  # the model is pure in its arguments: evaluate once per state
-            p = self._power_cache[key] = float(power_w(self.spec, self._mhz, self._compute, self._memory))
+            p = self._power_cache[key] = float(power_w(self.spec, key[0], self._compute, self._memory))
         return p
+
+    def _integrate(self, t: float) -> tuple[float, float, int, int]:
+        """(energy J, time s, clock MHz, scheduled changes passed) at `t`, from the present state and the
+        scheduled clock changes due by then; changes nothing."""
+        energy, t_last, mhz, n = self._energy_j, self._t_last, self._mhz, 0
+        for t_change, new_mhz in self._changes:
+            if t_change > t:
+                break
+            if t_change > t_last:
+                energy += self._power_w(mhz) * (t_change - t_last)
+                t_last = t_change
+            mhz, n = new_mhz, n + 1
+        if t > t_last:
+            energy += self._power_w(mhz) * (t - t_last)
+            t_last = t
+        return energy, t_last, mhz, n
 
     def _advance(self, t: float) -> None:
         """Integrate power up to `t`, applying the scheduled clock changes due by then in order."""
-        changes = self._changes
-        while changes and changes[0][0] <= t:
-            t_change, mhz = changes.pop(0)
-            if t_change > self._t_last:
-                self._energy_j += self._power_w() * (t_change - self._t_last)
-                self._t_last = t_change
-            self._mhz = mhz
-        if t > self._t_last:
-            self._energy_j += self._power_w() * (t - self._t_last)
-            self._t_last = t
+        self._energy_j, self._t_last, self._mhz, n = self._integrate(t)
+        del self._changes[:n]
 
     def set_busy(
         self,
@@ -233,11 +242,7 @@ class SimulatedGPU:
         self._check_open()
         now = time.monotonic()
         with self._lock:
-            mhz = self._mhz
-            for t, m in self._changes:
-                if t <= now:
-                    mhz = m
-            return mhz
+            return self._integrate(now)[2]
 
     def reset_clocks(self) -> None:
         """Return to the default (maximum) SM clock after the simulated NVML latency."""
@@ -272,13 +277,7 @@ class SimulatedGPU:
         with self._lock:
             if t < self._t_last:
                 return max(0.0, self._energy_j - self._power_w() * (self._t_last - t))
-            if self._changes and self._changes[0][0] <= t:  # a scheduled change falls before t: replay
-                saved = (self._energy_j, self._t_last, self._mhz, list(self._changes))
-                self._advance(t)
-                energy = self._energy_j
-                self._energy_j, self._t_last, self._mhz, self._changes = saved
-                return energy
-            return self._energy_j + self._power_w() * (t - self._t_last)
+            return self._integrate(t)[0]
 
     def close(self) -> None:
         """Reset a locked clock, log the close and release the log file."""
