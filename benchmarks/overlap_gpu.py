@@ -21,6 +21,7 @@ model assumes flash attention, so attention-heavy rows are expected to be slower
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+BACKWARD_ATTEMPTS = 3  # re-measurements when a backward row's difference comes out <= 0
 PHASE_PARTITIONS = {"forward": ("fwd_attn", "fwd_mlp"), "backward": ("bwd_mlp", "bwd_attn")}
 OVERLAP_FREE = (  # (name, lo, hi, prior sigma): the kernel-model parameters of the overlap part
     ("nvlink_efficiency", 0.15, 1.0, 0.2),
@@ -131,6 +133,12 @@ def predict_rows(rows: list[dict[str, Any]], km: Any, model: Any, par: Any, cloc
     return t_out, e_out
 
 
+def _valid(r: dict[str, Any]) -> bool:
+    """A measured row the fit can use: finite, positive time (s) and energy (J)."""
+    t, e = r["measured_time_s"], r["measured_energy_j"]
+    return math.isfinite(t) and math.isfinite(e) and t > 0 and e > 0
+
+
 def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, clock_mhz: int, base_cal: Any):
     """Fit the overlap parameters to the measured 2-nanobatch rows; return a Calibration."""
     from kareus_megatron.cost.calibrate import FreeParam, Series, fit_series, series_metrics
@@ -139,7 +147,7 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
 
     series = []
     for phase in PHASE_PARTITIONS:
-        sel = [r for r in rows if r["phase"] == phase and r["nanobatches"] == 2]
+        sel = [r for r in rows if r["phase"] == phase and r["nanobatches"] == 2 and _valid(r)]
         if len(sel) < 2:
             continue
         t = np.array([r["measured_time_s"] for r in sel])
@@ -260,8 +268,13 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
         if r["phase"] == "forward":
             t, e, n = tf, ef, nf
         else:
-            tb, eb, n = window(fwd_bwd)
-            t, e = tb - tf, eb - ef
+            for attempt in range(BACKWARD_ATTEMPTS):  # backward = (forward+backward) - forward: on a
+                if attempt:                           # noisy machine the difference can come out <= 0
+                    tf, ef, nf = window(fwd)
+                tb, eb, n = window(fwd_bwd)
+                t, e = tb - tf, eb - ef
+                if t > 0 and e > 0:
+                    break
         out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n,
                     "clock_mhz": dev.sm_clock_mhz(), "sm_limit_applied": bool(engine.comm.sm_groups)})
     set_engine(None)

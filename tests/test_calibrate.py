@@ -118,6 +118,18 @@ def test_fit_rejects_a_profile_from_another_layout():
         fit_calibration(fast, gpu_spec("a100-sxm4-80gb"), *_gpt3())
 
 
+@pytest.mark.parametrize("time_s, energy_j", [([0.1, -0.02], [5.0, 4.0]), ([0.1, 0.2], [5.0, float("nan")])])
+def test_fit_refuses_non_positive_measurements(time_s, energy_j):
+    # e.g. a backward figure taken as (forward+backward) - forward on a noisy machine
+    from kareus_megatron.cost.calibrate import Series, fit_series
+
+    gpu = gpu_spec("a100-sxm4-80gb")
+    f = np.array([1410.0, 1200.0])
+    bad = Series("stage 0 backward", f, np.array(time_s), np.array(energy_j), lambda km: (f / 1e4, f / 1e2))
+    with pytest.raises(CalibrationError, match="'stage 0 backward'.*> 0"):
+        fit_series([bad], gpu)
+
+
 @pytest.mark.parametrize("content, match", [
     ("not json", "not JSON"),
     ("[]", "JSON object"),

@@ -150,6 +150,12 @@ def fit_series(
     """Least-squares fit of the free parameters; returns (fitted GPU, fitted kernel params, values)."""
     if not series:
         raise CalibrationError("nothing to fit: the measurements hold no series.")
+    for s in series:
+        for what, v in (("time", s.time_s), ("energy", s.energy_j)):
+            v = np.asarray(v, dtype=float)
+            if not np.all(np.isfinite(v) & (v > 0)):
+                raise CalibrationError(f"series {s.label!r} has a non-positive or non-finite {what}; "
+                                       "measurements must be > 0 (s, J).")
     base = base or KernelParams()
     free = tuple(free or default_free_params(gpu))
     names = [p.name for p in free]

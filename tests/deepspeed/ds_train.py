@@ -35,10 +35,9 @@ def main() -> None:
     for _ in range(args.steps):
         engine.train_batch(it)
     kareus.uninstall()  # every rank: writes the last step, resets clocks
-    # DeepSpeed's pipeline leaves gloo sends in flight; exiting without this aborts ~1 run in 10
-    # ("terminate called without an active exception"), with or without kareus.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    ds_worker.exit_process(0)  # a gloo worker may still hold DeepSpeed's loss broadcast (see there)
 
 
 if __name__ == "__main__":

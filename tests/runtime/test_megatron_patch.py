@@ -71,6 +71,8 @@ def test_measurement_log(spawned):
     assert recs[0]["kind"] == "header" and recs[0]["world"] == 2 and recs[0]["backend"] == "simulated"
     its = [r for r in recs if r["kind"] == "iteration"]
     assert [r["iteration"] for r in its] == [0, 1]
+    # the final exchange's gloo work stays referenced from Python (not freed by a gloo thread at exit)
+    assert all(spawned[1][r][tag]["exchange_held"] for r in range(2) for tag in ("1f1b", "vp"))
     for r in its:
         assert [s["pp_rank"] for s in r["stages"]] == [0, 1]
         assert r["time_s"] == max(s["time_s"] for s in r["stages"]) > 0
