@@ -2,6 +2,7 @@
 
 A *worker* is a module-level function ``worker(rank, world, port, *args)``; ``spawn`` starts `world` of
 them on a free TCP port and waits for all; each writes its results as JSON that ``read_ranks`` loads.
+A worker that returns ends its process with ``exit_process`` (no interpreter finalisation).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exit_process(code: int = 0) -> None:
+    """End this rank without interpreter finalisation (os._exit after flushing stdout and stderr).
+
+    A gloo worker thread may still hold a finished collective when the script returns (DeepSpeed's
+    loss broadcast over the pipe group, say). Destroying it decrefs the tensors' Python objects,
+    which takes the GIL; if the interpreter is finalising by then, the thread is unwound through a
+    noexcept frame and the process aborts with "terminate called without an active exception"
+    (backtrace: ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork -> TensorImpl::decref_pyobject ->
+    take_gil -> PyThread_exit_thread). Seen about once in 70 runs of tests/deepspeed/ds_train.py on a
+    loaded 2-core machine, with or without kareus (benchmarks/gloo_exit_race.py shows the same race with
+    plain all_gather). Callers write their results and call kareus uninstall() first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_and_exit(rank: int, worker: Callable[..., Any], *args: Any) -> None:
+    worker(rank, *args)
+    exit_process(0)
 
 
 def spawn(worker: Callable[..., Any], world: int, *args: Any, env: Mapping[str, str | None] | None = None) -> None:
@@ -35,7 +59,7 @@ def spawn(worker: Callable[..., Any], world: int, *args: Any, env: Mapping[str, 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+        mp.spawn(_run_and_exit, args=(worker, world, free_port(), *args), nprocs=world, join=True)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -12,6 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _dist
 
 
 def main() -> None:
@@ -37,7 +38,9 @@ def main() -> None:
     kareus.uninstall()  # every rank: writes the last step, resets clocks
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    ds_worker.exit_process(0)  # a gloo worker may still hold DeepSpeed's loss broadcast (see there)
+    import _dist
+
+    _dist.exit_process(0)  # a gloo worker may still hold DeepSpeed's loss broadcast (see there)
 
 
 if __name__ == "__main__":

@@ -43,22 +43,6 @@ def _engine():
     return engine
 
 
-def exit_process(code: int = 0) -> None:
-    """End this rank without interpreter finalisation (os._exit after flushing stdout and stderr).
-
-    DeepSpeed broadcasts the loss over the pipe group's gloo process group; a gloo worker thread may
-    still hold that work when the script returns. Destroying it decrefs the tensors' Python objects,
-    which takes the GIL; if the interpreter is finalising by then, the thread is unwound through a
-    noexcept frame and the process aborts with "terminate called without an active exception"
-    (backtrace: ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork -> TensorImpl::decref_pyobject ->
-    take_gil -> PyThread_exit_thread). Seen about once in 70 runs on a loaded 2-core machine, with or
-    without kareus; callers write their results and call kareus uninstall() first.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def run_scenario(rank: int, outdir: str, sc: dict) -> dict:
     import kareus_megatron.deepspeed as kds
     from kareus_megatron.errors import KareusError
@@ -112,4 +96,3 @@ def worker(rank: int, world: int, port: int, outdir: str, scenarios: list[dict])
         result["crash"] = traceback.format_exc()
     with open(os.path.join(outdir, f"r{rank}.json"), "w") as f:
         json.dump(result, f)
-    exit_process(0)  # the parent reads r{rank}.json; see exit_process for why not return
