@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 	$(BIN)/kareus plan
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -x --hypothesis-seed=0 tests  # reproducible; plain `pytest tests` explores new examples
+	$(BIN)/python -m pytest -q -x --hypothesis-seed=0 --timeout=300 tests  # reproducible (plain `pytest tests` explores new examples); a hung test fails with its stacks
 
 bench: $(VENV)/.test
 	$(BIN)/pip install -q -e '.[bench]'

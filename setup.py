@@ -28,7 +28,7 @@ setup(
         "megatron": [TORCH, MEGATRON_CORE],
         "deepspeed": [TORCH, DEEPSPEED],
         "nvml": [NVML],
-        "test": [TORCH, MEGATRON_CORE, DEEPSPEED, NVML, "pytest>=8", "hypothesis>=6.100", "jsonschema>=4"],
+        "test": [TORCH, MEGATRON_CORE, DEEPSPEED, NVML, "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "jsonschema>=4"],
         "bench": ["lowtime==0.3.0"],
     },
     entry_points={"console_scripts": ["kareus=kareus_megatron.cli.main:main"]},

@@ -250,6 +250,11 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
         t1, e1 = time.perf_counter(), dev.energy_j()
         return (t1 - t0) / reps, (e1 - e0) / reps, reps
 
+    def every_rank(ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
     def fwd() -> None:
         y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
         del y
@@ -273,7 +278,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
                     tf, ef, nf = window(fwd)
                 tb, eb, n = window(fwd_bwd)
                 t, e = tb - tf, eb - ef
-                if t > 0 and e > 0:
+                if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
                     break
         out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n,
                     "clock_mhz": dev.sm_clock_mhz(), "sm_limit_applied": bool(engine.comm.sm_groups)})
