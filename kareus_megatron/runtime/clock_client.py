@@ -298,22 +298,9 @@ class ClockClient:
             self._doorbell.set()
 
     def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
-        """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread).
-
-        Runs at every instruction with cold caches: the CPU path is `_enqueue` written out."""
-        if not self._sending:
-            return
-        if not self._direct:
-            self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))))
-            return
-        now = time.monotonic()
-        recs = self._recs
-        if not recs:
-            self._out_since = now
-        recs.extend((CODE_BEGIN, now, self._idle_from, iteration, index, mhz, _KIND_CODE.get(kind, -1)))
-        self._idle_from = NO_TIME
-        if self._parked:
-            self._doorbell.set()
+        """Enqueue "instruction `index` of `iteration` begins at `mhz` MHz" (training thread)."""
+        if self._sending:
+            self._enqueue(CODE_BEGIN, iteration, index, mhz, _KIND_CODE.get(kind, -1))
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends" (training thread); only a simulated GPU needs it."""

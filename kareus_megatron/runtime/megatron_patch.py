@@ -287,8 +287,7 @@ def _wrap_forward_step(fn: Any) -> Any:
             st.warn_unplanned("forward", chunk, mb)
         out = fn(*args, **kwargs)
         st.instruction_ends()
-        key = out[0]  # its backward gets the same object back: remember (chunk, microbatch) by identity
-        st.fwd_ids[id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key)] = (chunk, mb)
+        st.fwd_ids[_tensor_key(out[0])] = (chunk, mb)  # its backward gets the same object back
         return out
 
     return forward_step
@@ -300,8 +299,8 @@ def _wrap_backward_step(fn: Any) -> Any:
         st = _state
         if st is None or not st.active:
             return fn(*args, **kwargs)
-        key = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output: recall it
-        ident = st.fwd_ids.pop(id(key) if not isinstance(key, (list, tuple)) else _tensor_key(key), None)
+        output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output
+        ident = st.fwd_ids.pop(_tensor_key(output_tensor), None)
         if ident is None:
             return fn(*args, **kwargs)
         if not st.announce(("backward", ident[0], ident[1])):
