@@ -4,18 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test install install-test bench repro clean
+.PHONY: demo test lint install install-test bench repro clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(VENV)/.core: $(BIN)/python setup.py
+$(VENV)/.core: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
 # torch is installed first, pinned, so megatron-core's `torch>=2.6` cannot pull a CUDA build.
-$(VENV)/.test: $(BIN)/python setup.py
+$(VENV)/.test: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(VENV)/.core $@
@@ -26,7 +26,12 @@ install-test: $(VENV)/.test
 demo: $(VENV)/.core
 	$(BIN)/kareus plan
 
-test: $(VENV)/.test
+# ruff (lint) and mypy (the layers below the runtime) are configured in pyproject.toml.
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -x --hypothesis-seed=0 --timeout=300 tests  # reproducible (plain `pytest tests` explores new examples); a hung test fails with its stacks
 
 bench: $(VENV)/.test

@@ -65,8 +65,8 @@ def per_series_argmin(km: KernelModel, series) -> list[str]:
 def row(label: str, m: dict) -> str:
     """One printed line of figures."""
     return (f"{label:34s} time-ratio MAPE {m['time_ratio_mape_pct']:5.2f}%  power MAPE {m['power_mape_pct']:5.2f}%  "
-            f"energy-ratio MAPE {m['energy_ratio_mape_pct']:5.2f}%  argmin error max {m['argmin_clock_err_max_mhz']:4.0f} "
-            f"MHz (mean {m['argmin_clock_err_mean_mhz']:4.1f})")
+            f"energy-ratio MAPE {m['energy_ratio_mape_pct']:5.2f}%  argmin error max "
+            f"{m['argmin_clock_err_max_mhz']:4.0f} MHz (mean {m['argmin_clock_err_mean_mhz']:4.1f})")
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
     cal = fit_calibration(g_prof, gpu, g_model, g_par, fit_abs_time=False, verbose=False)
     fit_s = time.perf_counter() - t0
     cal = cal.model_copy(update={"source": "stage profile gpt3-175b+a100_sxm_bf16.csv (Perseus SOSP'24 artifact, "
-                                           "A100-SXM4-80GB; shared/data/perseus_sosp24)"})
+                                           "A100-SXM4-80GB; benchmarks/data/perseus_sosp24)"})
     km_cal = KernelModel(gpu, cal)
     km_pre = KernelModel(gpu)
     print(f"fit: {fit_s:.1f} s on this machine (2 shared cores; noisy)")

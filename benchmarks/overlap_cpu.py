@@ -67,7 +67,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
     dy = torch.randn(args.seq, args.mbs, args.hidden, generator=g)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1).view(1, 1, args.seq, args.seq)
     full_bytes = x.numel() * x.element_size()  # one all-reduce of the whole microbatch's activations
-    delays = {"none": (0.0, 0.0), "fixed": (args.delay_ms / 1e3, 0.0), "per-byte": (0.0, args.delay_ms / 1e3 / full_bytes)}
+    delays = {"none": (0.0, 0.0), "fixed": (args.delay_ms / 1e3, 0.0),
+              "per-byte": (0.0, args.delay_ms / 1e3 / full_bytes)}
     configs = [(d, n) for d in delays for n in (1, 2)]
     engines = {c: setup_overlap(settings=LayerSettings(nanobatches=c[1]), delay_s=delays[c[0]][0],
                                 delay_s_per_byte=delays[c[0]][1]) for c in configs}
@@ -93,7 +94,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--delay-ms", type=float, default=15.0, help="delay of an all-reduce (ms): fixed, or of a whole-microbatch one in the per-byte model")
+    ap.add_argument("--delay-ms", type=float, default=15.0,
+                    help="delay of an all-reduce (ms): fixed, or of a whole-microbatch one in the per-byte model")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)

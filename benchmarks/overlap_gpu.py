@@ -82,7 +82,7 @@ def model_spec(args: argparse.Namespace):
 def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
     """Rows to measure: references, then every (partition, comm SMs, slot)."""
     from kareus_megatron.search.tables import comm_sms_range
-    from kareus_megatron.workload.layer_vocab import TP_PARTITION_SLOTS
+    from kareus_megatron.vocab import TP_PARTITION_SLOTS
 
     parts = [p for p in args.partitions.split(",") if p]
     rows: list[dict[str, Any]] = []
@@ -105,9 +105,10 @@ def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- prediction (cost model; no torch)
 def predict_rows(rows: list[dict[str, Any]], km: Any, model: Any, par: Any, clock_mhz: int):
     """Predicted (time s, energy J) of one layer's phase for each row: arrays (n_rows,)."""
-    from kareus_megatron.search.tables import CostAdapter, phase_table
+    from kareus_megatron.cost.overlap import OverlapCost
+    from kareus_megatron.search.tables import phase_table
 
-    ad = CostAdapter(km.gpu, km)
+    ad = OverlapCost(km)
     clocks = np.array([float(clock_mhz)])
     t_out, e_out = np.zeros(len(rows)), np.zeros(len(rows))
     tables = {ph: phase_table(ad, model, par, ph, [clock_mhz], 2) for ph in {r["phase"] for r in rows}}
@@ -310,13 +311,13 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Measure (or dry-run), predict, print, write the rows and optionally a calibration; exit status."""
     args = parse_args(argv)
+    import torch
+
     from kareus_megatron.cost.calibration import load_calibration, save_calibration
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.hardware.gpus import gpu_spec
     from kareus_megatron.plan.io import write_json_atomic
     from kareus_megatron.workload.parallel import make_parallel
-
-    import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         print("overlap_gpu: no CUDA GPU here; running the CPU dry run instead (--dry-run).")

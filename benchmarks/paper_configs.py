@@ -1,4 +1,4 @@
-"""Model predictions for the published evaluation's configurations (notes §3), every method.
+"""Model predictions for the published evaluation's configurations, every method.
 
 The ten configurations of the Kareus evaluation (2 nodes × 8 A100-SXM4-40GB, PP=2 with 15 + 13 layers,
 8 microbatches, DP=1, bf16, full recompute, no sequence parallelism) and the larger Llama 3.3 70B case
@@ -6,7 +6,7 @@ The ten configurations of the Kareus evaluation (2 nodes × 8 A100-SXM4-40GB, PP
 GPU energy of all 16 GPUs per iteration kJ) and the four reductions of plan/frontier.py (Perseus's
 frontier as the reference). These are PREDICTIONS of the uncalibrated model (presets only), not
 measurements; the published measured figures are "up to 28.3% less energy at the same time, up to
-27.5% less time at the same energy" (against the better baseline; notes §1).
+27.5% less time at the same energy" (against the better baseline; docs/sources.md#kareus-evaluation).
 
 Run: .venv/bin/python benchmarks/paper_configs.py [--markdown] [--only 1,5,70b] [--calibration F]
 """
@@ -17,17 +17,18 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
 from kareus_megatron.cost import KernelModel, load_calibration
 from kareus_megatron.plan.frontier import reductions
-from kareus_megatron.search.planner import METHODS, plan_methods
-from kareus_megatron.workload.parallel import add_workload_arguments, workload_from_args
+from kareus_megatron.search.planner import plan_methods
+from kareus_megatron.vocab import METHODS
 
 GPU = "a100-sxm4-40gb"
 
 
 @dataclass(frozen=True)
 class PaperConfig:
-    """One evaluation configuration (notes §3); `tag` is its number in the table."""
+    """One evaluation configuration (docs/sources.md#kareus-evaluation); `tag` is its number in the table."""
 
     tag: str
     model: str

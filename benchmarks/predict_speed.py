@@ -1,7 +1,8 @@
 """Time `kareus predict` for the default job (issue 2 target: under 1 s).
 
-Llama 3.2 3B on a100-sxm4-40gb, TP=8, PP=2, MBS 8, seq 4096, every default clock, as a subprocess
-(interpreter start-up and imports included) and in process (the model alone).
+The default job (no workload flags: Llama 3.2 3B on 2 x 8 a100-sxm4-40gb, TP=8, PP=2 with 15 + 13 layers,
+MBS 8, seq 4096) at every clock of the default grid, as a subprocess (interpreter start-up and imports
+included) and in process (the model alone).
 
 Run: .venv/bin/python benchmarks/predict_speed.py
 """
@@ -14,8 +15,7 @@ import sys
 import time
 from contextlib import redirect_stdout
 
-ARGS = ["predict", "--gpu", "a100-sxm4-40gb", "--model", "llama3.2-3b", "--tp", "8", "--pp", "2", "--mbs", "8",
-        "--seq", "4096", "--format", "csv"]
+ARGS = ["predict", "--format", "csv"]  # the default job
 
 
 def main() -> None:
@@ -29,7 +29,8 @@ def main() -> None:
         if out.returncode != 0:
             raise SystemExit(f"kareus predict failed: {out.stderr.strip()}")
     rows = len(out.stdout.splitlines()) - 1
-    print(f"kareus predict (subprocess, imports included): best {min(runs):.3f} s, worst {max(runs):.3f} s, {rows} rows")
+    print(f"kareus predict (subprocess, imports included): best {min(runs):.3f} s, worst {max(runs):.3f} s, "
+          f"{rows} rows")
     inproc = []
     for _ in range(5):
         t0 = time.perf_counter()

@@ -1,12 +1,12 @@
 """Simulated reproduction of the published comparison on a CPU: plan every evaluation configuration.
 
-For each configuration of benchmarks/paper_configs.py (the ten of notes §3 and Llama 3.3 70B) this runs
-`kareus plan` into OUT/config-TAG/ (frontier.json, plans/, frontier.png, timeline.png; its terminal
-table in OUT/logs/config-TAG.txt), then writes OUT/comparison.md (the tables), OUT/comparison.json,
-OUT/frontiers.png (one frontier panel per configuration) and OUT/reductions.png (the four reductions
-per configuration and method). Everything is a MODEL PREDICTION: it shows what to expect before
-booking GPUs; `launch/` runs the same comparison on a real cluster and `kareus compare` renders the
-measured one with the same formulas.
+For each configuration of benchmarks/paper_configs.py (the ten of the Kareus evaluation,
+docs/sources.md#kareus-evaluation, and Llama 3.3 70B) this runs `kareus plan` into OUT/config-TAG/
+(frontier.json, plans/, frontier.png, timeline.png; its terminal table in OUT/logs/config-TAG.txt),
+then writes OUT/comparison.md (the tables), OUT/comparison.json, OUT/frontiers.png (one frontier panel
+per configuration) and OUT/reductions.png (the four reductions per configuration and method).
+Everything is a MODEL PREDICTION: it shows what to expect before booking GPUs; `launch/` runs the
+same comparison on a real cluster and `kareus compare` renders the measured one with the same formulas.
 
 Run: make repro, or .venv/bin/python benchmarks/reproduce.py [--out DIR] [--points N] [--only 1,5,70b]
 """
@@ -27,8 +27,8 @@ from paper_configs import CONFIGS, GPU, LABEL, PaperConfig, tables  # noqa: E402
 
 from kareus_megatron.cli.main import main as kareus  # noqa: E402
 from kareus_megatron.plan.io import write_json_atomic  # noqa: E402
-from kareus_megatron.plan.schema import METHODS  # noqa: E402
 from kareus_megatron.plotting.frontier import plot_frontier, plot_reductions, save_grid_png  # noqa: E402
+from kareus_megatron.vocab import METHODS  # noqa: E402
 
 REDUCTIONS = {
     "iso_time_energy": "energy at Perseus's fastest time",

@@ -13,9 +13,10 @@ unpatched arms; the target is within 2%. The *control* arm against *without* is 
 shows how finely this machine can resolve the overhead at all (it is 0 in expectation). Both come with
 a 95% bootstrap interval. Because the three arms of a block run back to back, the per-block ratio
 (*with* over the mean of the two unpatched iterations) is also printed, as a median over blocks: load
-changes on a shared machine cancel in it, so it is the sharper estimate of the same overhead. Also printed: CPU time per iteration (trainer processes, from the kernel's
-per-thread run time; the clock controller process), which is less sensitive to other load than wall
-time. ``--strict`` exits 1 when the target is missed.
+changes on a shared machine cancel in it, so it is the sharper estimate of the same overhead. Also
+printed: CPU time per iteration (trainer processes, from the kernel's per-thread run time; the clock
+controller process), which is less sensitive to other load than wall time. ``--strict`` exits 1 when
+the target is missed.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, con
     times: dict[str, list] = {k: [] for side in ARMS for k in (side, "cpu_" + side)}
     # Toggle between megatron-core's original functions and the installed wrappers (same validated
     # patch state, as in a real run, which validates once).
-    wrapped = {name: getattr(schedules, name) for name in megatron_patch._originals}
-    originals = dict(megatron_patch._originals)
+    originals = megatron_patch._slot.replaced.originals()
+    wrapped = {name: getattr(schedules, name) for name in originals}
 
     def use(functions: dict) -> None:
         for name, fn in functions.items():
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, con
             tiny_gpt.train(chunks, M, 1, times_s=times[side])
             times["cpu_" + side].append(time.process_time() - c0)
     times["controller_cpu_s"] = [_cpu_s(session.client.controller_pid) - ctl0]  # 0 in thread mode
-    times["coalesce_ms"] = [session.client._coalesce_s * 1e3]  # the gathering window in effect
+    times["coalesce_ms"] = [session.client.coalesce_s * 1e3]  # the gathering window in effect
     use(wrapped)
     kareus.uninstall()
     with open(os.path.join(out_dir, f"times{rank}.json"), "w") as f:
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"A/A control (unpatched vs unpatched; resolution of this run): {null * 100:+.2f}% "
           f"(95% interval {nlo * 100:+.2f}% .. {nhi * 100:+.2f}%)")
     print(f"paired by block (median of per-block ratios; drift cancels): overhead {paired * 100:+.2f}% "
-          f"({plo * 100:+.2f}% .. {phi * 100:+.2f}%), A/A {pnull * 100:+.2f}% ({pnlo * 100:+.2f}% .. {pnhi * 100:+.2f}%)")
+          f"({plo * 100:+.2f}% .. {phi * 100:+.2f}%), A/A {pnull * 100:+.2f}% "
+          f"({pnlo * 100:+.2f}% .. {pnhi * 100:+.2f}%)")
     print(f"CPU time per iteration and trainer process (median): without {cpu['without'] * 1e3:.2f} ms, control "
           f"{cpu['control'] * 1e3:.2f} ms, with {cpu['with'] * 1e3:.2f} ms; clock controller process: "
           f"{ctl * 1e3:.3f} ms per patched iteration")

@@ -59,7 +59,7 @@ def main() -> None:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu, _, _ = _config()
     print("search_options: llama3.2-3b, a100-sxm4-40gb, TP=8 PP=2 MBS=8 seq=4096, 2x8 GPUs, "
-          f"{len(opt.default_clock_grid(gpu))} clocks")
+          f"{len(gpu.clock_grid_mhz())} clocks")
     for label, (times, _) in runs.items():
         print(f"  {label:17s} wall time: median {statistics.median(times):.3f} s, min {min(times):.3f} s "
               f"({args.repeat} runs)")

@@ -33,7 +33,7 @@ from kareus_megatron.search.simulate import simulate_choice
 from kareus_megatron.search.solver import solve_frontier
 
 PROFILE = Path(__file__).resolve().parent / "data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
-P_BLOCKED_W = 83.64  # A100, measured by the Perseus authors (notes section 1)
+P_BLOCKED_W = 83.64  # A100, measured by the Perseus authors (docs/sources.md#blocked-power)
 UNIT_S = 0.001
 STAGES = 8
 

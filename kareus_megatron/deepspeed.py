@@ -5,11 +5,12 @@ One line, before ``deepspeed.initialize``, in one of three forms:
     import kareus_megatron.deepspeed as kareus
     kareus.install("plans/kareus-03.json", log_path="runs/kareus-03/measurement.jsonl")
     config = kareus.from_config("ds_config.json")   # reads and removes the config's "kareus" section
-    kareus.install_from_env()                       # KAREUS_PLAN, KAREUS_LOG (set by launch/kareus_launch.py)
+    kareus.install_from_env()                       # KAREUS_PLAN, KAREUS_LOG (set by `kareus launch`)
 
 The config section: ``"kareus": {"plan": PATH, "log": PATH, "on_error": "fail"|"warn"}``; a
-``"plan"`` that is a ``kareus plan`` output directory takes ``"point"`` (fastest, min-energy or NN)
-and ``"method"`` (default kareus). DeepSpeed 0.19.8 ignores unknown top-level keys, but
+``"plan"`` that is a ``kareus plan`` output directory takes ``"point"`` (plan/points.py's syntax: NN,
+METHOD-NN, fastest, min-energy, METHOD-fastest, METHOD-min-energy; default fastest) and ``"method"``
+(default kareus), as ``install(DIR, point=..., method=...)`` does. DeepSpeed 0.19.8 ignores unknown top-level keys, but
 ``from_config`` returns the config without the section, so no DeepSpeed version can reject it. Without
 a plan (``install(None, log_path=...)``) the run is only measured, at the driver's default clocks.
 
@@ -26,8 +27,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, PlanError
-from kareus_megatron.plan.io import load_plan
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import deepspeed_patch
 from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
@@ -49,37 +50,23 @@ class DeepSpeedSession(RuntimeSession):
 _slot = SessionSlot(DeepSpeedSession)
 
 
-def _resolve_plan(plan: Plan | str | os.PathLike[str], point: str = "fastest",
-                  method: str = "kareus") -> tuple[Plan, str]:
+def _resolve_plan(plan: Plan | str | os.PathLike[str], point: str | int | None = None,
+                  method: str | None = None) -> tuple[Plan, str]:
+    """The Plan itself, a plan file, or the plan `point`/`method` names in a plan directory (plan/points.py)."""
     if isinstance(plan, Plan):
         return plan, "the plan"
-    path = Path(plan)
-    if path.is_dir():
-        frontier = path / "frontier.json"
-        try:
-            doc = json.loads(frontier.read_text())
-            pts = doc["methods"][method]["points"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise PlanError(f"{path} is not a kareus plan directory with {method} points "
-                            f"({frontier} missing or without them)") from None
-        if point in ("fastest", "min-energy"):
-            key = (lambda p: (p["time_s"], p["energy_j"])) if point == "fastest" else (
-                lambda p: (p["energy_j"], p["time_s"]))
-            i = min(range(len(pts)), key=lambda k: key(pts[k]))
-        elif str(point).isascii() and str(point).isdigit() and int(point) < len(pts):
-            i = int(point)
-        else:
-            raise ConfigError(f"point {point!r} is not valid for {method}: use fastest, min-energy or "
-                              f"00..{len(pts) - 1:02d}")
-        path = path / (pts[i].get("plan") or f"plans/{method}-{i:02d}.json")
-    return load_plan(path), str(path)
+    return load_point_plan(plan, point, method=method, flag="point", path_flag="plan")
 
 
 def install(plan: Plan | str | os.PathLike[str] | None, *, log_path: str | os.PathLike[str] | None = None,
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
             local_rank: int | None = None, controller: Controller = "process",
-            clock_log: str | None = None, point: str = "fastest", method: str = "kareus") -> DeepSpeedSession:
-    """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session."""
+            clock_log: str | None = None, point: str | int | None = None,
+            method: str | None = None) -> DeepSpeedSession:
+    """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session.
+
+    For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: the fastest
+    plan of the kareus method)."""
     resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
     return _slot.install(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
                          log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log)
@@ -116,7 +103,7 @@ def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) 
         raise ConfigError(f'unknown key(s) {", ".join(unknown)} in the "kareus" config section; '
                           f'allowed: {", ".join(CONFIG_KEYS)}')
     install(section.get("plan"), log_path=section.get("log"), on_error=section.get("on_error", "fail"),
-            point=str(section.get("point", "fastest")), method=section.get("method", "kareus"), **kwargs)
+            point=section.get("point"), method=section.get("method"), **kwargs)
     return cleaned
 
 

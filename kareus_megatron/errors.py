@@ -6,6 +6,8 @@ status 2; the message names the bad value, what is allowed, and the fix.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -57,6 +59,13 @@ class UnsupportedVersionError(KareusError):
     """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""
 
 
+def print_error(prog: str, e: BaseException) -> int:
+    """Write "PROG: error: MESSAGE" to stderr with the message folded onto one line; return 2."""
+    msg = " ".join(str(e).split())
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    return 2
+
+
 def describe_validation_error(e: Any, limit: int = 3) -> str:
     """One line naming the first `limit` bad fields of a pydantic ValidationError ("a.b: msg; ...")."""
     errs = e.errors()
@@ -64,3 +73,20 @@ def describe_validation_error(e: Any, limit: int = 3) -> str:
              for err in errs[:limit]]
     more = f" (and {len(errs) - limit} more)" if len(errs) > limit else ""
     return "; ".join(parts) + more
+
+
+def read_input_text(path: str | Path, error: type[KareusError], what: str, *, not_text_fix: str | None = None) -> str:
+    """The UTF-8 text of the input file `what` (e.g. "profile") at `path`; `error` when it cannot be read.
+
+    With `not_text_fix` (the fix to suggest), a file that is not UTF-8 text raises `error` too; without it
+    the UnicodeDecodeError propagates.
+    """
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise error(f"cannot read {what} {str(p)!r}: {e.strerror or e}.") from e
+    except UnicodeDecodeError as e:
+        if not_text_fix is None:
+            raise
+        raise error(f"{what} {str(p)!r} is not UTF-8 text; {not_text_fix}.") from e

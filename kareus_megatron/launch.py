@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.runtime.entry import (
     debug_requested,
+    help_requested,
     kareus_parser,
+    print_kareus_help,
     run_guarded,
     run_script_in_session,
     split_at_double_dash,
@@ -33,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the --kareus-* flags, install the plan, run the script; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, target = split_at_double_dash(argv)
+    if help_requested(ours):
+        return print_kareus_help(PROG, f"{PROG} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS | -m MODULE ARGS",
+                                 __doc__.split("\n\n")[0])
     debug = debug_requested(ours)
 
     def body() -> int:

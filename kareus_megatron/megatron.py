@@ -16,9 +16,9 @@ from pathlib import Path
 
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
+from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
 
-_slot = SessionSlot(RuntimeSession)
+_slot = MEGATRON_SESSIONS
 
 
 def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,

@@ -5,10 +5,11 @@
         --megatron-lm-dir /opt/Megatron-LM  <the usual pretrain_gpt.py arguments>
 
 Takes Megatron-LM's own arguments unchanged plus: --kareus-plan PATH (plan file or `kareus plan`
-output directory), --kareus-point NN|METHOD-NN|fastest|min-energy, --kareus-log PATH,
---kareus-on-error fail|warn, --kareus-debug, and --megatron-lm-dir DIR (or MEGATRON_LM_DIR). It
-installs the kareus patch, then runs DIR/pretrain_gpt.py as ``__main__`` with the remaining arguments,
-so Megatron-LM's own code (and its megatron.core) does the training.
+output directory), --kareus-point POINT (NN, METHOD-NN, fastest, min-energy, METHOD-fastest,
+METHOD-min-energy), --kareus-log PATH, --kareus-on-error fail|warn, --kareus-debug, and
+--megatron-lm-dir DIR (or MEGATRON_LM_DIR). It installs the kareus patch, then runs DIR/pretrain_gpt.py
+as ``__main__`` with the remaining arguments, so Megatron-LM's own code (and its megatron.core) does the
+training. ``--help`` lists the kareus flags without needing Megatron-LM.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from collections.abc import Sequence
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.runtime.entry import (
     debug_requested,
+    help_requested,
     kareus_parser,
+    print_kareus_help,
     run_guarded,
     run_script_in_session,
     start_session,
@@ -51,6 +54,11 @@ def megatron_lm_script(directory: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Install the plan and run Megatron-LM's pretrain_gpt.py; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if help_requested(argv):  # the kareus flags; Megatron-LM's own are listed by its pretrain_gpt.py --help
+        return print_kareus_help(PROG, "torchrun ... launch/pretrain_gpt.py --kareus-plan PATH [--kareus-* ...] "
+                                 "[--megatron-lm-dir DIR] <pretrain_gpt.py arguments>", __doc__.split("\n\n")[0],
+                                 epilog="Every other argument goes to Megatron-LM's pretrain_gpt.py; for those, "
+                                        "run python $MEGATRON_LM_DIR/pretrain_gpt.py --help.", extra=_extra)
     debug = debug_requested(argv)
 
     def body() -> int:

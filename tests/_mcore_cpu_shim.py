@@ -3,8 +3,13 @@
 Three CUDA calls sit on the schedule path (a ``device="cuda"`` literal in schedules.py, receive buffers
 on ``torch.cuda.current_device()`` in p2p_communication.py, ``torch.cuda.synchronize()`` after batched
 p2p) and attention forks the CUDA RNG tracker. This module redirects each of them to the CPU. It never
-ships in the package; apply it in each worker after ``init_process_group("gloo")``. Facts from
-shared/notes/megatron_deepspeed_cpu.md (section A.3).
+ships in the package; apply it in each worker after ``init_process_group("gloo")``. Sources: NVIDIA/Megatron-LM
+at tag ``core_v0.16.1`` (the megatron-core 0.16.1 wheel), under ``megatron/core/``:
+``pipeline_parallel/schedules.py`` (``total_num_tokens = torch.zeros([], ..., device="cuda")``, lines 596,
+983, 2138), ``pipeline_parallel/p2p_communication.py`` (``device=torch.cuda.current_device()`` for the
+shape and receive buffers, lines 190-202 and 313-321; ``torch.cuda.synchronize()`` after
+``batch_isend_irecv``, lines 242 and 398) and ``tensor_parallel/random.py`` (``initialize_rng_tracker(
+inference_rng_tracker=True)`` installs a tracker whose ``fork`` is ``contextlib.nullcontext()``, lines 321-336).
 """
 
 from __future__ import annotations

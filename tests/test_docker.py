@@ -1,15 +1,15 @@
-"""docker/: the versions the Dockerfile pins equal setup.py's; torch is never reinstalled; the image
+"""docker/: the versions the Dockerfile pins equal pyproject.toml's; torch is never reinstalled; the image
 runs unprivileged; the build-time version guard and the privilege-dropping entrypoint work."""
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -21,14 +21,19 @@ CAP_SYS_ADMIN = 1 << 21
 
 
 def setup_constants() -> dict[str, str]:
-    """String constants assigned at the top level of setup.py (read with ast, never imported)."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
+    """The test extra's pins in pyproject.toml, by role: TORCH, MEGATRON_CORE, DEEPSPEED, NVML."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = project["optional-dependencies"]["test"]
+    names = {"TORCH": "torch", "MEGATRON_CORE": "megatron-core", "DEEPSPEED": "deepspeed", "NVML": "nvidia-ml-py"}
     out = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            for t in node.targets:
-                if isinstance(t, ast.Name):
-                    out[t.id] = node.value.value
+    for key, name in names.items():
+        found = [r for r in reqs if re.match(rf"{re.escape(name)}\s*[=<>!~]", r)]
+        assert len(found) == 1, f"pyproject.toml's test extra pins {name} {len(found)} times"
+        out[key] = found[0]
+    for extra, members in (("megatron", ("TORCH", "MEGATRON_CORE")), ("deepspeed", ("TORCH", "DEEPSPEED")),
+                           ("nvml", ("NVML",))):
+        for key in members:  # every extra pins what the tests run against
+            assert out[key] in project["optional-dependencies"][extra], f"extra {extra} does not pin {out[key]}"
     return out
 
 
@@ -68,7 +73,7 @@ def pin(requirement: str, name: str) -> str:
     return m.group(1)
 
 
-def test_dockerfile_pins_match_setup_py():
+def test_dockerfile_pins_match_pyproject():
     const, args = setup_constants(), dockerfile_args()
     assert pin(const["TORCH"], "torch") == f"=={args['TORCH_VERSION']}"
     assert pin(const["MEGATRON_CORE"], "megatron-core") == f"=={args['MEGATRON_CORE_VERSION']}"
@@ -96,7 +101,7 @@ def test_pip_never_installs_torch_and_always_uses_the_torch_constraint():
         reqs = [w for w in words if not w.startswith("-") and w not in ("python", "-m", "pip", "install")]
         for r in reqs:
             assert not re.match(r"torch\b", r), f"torch is (re)installed by: {cmd}"
-            assert "[" not in r, f"extras would pull setup.py's torch pin: {cmd}"
+            assert "[" not in r, f"extras would pull pyproject.toml's torch pin: {cmd}"
     joined = " ".join(installs)
     for name in ("MEGATRON_CORE_VERSION", "DEEPSPEED_VERSION", "NVML_SPEC"):
         assert f"${{{name}}}" in joined, f"{name} is declared but not installed"
@@ -149,13 +154,13 @@ def test_entrypoint_drops_root_but_keeps_only_cap_sys_admin():
     uid, eff, amb = int(out[0]), int(out[2], 16), int(out[4], 16)
     assert uid != 0
     with open("/proc/self/status") as f:
-        have_sys_admin = any(l.startswith("CapEff:") and int(l.split()[1], 16) & CAP_SYS_ADMIN for l in f)
+        have_sys_admin = any(line.startswith("CapEff:") and int(line.split()[1], 16) & CAP_SYS_ADMIN for line in f)
     expected = CAP_SYS_ADMIN if have_sys_admin else 0
     assert eff == expected and amb == expected
 
 
 def test_launch_dir_in_the_image_is_where_the_slurm_launcher_looks():
-    from kareus_megatron.cluster import JobSpec
+    from kareus_megatron.jobs.commands import JobSpec
 
     env = " ".join(rest for ins, rest in dockerfile_instructions() if ins == "ENV")
     assert f"KAREUS_LAUNCH_DIR={JobSpec().container_launch_dir} " in env + " "

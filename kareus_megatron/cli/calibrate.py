@@ -20,7 +20,7 @@ HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --profile/--run and -o."""
-    from kareus_megatron.workload.parallel import add_workload_arguments
+    from kareus_megatron.cli.workload_args import add_workload_arguments
 
     add_workload_arguments(parser)
     src = parser.add_mutually_exclusive_group()
@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _from_profile(args: argparse.Namespace):
+    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.calibrate import fit_calibration
     from kareus_megatron.cost.profile import read_perseus_profile
-    from kareus_megatron.workload.parallel import workload_from_args
 
     gpu, model, par = workload_from_args(args)
     profile = read_perseus_profile(args.profile)
@@ -100,8 +100,9 @@ def _measure(torch: Any, dev: Any, fn: Any, seconds: float) -> tuple[float, floa
 def _from_run(args: argparse.Namespace):
     from rich.progress import Progress
 
-    from kareus_megatron.cost.calibrate import MICROBENCH_COPY_BYTES, MICROBENCH_GEMM_MNK, fit_microbenchmarks
+    from kareus_megatron.cost import calibrate as cb
     from kareus_megatron.hardware.device import open_gpu
+    from kareus_megatron.hardware.gpus import clock_grid_mhz
 
     try:
         dev = open_gpu(args.device, backend="nvml")
@@ -110,11 +111,11 @@ def _from_run(args: argparse.Namespace):
     torch = _torch()
     gpu = dev.spec
     supported = dev.supported_sm_clocks_mhz() or gpu.sm_clocks_mhz  # the driver's list, highest first
-    clocks = [c for c in supported if c >= 0.5 * supported[0]][::4]
-    m, n, k = MICROBENCH_GEMM_MNK
+    clocks = list(clock_grid_mhz(supported, cb.MICROBENCH_CLOCK_STEP_MHZ, cb.MICROBENCH_LOWEST_FRACTION))
+    m, n, k = cb.MICROBENCH_GEMM_MNK
     a = torch.randn(m, k, device=f"cuda:{args.device}", dtype=torch.bfloat16)
     b = torch.randn(k, n, device=a.device, dtype=torch.bfloat16)
-    src = torch.empty(MICROBENCH_COPY_BYTES // 2, device=a.device, dtype=torch.bfloat16)
+    src = torch.empty(cb.MICROBENCH_COPY_BYTES // 2, device=a.device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     meas: dict[str, list[tuple[float, float]]] = {"gemm": [], "copy": [], "idle": []}
     try:
@@ -131,5 +132,5 @@ def _from_run(args: argparse.Namespace):
     finally:
         dev.reset_clocks()
     source = (f"kareus calibrate --run on GPU {args.device} ({gpu.name}): bf16 GEMM {m}x{n}x{k}, "
-              f"{MICROBENCH_COPY_BYTES >> 20} MiB copy, idle; clocks {clocks[0]}..{clocks[-1]} MHz")
-    return fit_microbenchmarks(gpu, clocks, meas, source)
+              f"{cb.MICROBENCH_COPY_BYTES >> 20} MiB copy, idle; clocks {clocks[0]}..{clocks[-1]} MHz")
+    return cb.fit_microbenchmarks(gpu, clocks, meas, source)

@@ -1,11 +1,12 @@
 """`kareus compare LOG_DIR`: the reductions table and frontier plot of measured runs.
 
-LOG_DIR holds one sub-directory per run, NAME-NN/ (as launch/kareus_launch.py writes them), each with
+LOG_DIR holds one sub-directory per run, NAME-NN/ (as `kareus launch` writes them), each with
 ``measurement.jsonl`` (the runtime's per-iteration log: time s = max over ranks, energy J = all GPUs)
-and optionally ``run.json`` (method, plan). A run's point is its mean iteration time and energy after
-``--skip-iterations`` warm-up iterations. The output, under ``--out`` (default LOG_DIR/compare), is
-``frontier.json`` in kareus plan's layout (kareus-frontier/1, reductions by the same formulas,
-plan/frontier.py) and ``frontier.png``.
+and optionally ``run.json`` (method, plan). A run's point is its median iteration time and energy after
+``--skip-iterations`` warm-up iterations (default 2), read and summarised by report/runlog.py exactly as
+`kareus report` does. The output, under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in
+kareus plan's layout (kareus-frontier/1, reductions by the same formulas, plan/frontier.py) and
+``frontier.png``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTIC
+
 HELP = "reductions table and frontier plot from measured logs (same formulas and frontier.json layout as kareus plan)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus compare` flags."""
     parser.add_argument("log_dir", help="directory of measured runs, one NAME-NN/ sub-directory each")
-    parser.add_argument("--skip-iterations", type=int, default=2, metavar="N",
-                        help="warm-up iterations left out of each run's mean (default 2)")
+    parser.add_argument("--skip-iterations", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
+                        help=f"warm-up iterations left out of each run's {STATISTIC} "
+                        f"(default {DEFAULT_SKIP_ITERATIONS})")
     parser.add_argument("--out", default=None, help="output directory (default LOG_DIR/compare)")
     parser.add_argument("--no-plot", action="store_true", help="write frontier.json only")
 
@@ -37,7 +41,7 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 110))  # keep run names whole in logs and pipes
-    t = Table(title=f"measured runs (mean after {doc['config']['skip_iterations']} warm-up iterations; "
+    t = Table(title=f"measured runs ({STATISTIC} after {doc['config']['skip_iterations']} warm-up iterations; "
                     "energy = all GPUs per iteration)", box=box.SIMPLE)
     for col, right in (("run", False), ("iters", True), ("time (s)", True), ("energy (J)", True),
                        ("predicted (s)", True), ("predicted (J)", True)):
@@ -56,12 +60,18 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
                     _pct(r["max_throughput_time_vs_megatron"]), _pct(r["max_throughput_energy_vs_megatron"]))
     console.print(t)
     console.print(red)
+    from kareus_megatron.report.runlog import truncation_note
+
+    for r in runs:
+        note = truncation_note(r.summary.log)
+        if note:
+            print(f"note: {note}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Read the logs, write frontier.json (+ plot), print the tables; 0 on success."""
-    from kareus_megatron.cluster import measured_frontier
     from kareus_megatron.plan.io import check_output_dir, replace_directory, write_json_atomic
+    from kareus_megatron.report.measured import measured_frontier
 
     out = Path(args.out) if args.out else Path(args.log_dir) / "compare"
     check_output_dir(out)

@@ -40,7 +40,7 @@ def _versions() -> dict[str, str | None]:
 def environment(gpu_index: int = 0, check_permission: bool = False) -> dict[str, Any]:
     """The environment report as a dict (see module doc)."""
     from kareus_megatron.hardware.device.nvml import nvml_report
-    from kareus_megatron.runtime.megatron_patch import SUPPORTED_MCORE_VERSIONS
+    from kareus_megatron.vocab import SUPPORTED_MCORE_VERSIONS
 
     versions = _versions()
     backend = os.environ.get("KAREUS_GPU_BACKEND") or None
@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'GPU ' + str(n['index']):16s} {n['name']} (preset: {n['preset'] or 'none; pass --gpu'})")
             print(f"{'SM clocks':16s} {_clock_range(n['supported_sm_clocks_mhz'])} at memory clock "
                   f"{n['memory_clock_mhz']} MHz; now {n['sm_clock_mhz']} MHz")
-            print(f"{'energy counter':16s} {'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}")
+            print(f"{'energy counter':16s} "
+                  f"{'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}")
         if "clock_permission" in n:
             print(f"{'lock clocks':16s} {'allowed' if n['clock_permission'] else n.get('permission_error')}")
         else:

@@ -11,7 +11,9 @@ import importlib
 import os
 import sys
 
-from kareus_megatron.errors import KareusError
+from kareus_megatron import __version__
+from kareus_megatron.cli.parsing import OneLineParser
+from kareus_megatron.errors import KareusError, print_error
 
 # Subcommand name -> module under kareus_megatron.cli. Modules are imported only when listed here.
 COMMANDS: dict[str, str] = {
@@ -23,22 +25,17 @@ COMMANDS: dict[str, str] = {
     "solve": "solve",
     "report": "report",
     "compare": "compare",
+    "launch": "launch",
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors as one line, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every subcommand registered."""
-    parser = _Parser(prog="kareus", description="Energy-aware planning for megatron-core training.")
+    parser = OneLineParser(prog="kareus", description="Energy-aware planning for megatron-core training.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"kareus_megatron.cli.{module_name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
@@ -63,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except KareusError as e:
         if debug:
             raise
-        msg = " ".join(str(e).split())
-        sys.stderr.write(f"kareus {args.command}: error: {msg}\n")
-        return 2
+        return print_error(f"kareus {args.command}", e)
     except KeyboardInterrupt:
         sys.stderr.write("kareus: interrupted\n")
         return 130

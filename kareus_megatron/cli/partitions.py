@@ -1,6 +1,6 @@
 """`kareus partitions`: each nanobatch partition's time–energy frontier and chosen knobs at one SM clock.
 
-Per layer and one GPU, for every partition (``fwd_attn``, ``bwd_mlp``, ...; see workload/layer_vocab.py)
+Per layer and one GPU, for every partition (``fwd_attn``, ``bwd_mlp``, ...; see kareus_megatron/vocab.py)
 the Pareto set over its knobs (comm SMs × launch slot) at ``--freq`` MHz; the fastest knob is the one
 the joint search uses when that instruction is on the critical path. Then, per instruction, the cost
 with 1 nanobatch, with 2 nanobatches on NCCL's defaults, the joint fastest, and optionally the
@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
+
+from kareus_megatron.errors import ConfigError
 
 HELP = "show each nanobatch partition's time-energy frontier and chosen overlap knobs at one SM clock"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --freq, --nanobatches, --overlap and --format."""
-    from kareus_megatron.workload.parallel import add_workload_arguments
+    from kareus_megatron.cli.workload_args import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.add_argument("--freq", type=int, default=None, help="SM clock (MHz); default: the GPU's max clock")
@@ -30,11 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the partition frontiers and instruction summary at one clock; return the exit status."""
+    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.calibration import load_calibration
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.search import options as opt
-    from kareus_megatron.search.partition import check_overlap, parse_overlap
-    from kareus_megatron.workload.parallel import workload_from_args
 
     gpu, model, par = workload_from_args(args)
     freq = gpu.check_clocks([args.freq])[0] if args.freq is not None else gpu.max_sm_clock_mhz
@@ -67,6 +69,58 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_tables(doc)
     return 0
+
+
+def parse_overlap(text: str) -> dict[str, tuple[int, str]]:
+    """Parse an overlap configuration ``NAME=SMS@SLOT[,NAME=SMS@SLOT...]`` into name → (comm SMs, slot).
+
+    Example: ``fwd_attn=12@qkv,fwd_mlp=21@fc1``. Only the syntax is checked here; check_overlap checks
+    names, slots and SM counts against a layout.
+    """
+    out: dict[str, tuple[int, str]] = {}
+    items = [s.strip() for s in str(text).split(",")]
+    if not any(items):
+        raise ConfigError("--overlap is empty; give NAME=SMS@SLOT items separated by commas, e.g. fwd_attn=12@qkv.")
+    for item in items:
+        name, eq, rest = item.partition("=")
+        sms, at, slot = rest.partition("@")
+        name, sms, slot = name.strip(), sms.strip(), slot.strip()
+        if not eq or not at or not name or not slot:
+            raise ConfigError(f"--overlap item {item!r} is malformed; write NAME=SMS@SLOT, e.g. fwd_attn=12@qkv.")
+        if not sms.isdecimal() or not sms.isascii():
+            raise ConfigError(f"--overlap item {item!r}: comm SMs {sms!r} must be a positive integer, "
+                              "e.g. fwd_attn=12@qkv.")
+        if name in out:
+            raise ConfigError(f"--overlap names partition {name!r} twice; give each partition once.")
+        out[name] = (int(sms), slot)
+    return out
+
+
+def check_overlap(
+    config: dict[str, tuple[int, str]], gpu: Any, model: Any, par: Any, nanobatches: int = 2
+) -> dict[str, tuple[int, str]]:
+    """The config unchanged if every partition, slot and SM count fits the layout; ConfigError otherwise."""
+    if nanobatches < 2:
+        raise ConfigError("--overlap needs --nanobatches 2: with 1 nanobatch nothing overlaps; drop --overlap.")
+    from kareus_megatron.search.partition import layout_slots
+
+    slots = layout_slots(model, par, nanobatches)
+    for name, (sms, slot) in config.items():
+        if name not in slots:
+            raise ConfigError(
+                f"--overlap names partition {name!r}, which this layout does not have; "
+                f"partitions: {', '.join(slots)}."
+            )
+        if slot not in slots[name]:
+            raise ConfigError(
+                f"--overlap {name}: launch slot {slot!r} is not an op of that partition; "
+                f"slots: {', '.join(slots[name])}."
+            )
+        if not 1 <= sms < gpu.sm_count:
+            raise ConfigError(
+                f"--overlap {name}: {sms} comm SMs; {gpu.name} has {gpu.sm_count} SMs, so use 1..{gpu.sm_count - 1}."
+            )
+    return config
 
 
 def _point(t: float, e: float, **extra) -> dict:

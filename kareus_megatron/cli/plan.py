@@ -11,20 +11,28 @@ left half-written; bad input leaves DIR untouched.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
+from kareus_megatron.vocab import (
+    FRAMEWORK_MEGATRON,
+    FRAMEWORKS,
+    KAREUS,
+    METHODS,
+    NANOBATCH_PERSEUS,
+    PERSEUS,
+    schedule_for,
+)
+
 HELP = "plan the iteration time-energy frontier of every method and write plan files (default job: see --help)"
-METHOD_NAMES = ("megatron", "perseus", "nanobatch_perseus", "kareus")
-_PLAN_NAME = re.compile(r"^(megatron|perseus|nanobatch_perseus|kareus)-(\d\d)$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags and `kareus plan`'s own."""
-    from kareus_megatron.workload.parallel import add_workload_arguments
+    from kareus_megatron.cli.workload_args import add_workload_arguments
 
     add_workload_arguments(parser)
     g = parser.add_argument_group("planning")
@@ -36,11 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--methods", default=None,
                    help="comma-separated methods (megatron and perseus are always planned: the reductions "
                    "are measured against them; default all four)")
-    g.add_argument("--framework", choices=("megatron", "deepspeed"), default="megatron",
+    g.add_argument("--framework", choices=FRAMEWORKS, default=FRAMEWORK_MEGATRON,
                    help="pipeline schedule of the framework: megatron 1F1B (interleaved with --vp > 1) or "
                    "DeepSpeed TrainSchedule (default megatron)")
-    g.add_argument("--freqs", default=None, help="comma-separated SM clocks (MHz) to plan with "
-                   "(default: every 30 MHz from the max clock down to 60%% of it)")
+    g.add_argument("--freqs", default=None, help="comma-separated SM clocks (MHz) to plan with (default: every "
+                   f"{CLOCK_GRID_STEP_MHZ} MHz from the max clock down to "
+                   f"{CLOCK_GRID_LOWEST_FRACTION * 100:.0f}%% of it)")
     g.add_argument("--timeline", default=None, metavar="NAME-NN",
                    help="plan drawn in timeline.png (default: the kareus plan with the least energy "
                    "that is no slower than Perseus's fastest)")
@@ -58,13 +67,6 @@ def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
         raise ConfigError(f"{flag} {text!r}: every item must be a {cast.__name__}.") from None
 
 
-def schedule_for(framework: str, vp: int) -> str:
-    """Pipeline schedule name of `framework` with `vp` virtual chunks per stage."""
-    if framework == "deepspeed":
-        return "deepspeed-train"
-    return "interleaved-1f1b" if vp > 1 else "1f1b"
-
-
 def _progress_console() -> Any:
     from rich.console import Console
 
@@ -75,21 +77,21 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     """Validate the flags, plan every method (with a progress bar) and build the outputs."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost import KernelModel, load_calibration
     from kareus_megatron.errors import ConfigError
     from kareus_megatron.plan.build import build_outputs
     from kareus_megatron.search.planner import check_methods, plan_methods
-    from kareus_megatron.workload.parallel import workload_from_args
 
-    methods = check_methods(_parse_list("--methods", args.methods, str) if args.methods else METHOD_NAMES)
+    methods = check_methods(_parse_list("--methods", args.methods, str) if args.methods else METHODS)
     freqs = _parse_list("--freqs", args.freqs, int) if args.freqs else None
     if args.points < 2:
         raise ConfigError(f"--points {args.points}: need at least 2 (the fastest and the lowest-energy plan).")
     if args.max_time is not None and not args.max_time > 0:
         raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
     if args.timeline is not None:
-        m = _PLAN_NAME.match(args.timeline)
-        if not m or m.group(1) not in methods or int(m.group(2)) >= args.points:
+        method, _, nn = args.timeline.rpartition("-")
+        if method not in methods or not (len(nn) == 2 and nn.isascii() and nn.isdigit()) or int(nn) >= args.points:
             raise ConfigError(
                 f"--timeline {args.timeline!r} is not a plan this run writes; use METHOD-NN with METHOD one of "
                 f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
@@ -102,9 +104,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     kernel = KernelModel(gpu, cal)
     schedule = schedule_for(args.framework, par.vp)
     if args.methods is None and par.micro_batch_size % 2:
-        methods.remove("nanobatch_perseus")  # asked for by default only: skip it, say why
+        methods.remove(NANOBATCH_PERSEUS)  # asked for by default only: skip it, say why
         _progress_console().print(
-            f"note: nanobatch_perseus skipped: 2 nanobatches do not divide --mbs {par.micro_batch_size}; "
+            f"note: {NANOBATCH_PERSEUS} skipped: 2 nanobatches do not divide --mbs {par.micro_batch_size}; "
             "kareus plans 1 nanobatch only."
         )
     console = _progress_console()
@@ -138,8 +140,8 @@ def _timeline_choice(args: argparse.Namespace, result: Any, built: list[Any]) ->
         return by_name[args.timeline]
     from kareus_megatron.search.planner import reduction_indices
 
-    method = "kareus" if "kareus" in result.methods else list(result.methods)[-1]
-    mf, ref = result.methods[method], result.methods["perseus"]
+    method = KAREUS if KAREUS in result.methods else list(result.methods)[-1]
+    mf, ref = result.methods[method], result.methods[PERSEUS]
     want = reduction_indices(mf.time_s, mf.energy_j, float(ref.time_s[0]), float(ref.energy_j.min()))
     for b in built:
         if b.method == method and want and b.frontier_index == want[0]:

@@ -13,11 +13,14 @@ HELP = "predict each stage's forward/backward time (s), energy (J) and power (W)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --freqs and --format."""
-    from kareus_megatron.workload.parallel import add_workload_arguments
+    from kareus_megatron.cli.workload_args import add_workload_arguments
+    from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
 
     add_workload_arguments(parser)
     parser.add_argument("--freqs", default=None,
-                        help="comma-separated SM clocks (MHz); default: lockable clocks from the max down to 0.6 × max")
+                        help=f"comma-separated SM clocks (MHz); default: the planning grid, every "
+                        f"{CLOCK_GRID_STEP_MHZ} MHz from the max clock down to "
+                        f"{100 * CLOCK_GRID_LOWEST_FRACTION:.0f}%% of it")
     parser.add_argument("--format", choices=("table", "json", "csv"), default="table",
                         help="output format (with --vp > 1 a row sums the stage's chunks)")
 
@@ -37,13 +40,13 @@ def parse_freqs(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the prediction; return the exit status."""
+    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.cost.predict import predict_rows
     from kareus_megatron.cost.profile import format_perseus_csv
-    from kareus_megatron.workload.parallel import workload_from_args
 
     gpu, model, par = workload_from_args(args)
-    clocks = gpu.check_clocks(parse_freqs(args.freqs)) if args.freqs else gpu.default_clock_grid_mhz()
+    clocks = gpu.check_clocks(parse_freqs(args.freqs)) if args.freqs else gpu.clock_grid_mhz()
     cal = None
     if args.calibration:
         from kareus_megatron.cost.calibration import load_calibration

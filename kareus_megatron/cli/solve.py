@@ -6,7 +6,8 @@ every instruction its clock options; the pipeline solver (search/solver.py) find
 under ``--out DIR``:
 
 - ``frontier.json``: kareus-frontier/1 layout with one method, ``solve``, fastest point first;
-- ``plans/solve-NN.json``: one kareus-plan/1 clock plan per point (NN = 00 is the fastest);
+- ``plans/solve-NN.json``: one kareus-plan/1 clock plan per point (NN = 00 is the fastest), built by
+  plan/build.py like kareus plan's and recording ``--gpu`` and ``--p-blocked`` (so `kareus report` can use it);
 - with ``--zeus-format``, ``zeus/freqs_pipeline_NN.py``: the same plans as Python literals, one list of
   ``(instruction, frequency)`` per pipeline rank in execution order, the solution file that Zeus's
   pipeline frequency optimizer server replays (its ``PointSolution`` scheduler).
@@ -20,8 +21,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.vocab import FLAT_SCHEDULES as SCHEDULES
+from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SOLVE
+
 HELP = "solve the pipeline time-energy frontier of a measured Perseus-format profile (CSV)"
-SCHEDULES = ("1f1b", "deepspeed-train")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default ./kareus-solve)")
     parser.add_argument("--zeus-format", action="store_true",
                         help="also write zeus/freqs_pipeline_NN.py for Zeus's pipeline frequency optimizer")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                        help="pipeline schedule the job runs (default 1f1b; deepspeed-train for DeepSpeed)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULE_1F1B,
+                        help=f"pipeline schedule the job runs (default {SCHEDULE_1F1B}; "
+                        f"{SCHEDULE_DEEPSPEED} for DeepSpeed)")
     parser.add_argument("--p2p-time", type=float, default=0.0, metavar="S",
                         help="P2P send/recv time (s) between stages (default 0, as in Perseus)")
     parser.add_argument("--max-time", type=float, default=None, metavar="S",
@@ -120,8 +124,9 @@ def solve_profile(
     import numpy as np
 
     from kareus_megatron.cost.profile import read_perseus_profile
-    from kareus_megatron.plan.schema import FRONTIER_FORMAT, PLAN_FORMAT, Instruction, ParallelLayout, Plan
-    from kareus_megatron.plan.schema import Predicted, StagePlan
+    from kareus_megatron.plan.build import solved_plan
+    from kareus_megatron.plan.points import plan_relpath
+    from kareus_megatron.plan.schema import FRONTIER_FORMAT, ParallelLayout
     from kareus_megatron.search.pipeline import build_dag
     from kareus_megatron.search.schedules import instruction_order
     from kareus_megatron.search.simulate import simulate_choice
@@ -140,26 +145,10 @@ def solve_profile(
         seq_length=args.seq_length, num_microbatches=args.microbatches, layers_per_stage=tuple(layers),
         nodes=1, gpus_per_node=world, schedule=args.schedule,
     )
-    out_plans, points = [], []
-    for nn, sp in enumerate(plans):
-        ranks: list[list[Instruction]] = [[] for _ in range(args.pp)]
-        for s, order in enumerate(dag.rank_orders):
-            for i in order:
-                _, kind, mb, chunk = dag.keys[i]
-                o, k = node_opts[i], int(sp.choice[i])
-                ranks[s].append(Instruction(
-                    kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]),
-                    predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
-                ))
-        plan = Plan(
-            format=PLAN_FORMAT, method="solve",
-            framework="deepspeed" if args.schedule == "deepspeed-train" else "megatron",
-            gpu=args.gpu, parallel=layout,
-            predicted=Predicted(iteration_time_s=sp.time_s, iteration_energy_j=sp.energy_j),
-            stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
-        )
-        out_plans.append(plan)
-        points.append({"time_s": sp.time_s, "energy_j": sp.energy_j, "plan": f"plans/solve-{nn:02d}.json"})
+    out_plans = [solved_plan(dag, node_opts, sp, method=SOLVE, gpu=args.gpu, parallel=layout,
+                             p_blocked_w=args.p_blocked) for sp in plans]
+    points = [{"time_s": sp.time_s, "energy_j": sp.energy_j, "plan": plan_relpath(SOLVE, nn)}
+              for nn, sp in enumerate(plans)]
     top = simulate_choice(dag, node_opts, np.zeros(dag.n, dtype=int), args.p_blocked, gpus)
     doc = {
         "format": FRONTIER_FORMAT,
@@ -169,7 +158,7 @@ def solve_profile(
             "tp": args.tp, "cp": args.cp, "dp": args.dp, "gpu": args.gpu,
             "max_clock": {"time_s": top.time_s, "energy_j": top.energy_j},
         },
-        "methods": {"solve": {"points": points}},
+        "methods": {SOLVE: {"points": points}},
         "reductions": {},
     }
     return doc, out_plans
@@ -177,11 +166,12 @@ def solve_profile(
 
 def _write(out: Path, doc: dict[str, Any], plans: list[Any], zeus: bool) -> None:
     from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
+    from kareus_megatron.plan.points import plan_relpath
 
     with replace_directory(out) as tmp:
         write_json_atomic(tmp / "frontier.json", doc)
         for nn, plan in enumerate(plans):
-            save_plan(plan, tmp / "plans" / f"solve-{nn:02d}.json")
+            save_plan(plan, tmp / plan_relpath(SOLVE, nn))
             if zeus:
                 (tmp / "zeus").mkdir(exist_ok=True)
                 (tmp / "zeus" / f"freqs_pipeline_{nn:02d}.py").write_text(zeus_solution_text(plan))
@@ -207,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kareus solve: {args.pp} stages x {args.microbatches} microbatches, {len(plans)} plans -> {out}/")
     print(f"{'plan':>10} {'time (s)':>10} {'energy (J)':>12} {'vs max clock':>13}")
     print(f"{'max clock':>10} {ref['time_s']:10.4f} {ref['energy_j']:12.1f} {'':>13}")
-    for nn, p in enumerate(doc["methods"]["solve"]["points"]):
+    for nn, p in enumerate(doc["methods"][SOLVE]["points"]):
         saving = (ref["energy_j"] - p["energy_j"]) / ref["energy_j"]
         print(f"{'solve-' + format(nn, '02d'):>10} {p['time_s']:10.4f} {p['energy_j']:12.1f} {-100 * saving:+12.1f}%")
     return 0

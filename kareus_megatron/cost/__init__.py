@@ -14,6 +14,7 @@ _EXPORTS = {
     "save_calibration": "kareus_megatron.cost.calibration",
     "KernelModel": "kareus_megatron.cost.kernel",
     "OpProfile": "kareus_megatron.cost.kernel",
+    "OverlapCost": "kareus_megatron.cost.overlap",
     "KernelParams": "kareus_megatron.cost.params",
 }
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ from scipy.optimize import least_squares
 
 from kareus_megatron.cost.calibration import FORMAT, Calibration
 from kareus_megatron.cost.kernel import KernelModel
-from kareus_megatron.cost.params import GPU_PARAM_NAMES, KernelParams
+from kareus_megatron.cost.params import GPU_PARAM_NAMES, KernelParams, with_gpu_params
 from kareus_megatron.cost.profile import StageProfile
 from kareus_megatron.errors import CalibrationError
 from kareus_megatron.hardware.gpus import GPUSpec
@@ -93,7 +93,7 @@ def default_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
 def _apply(gpu: GPUSpec, base: KernelParams, names: Sequence[str], values: np.ndarray) -> KernelModel:
     gpu_kw = {n: float(v) for n, v in zip(names, values) if n in GPU_PARAM_NAMES}
     k_kw = {n: float(v) for n, v in zip(names, values) if n not in GPU_PARAM_NAMES}
-    return KernelModel.from_params(dataclasses.replace(gpu, **gpu_kw), dataclasses.replace(base, **k_kw))
+    return KernelModel.from_params(with_gpu_params(gpu, gpu_kw), dataclasses.replace(base, **k_kw))
 
 
 def _current(gpu: GPUSpec, base: KernelParams, name: str) -> float:
@@ -269,6 +269,12 @@ def print_fit_report(before: dict[str, Any], after: dict[str, Any]) -> None:
 
 MICROBENCH_GEMM_MNK = (8192, 8192, 8192)  # bf16 GEMM: compute-bound at every clock
 MICROBENCH_COPY_BYTES = 1 << 30  # device-to-device copy of 1 GiB: memory-bound
+# Clock sweep of the microbenchmarks (hardware/gpus.py clock_grid_mhz): every 60 MHz from the max clock down
+# to half of it (A100: 1410 -> 750 MHz, 12 clocks). Wider than the planning grid so that the fit sees the
+# voltage knee (A100 preset: 1126 MHz) with several clocks on each side; 60 MHz keeps the sweep at 12 clocks
+# x 3 measurements x --seconds (about a minute at the default 1.5 s).
+MICROBENCH_CLOCK_STEP_MHZ = 60
+MICROBENCH_LOWEST_FRACTION = 0.5
 
 
 def microbench_ops() -> dict[str, Op]:

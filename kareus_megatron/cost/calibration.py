@@ -7,20 +7,19 @@ from. Load with ``load_calibration``; ``Calibration.sha256`` identifies it (plan
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kareus_megatron.cost.params import GPU_PARAM_NAMES, KERNEL_PARAM_NAMES, PARAM_NAMES
-from kareus_megatron.errors import CalibrationError, describe_validation_error
+from kareus_megatron.cost.params import GPU_PARAM_NAMES, KERNEL_PARAM_NAMES, PARAM_NAMES, with_gpu_params
+from kareus_megatron.errors import CalibrationError, describe_validation_error, read_input_text
 from kareus_megatron.hardware.gpus import GPUSpec
 
-FORMAT = "kareus-calibration/1"
+FORMAT: Final = "kareus-calibration/1"
 
 
 class Calibration(BaseModel):
@@ -62,7 +61,7 @@ class Calibration(BaseModel):
                 f"calibration was fitted for {self.gpu!r}, not {gpu.name!r}; use --gpu {self.gpu} "
                 f"or calibrate {gpu.name} with `kareus calibrate`."
             )
-        return dataclasses.replace(gpu, **self.gpu_params)
+        return with_gpu_params(gpu, self.gpu_params)
 
     def to_json(self) -> str:
         """Canonical JSON text (sorted keys, 2-space indent, trailing newline)."""
@@ -94,10 +93,7 @@ def calibration_from_dict(data: Any, what: str = "calibration") -> Calibration:
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration JSON file; CalibrationError on a missing, unreadable or invalid file."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise CalibrationError(f"cannot read calibration file {str(p)!r}: {e.strerror or e}.") from e
+    text = read_input_text(p, CalibrationError, "calibration file")
     try:
         data = json.loads(text)
     except ValueError as e:

@@ -31,16 +31,29 @@ from kareus_megatron.workload.parallel import ParallelConfig
 if TYPE_CHECKING:  # pydantic loads only when a calibration is used
     from kareus_megatron.cost.calibration import Calibration
 
-# cuBLAS-like tile shapes (M×N) and their relative efficiency at full occupancy (larger tiles reuse
-# operands better). The kernel with the best effective utilisation is chosen per GEMM and SM count.
+# GEMM output tiles (M×N): the cuBLAS tile set of NVIDIA's Matrix Multiplication Background User's Guide
+# (section 2.3, "Typical Tile Dimensions In cuBLAS And Performance": 256×128 and 128×256 most efficient,
+# 64×64 least; docs/sources.md#gemm-tiles). The kernel with the best effective utilisation is chosen per
+# GEMM and SM count. _TILE_EFF, each tile's throughput at full occupancy relative to 256×128, is an
+# engineering prior, not a measurement: it follows the guide's order, and it falls more slowly than the
+# operand reuse M·N/(M+N) (1, 0.75, 0.5, 0.375) because reuse caps throughput only where operand bandwidth
+# binds.
+# A calibration scales all of them together through gemm_efficiency (cost/params.py); `kareus calibrate
+# --run` times one large GEMM, so the ratios themselves stay unfitted until a run with small-tile shapes.
 _TILES = np.array([[256, 128], [128, 256], [128, 128], [128, 64], [64, 128], [64, 64]], dtype=float)
 _TILE_EFF = np.array([1.0, 1.0, 0.94, 0.82, 0.82, 0.62])
-_BUS_FACTOR = {  # bus bytes / message bytes for a ring over g GPUs (nccl-tests definitions)
+_BUS_FACTOR = {  # bus bytes / message bytes for a ring over g GPUs (nccl-tests PERFORMANCE.md definitions)
     "all_reduce": lambda g: 2.0 * (g - 1) / g,
     "all_gather": lambda g: (g - 1) / g,
     "reduce_scatter": lambda g: (g - 1) / g,
     "send_recv": lambda g: 1.0,
 }
+# HBM bytes a collective moves on one GPU per bus byte (it competes with compute for HBM bandwidth while it
+# overlaps, cost/partition.py). Engineering estimate from the ring algorithm, not a measurement
+# (docs/sources.md#collective-hbm-traffic): every bus byte is written once into this GPU's memory by its
+# ring neighbour and read once to be sent on or stored (2: all-gather); a reduction also reads the local
+# operand (3: reduce-scatter); all-reduce is counted at its reduce-scatter phase's 3, the upper of its two
+# phases; a send/recv reads or writes each byte once (1).
 _HBM_PER_BUS_BYTE = {"all_reduce": 3.0, "all_gather": 2.0, "reduce_scatter": 3.0, "send_recv": 1.0}
 
 
@@ -130,7 +143,7 @@ class KernelModel:
             if op.kind == "attention":
                 eff[i] = p.attention_bwd_efficiency if op.phase == "backward" else p.attention_efficiency
         is_mem = (kind == "memory").reshape(col)
-        vector_peak = g.peak_flops("fp32") * clock_frac * sm_frac if "fp32" in g.peak_tflops else peak / 16
+        vector_peak = g.peak_flops("fp32") * clock_frac * sm_frac  # elementwise math: CUDA-core FP32
         t_c = flops / np.where(is_mem, vector_peak, peak * eff)
         t_m = hbm / (g.hbm_bytes_per_s * p.memory_efficiency)
         t_issue = hbm / (s * f * 1e6 * p.sm_load_bytes_per_cycle)

@@ -4,12 +4,19 @@ Efficiencies are fractions of a roof (dimensionless); bandwidths per SM are byte
 latencies and overheads are in s. Defaults are first-principles values for Ampere/Hopper-class GPUs:
 cuBLAS reaches ~80% of dense bf16 peak on large GEMMs, flash attention ~60% forward and ~45% backward
 (Dao 2023, FlashAttention-2, A100 figures), streaming kernels ~85% of HBM bandwidth, NCCL ~80% of
-the NVLink bandwidth with enough channels (nccl-tests on DGX A100).
+the NVLink bandwidth with enough channels (nccl-tests on DGX A100). Each default is the prior of the
+calibration fit (cost/calibrate.py), which frees most of them; docs/sources.md#kernel-parameters lists
+every default with its source, and says which ones no fit adjusts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
+
+from kareus_megatron.hardware.gpus import GPUSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,7 +39,10 @@ class KernelParams:
     # ~16-24 SMs saturate A100 NVLink, as NCCL's channel counts on NVSwitch systems suggest
     comm_sm_bytes_per_cycle: float = 10.0
     comm_sharpness: float = 3.0  # p of the smooth minimum of link and SM-driven bandwidth
-    default_comm_sms: float = 24.0  # SMs NCCL uses when nobody limits it (baseline)
+    # SMs (one CTA per channel) NCCL uses when nobody limits it, the baselines' value: 24 ring channels on an
+    # 8×A100 NVSwitch node ("NCCL INFO Channel 23/24" in NVIDIA/nccl-tests#100 and NVIDIA/nccl#578 logs;
+    # docs/sources.md#nccl-default-sms)
+    default_comm_sms: float = 24.0
     # power of one comm SM driving data, relative to a busy compute SM, link I/O included; fitted with the A100 power
     # presets to the Perseus GPT-3 profile (benchmarks/calibration_fit.py --bake)
     comm_compute_activity: float = 3.11
@@ -48,3 +58,13 @@ GPU_PARAM_NAMES: tuple[str, ...] = (
     "voltage_knee_mhz", "power_limit_w", "p_blocked_w",
 )
 PARAM_NAMES: tuple[str, ...] = KERNEL_PARAM_NAMES + GPU_PARAM_NAMES
+
+
+def with_gpu_params(gpu: GPUSpec, values: Mapping[str, float]) -> GPUSpec:
+    """`gpu` with the power-model fields named in `values` (a subset of GPU_PARAM_NAMES) replaced."""
+    unknown = sorted(set(values) - set(GPU_PARAM_NAMES))
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)} not among the GPU power-model fields {', '.join(GPU_PARAM_NAMES)}")
+    # Every GPU_PARAM_NAMES field of GPUSpec is a float, a link between keys and fields mypy cannot see.
+    overrides: dict[str, Any] = dict(values)
+    return dataclasses.replace(gpu, **overrides)

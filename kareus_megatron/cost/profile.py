@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus_megatron.errors import ProfileError
+from kareus_megatron.errors import ProfileError, read_input_text
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 INSTRUCTIONS = ("forward", "backward")
@@ -118,14 +118,8 @@ def parse_perseus_profile(text: str, where: str = "profile") -> StageProfile:
 
 def read_perseus_profile(path: str | Path) -> StageProfile:
     """Read and validate a Perseus-format CSV file; ProfileError on a missing or malformed file."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ProfileError(f"cannot read profile {str(p)!r}: {e.strerror or e}.") from e
-    except UnicodeDecodeError as e:
-        raise ProfileError(f"profile {str(p)!r} is not UTF-8 text; give a CSV file.") from e
-    return parse_perseus_profile(text, where=str(p))
+    text = read_input_text(path, ProfileError, "profile", not_text_fix="give a CSV file")
+    return parse_perseus_profile(text, where=str(Path(path)))
 
 
 def format_perseus_csv(rows: list[tuple[int, str, int, float, float]]) -> str:

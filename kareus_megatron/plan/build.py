@@ -6,10 +6,15 @@ that plan; each instruction carries its own predicted time (s) and energy (J) on
 The frontier document's reductions are computed on each method's whole frontier (every plan the solver
 kept); the chosen points include the plans that decide them whenever ``--points`` >= 4, so the
 reductions can also be recomputed from the points in the file.
+
+Every plan, of ``kareus plan`` (build_plan) or of ``kareus solve`` (solved_plan), is put together by
+assemble_plan, which records what a report needs besides the prediction: the GPU, the job's shape and
+the blocked power (W, one GPU) the prediction used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +30,7 @@ from kareus_megatron.plan.schema import (
     StagePlan,
 )
 from kareus_megatron.search.planner import PlanningResult, TimedInstruction, simulate_plan
-
-FRAMEWORK_OF_SCHEDULE = {"1f1b": "megatron", "interleaved-1f1b": "megatron", "deepspeed-train": "deepspeed"}
+from kareus_megatron.vocab import FRAMEWORK_OF_SCHEDULE, MethodName, ScheduleName
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,7 +38,7 @@ class BuiltPlan:
     """A plan file to write: its name (``NAME-NN``), the Plan and its simulated timeline."""
 
     name: str
-    method: str
+    method: MethodName
     frontier_index: int
     plan: Plan
     timeline: list[TimedInstruction]
@@ -54,7 +58,7 @@ def model_shape(model: Any) -> ModelShape:
     )
 
 
-def parallel_layout(par: Any, schedule: str) -> ParallelLayout:
+def parallel_layout(par: Any, schedule: ScheduleName) -> ParallelLayout:
     """The plan's record of the parallel layout and pipeline schedule."""
     return ParallelLayout(
         tp=par.tp, cp=par.cp, pp=par.pp, vp=par.vp, dp=par.dp, sequence_parallel=par.sequence_parallel,
@@ -90,8 +94,55 @@ def config_dict(result: PlanningResult) -> dict[str, Any]:
     }
 
 
+def assemble_plan(
+    *,
+    method: MethodName,
+    gpu: str,
+    parallel: ParallelLayout,
+    time_s: float,
+    energy_j: float,
+    p_blocked_w: float,
+    ranks: Sequence[Sequence[Instruction]],
+    model: ModelShape | None = None,
+    calibration_sha256: str | None = None,
+) -> Plan:
+    """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
+    (J, all GPUs), and the GPU and blocked power (W, one GPU) the prediction used."""
+    return Plan(
+        format=PLAN_FORMAT,
+        method=method,
+        framework=FRAMEWORK_OF_SCHEDULE[parallel.schedule],
+        gpu=gpu,
+        calibration_sha256=calibration_sha256,
+        p_blocked_w=float(p_blocked_w),
+        model=model,
+        parallel=parallel,
+        predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j)),
+        stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
+    )
+
+
+def solved_plan(dag: Any, node_opts: Sequence[Any], solved: Any, *, method: MethodName, gpu: str,
+                parallel: ParallelLayout, p_blocked_w: float) -> Plan:
+    """The clock plan of one point of search.solver.solve_frontier over measured options (``kareus solve``).
+
+    `node_opts[i]` holds DAG node i's options (clock_mhz, time_s, energy_j: one GPU); `solved.choice[i]` the
+    chosen option; `solved.time_s` / `solved.energy_j` the simulated iteration time (s) and energy (J)."""
+    ranks: list[list[Instruction]] = [[] for _ in range(parallel.pp)]
+    for s, order in enumerate(dag.rank_orders):
+        for i in order:
+            _, kind, mb, chunk = dag.keys[i]
+            o, k = node_opts[i], int(solved.choice[i])
+            ranks[s].append(Instruction(
+                kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]),
+                predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
+            ))
+    return assemble_plan(method=method, gpu=gpu, parallel=parallel, time_s=solved.time_s,
+                         energy_j=solved.energy_j, p_blocked_w=p_blocked_w, ranks=ranks)
+
+
 def build_plan(
-    result: PlanningResult, method: str, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None
+    result: PlanningResult, method: MethodName, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None
 ) -> tuple[Plan, list[TimedInstruction]]:
     """The Plan of frontier plan `index` of `method`, and its simulated timeline."""
     sim, timed = simulate_plan(result, method, index)
@@ -112,17 +163,9 @@ def build_plan(
             partitions=knobs[(*key, k)] if nb > 1 else {},
             predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
         ))
-    plan = Plan(
-        format=PLAN_FORMAT,
-        method=method,
-        framework=FRAMEWORK_OF_SCHEDULE[result.schedule],
-        gpu=result.gpu.name,
-        calibration_sha256=result.calibration_sha256,
-        model=model_shape(result.model),
-        parallel=parallel_layout(result.par, result.schedule),
-        predicted=Predicted(iteration_time_s=sim.time_s, iteration_energy_j=sim.energy_j),
-        stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
-    )
+    plan = assemble_plan(method=method, gpu=result.gpu.name, parallel=parallel_layout(result.par, result.schedule),
+                         time_s=sim.time_s, energy_j=sim.energy_j, p_blocked_w=result.p_blocked_w, ranks=ranks,
+                         model=model_shape(result.model), calibration_sha256=result.calibration_sha256)
     return plan, timed
 
 
@@ -143,6 +186,8 @@ def build_outputs(result: PlanningResult) -> tuple[dict[str, Any], list[BuiltPla
                 "plan": bp.relpath,
             })
     doc = frontier_document(config_dict(result), points)
-    full = {m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()}
+    full: dict[str, list[tuple[float, float]]] = {
+        m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()
+    }
     doc["reductions"] = reductions(full)
     return doc, built

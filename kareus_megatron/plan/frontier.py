@@ -1,6 +1,6 @@
 """The frontier file, ``kareus-frontier/1``, and the reductions reported against the baselines.
 
-Reductions (fractions, 0.23 = 23%), as defined by the Kareus evaluation (notes §3), with P the
+Reductions (fractions, 0.23 = 23%) of the Kareus evaluation (docs/sources.md#kareus-evaluation), with P the
 Perseus frontier and each point's time = iteration time (s), energy = GPU energy of the job (J):
 
 - iso_time_energy  = (E_P(fastest) - min{E : point of the method with T <= T_P(fastest)}) / E_P(fastest)
@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus_megatron.errors import PlanError
-from kareus_megatron.plan.schema import FRONTIER_FORMAT, METHODS
+from kareus_megatron.plan.schema import FRONTIER_FORMAT
+from kareus_megatron.vocab import MEGATRON, METHODS, PERSEUS, REFERENCE_METHODS
 
 Point = tuple[float, float]  # (time_s, energy_j)
 _REL_TOL = 1e-9
@@ -35,12 +36,12 @@ def _min_energy(points: Sequence[Point]) -> Point:
 
 def reductions(frontiers: Mapping[str, Sequence[Point]]) -> dict[str, dict[str, float | None]]:
     """The four reductions of every method; needs 'perseus' and 'megatron' frontiers."""
-    for ref in ("perseus", "megatron"):
+    for ref in REFERENCE_METHODS:
         if not frontiers.get(ref):
             raise PlanError(f"reductions need a non-empty {ref!r} frontier")
-    tp_fast, ep_fast = _fastest(frontiers["perseus"])
-    tp_minE, ep_minE = _min_energy(frontiers["perseus"])
-    tm, em = _fastest(frontiers["megatron"])
+    tp_fast, ep_fast = _fastest(frontiers[PERSEUS])
+    tp_minE, ep_minE = _min_energy(frontiers[PERSEUS])
+    tm, em = _fastest(frontiers[MEGATRON])
     out: dict[str, dict[str, float | None]] = {}
     for name, pts in frontiers.items():
         if not pts:

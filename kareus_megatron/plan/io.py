@@ -53,7 +53,10 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 
 def plan_sha256(plan: Plan) -> str:
     """Content hash of a plan (hex), stable across key order."""
-    return hashlib.sha256(json.dumps(plan.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    data = plan.model_dump(mode="json")
+    if data.get("p_blocked_w") is None:  # a plan without it hashes as before the field existed
+        data.pop("p_blocked_w", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def _umask() -> int:

@@ -1,23 +1,31 @@
 """The plan file, ``kareus-plan/1``: what the planner writes and the runtime executes.
 
 A plan is data, never code. It records the workload and parallel configuration it was made for, the
-GPU preset and calibration it was predicted with, the predicted iteration time (s) and energy (J, all
-GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM
-clock (MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition
-(comm SMs and launch slot; names from ``workload.layer_vocab``).
+GPU preset and calibration it was predicted with and the blocked power (W) the prediction used, the
+predicted iteration time (s) and energy (J, all GPUs of the job), and for every pipeline rank its
+instructions in execution order, each with its SM clock (MHz), nanobatch count and, with 2 nanobatches,
+the overlap knobs of every partition (comm SMs and launch slot; names from ``kareus_megatron.vocab``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kareus_megatron.workload.layer_vocab import PARTITION_SLOTS, SUPPORTED_NANOBATCHES
+from kareus_megatron.vocab import (
+    FRAMEWORK_MEGATRON,
+    PARTITION_SLOTS,
+    SCHEDULE_1F1B,
+    SUPPORTED_NANOBATCHES,
+    FrameworkName,
+    InstructionKind,
+    MethodName,
+    ScheduleName,
+)
 
-PLAN_FORMAT = "kareus-plan/1"
+PLAN_FORMAT: Final = "kareus-plan/1"
 FRONTIER_FORMAT = "kareus-frontier/1"
-METHODS = ("megatron", "perseus", "nanobatch_perseus", "kareus")
 
 
 class _Frozen(BaseModel):
@@ -52,7 +60,7 @@ class ParallelLayout(_Frozen):
     layers_per_stage: tuple[int, ...] = Field(description="transformer layers on each pipeline stage")
     nodes: int = Field(ge=1)
     gpus_per_node: int = Field(ge=1)
-    schedule: Literal["1f1b", "interleaved-1f1b", "deepspeed-train"] = "1f1b"
+    schedule: ScheduleName = SCHEDULE_1F1B
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
@@ -73,7 +81,7 @@ class PartitionKnobs(_Frozen):
 class Instruction(_Frozen):
     """One pipeline instruction: the forward or backward of one microbatch of one virtual chunk."""
 
-    kind: Literal["forward", "backward"]
+    kind: InstructionKind
     microbatch: int = Field(ge=0)
     chunk: int = Field(ge=0, default=0)
     sm_clock_mhz: int = Field(gt=0)
@@ -117,10 +125,15 @@ class Plan(_Frozen):
     """A whole-job plan, format ``kareus-plan/1``."""
 
     format: Literal["kareus-plan/1"]
-    method: Literal["megatron", "perseus", "nanobatch_perseus", "kareus", "solve"]
-    framework: Literal["megatron", "deepspeed"] = "megatron"
+    method: MethodName
+    framework: FrameworkName = FRAMEWORK_MEGATRON
     gpu: str
     calibration_sha256: str | None = None
+    p_blocked_w: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="power (W) of one GPU blocked in the pipeline that the prediction used (None: plans "
+                    "written before it was recorded; reports then take the GPU preset's)",
+    )
     model: ModelShape | None = None
     parallel: ParallelLayout
     predicted: Predicted

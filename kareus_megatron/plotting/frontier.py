@@ -12,14 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.vocab import KAREUS, MEGATRON, NANOBATCH_PERSEUS, PERSEUS, SOLVE
+
 # Fixed colours and labels so every figure of the project reads the same way.
 METHOD_STYLE: dict[str, tuple[str, str, str]] = {
     # name: (label, colour, marker)
-    "megatron": ("Megatron-LM", "#7f7f7f", "s"),
-    "perseus": ("Megatron + Perseus", "#1f77b4", "o"),
-    "nanobatch_perseus": ("Nanobatching + Perseus", "#ff7f0e", "^"),
-    "kareus": ("Kareus (joint)", "#d62728", "D"),
-    "solve": ("solve", "#2ca02c", "v"),
+    MEGATRON: ("Megatron-LM", "#7f7f7f", "s"),
+    PERSEUS: ("Megatron + Perseus", "#1f77b4", "o"),
+    NANOBATCH_PERSEUS: ("Nanobatching + Perseus", "#ff7f0e", "^"),
+    KAREUS: ("Kareus (joint)", "#d62728", "D"),
+    SOLVE: ("solve", "#2ca02c", "v"),
 }
 
 

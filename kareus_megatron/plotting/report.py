@@ -1,6 +1,6 @@
 """Plot of a run report: per-iteration time against the prediction, per-stage energy measured vs predicted.
 
-Takes a ``runtime.run_report.Comparison``; computes nothing. matplotlib is imported when called.
+Takes a ``report.against_plan.Comparison``; computes nothing. matplotlib is imported when called.
 """
 
 from __future__ import annotations

@@ -23,12 +23,12 @@ from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
+from kareus_megatron.runtime.patch_common import BasePatchState, PatchSlot, compare, device_mismatches, raise_mismatches
+from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, SUPPORTED_DEEPSPEED_SERIES
 
 log = logging.getLogger(__name__)
 
-FRAMEWORK = "deepspeed"  # the plan's framework this patch runs
-SUPPORTED_DEEPSPEED_SERIES = ("0.19",)  # major.minor; the patch points were read in 0.19.8
+FRAMEWORK = FRAMEWORK_DEEPSPEED  # the plan's framework this patch runs
 
 
 def deepspeed_version() -> str:
@@ -125,7 +125,7 @@ def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[in
     if any(i.nanobatches > 1 for s in plan.stages for i in s.instructions):
         out.append("nanobatches: the plan splits microbatches into 2 nanobatches, DeepSpeed runs them whole "
                    "(no overlap engine); use a perseus or kareus plan")
-    if plan.framework != "deepspeed":
+    if plan.framework != FRAMEWORK:
         out.append(f"framework: plan {plan.framework}, engine deepspeed (plan with kareus plan --framework deepspeed)")
     if not out and live.stage_id < len(plan.stages):
         want = [(k, mb) for k, mb, _ in train_schedule_order(live.micro_batches, live.stages, live.stage_id)]
@@ -193,19 +193,18 @@ class PatchState(BasePatchState):
             self.session.instruction_begins_unplanned(kind)
 
 
-_state: PatchState | None = None
-_originals: dict[Any, Any] = {}
+_slot = PatchSlot()  # the installed state and the PipelineEngine entries it replaced
 
 
 def installed_state() -> PatchState | None:
     """The live patch state, or None when the patch is not installed."""
-    return _state
+    return _slot.state
 
 
 def _wrap_compute(kind: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def exec_compute(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st = _state
+        st = _slot.state
         if st is None or not st.active:
             return fn(self, *args, **kwargs)
         buffer_id = kwargs.get("buffer_id", args[0] if args else -1)
@@ -221,7 +220,7 @@ def _wrap_compute(kind: str, fn: Any) -> Any:
 def _wrap_train_batch(fn: Any) -> Any:
     @functools.wraps(fn)
     def train_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st = _state
+        st = _slot.state
         if st is None or st.active:
             return fn(self, *args, **kwargs)
         return st.run_iteration(lambda: live_engine(self), lambda: fn(self, *args, **kwargs))
@@ -231,35 +230,18 @@ def _wrap_train_batch(fn: Any) -> Any:
 
 def install(plan: Plan | None, session: Any, source: str = "the plan") -> PatchState:
     """Patch DeepSpeed's PipelineEngine for `plan` (None: measurement only); returns the state."""
-    global _state
     check_deepspeed_version()
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    if _state is not None:
-        uninstall()
     imap = PipelineEngine._INSTRUCTION_MAP
-    _originals.clear()
-    for cls, kind in ((schedule.ForwardPass, "forward"), (schedule.BackwardPass, "backward")):
-        _originals[cls] = imap[cls]
-        imap[cls] = _wrap_compute(kind, imap[cls])
-    _originals["train_batch"] = PipelineEngine.__dict__["train_batch"]
-    PipelineEngine.train_batch = _wrap_train_batch(PipelineEngine.train_batch)
-    _state = PatchState(plan, session, source)
-    return _state
+    replacements = [(imap, schedule.ForwardPass, functools.partial(_wrap_compute, "forward")),
+                    (imap, schedule.BackwardPass, functools.partial(_wrap_compute, "backward")),
+                    (PipelineEngine, "train_batch", _wrap_train_batch)]
+    state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
+    return state
 
 
 def uninstall() -> None:
     """Restore DeepSpeed's original map entries and train_batch (no-op when not installed)."""
-    global _state
-    if _state is None:
-        return
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    for key, fn in _originals.items():
-        if key == "train_batch":
-            PipelineEngine.train_batch = fn
-        else:
-            PipelineEngine._INSTRUCTION_MAP[key] = fn
-    _originals.clear()
-    _state = None
+    _slot.uninstall()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kareus_megatron.hardware.device.sim import JsonlAppender
+from kareus_megatron.jsonl import JsonlAppender
 
 _FIELDS = 4  # iteration, pp_rank, time_s, energy_j
 MAX_GROUP = 1000  # iterations exchanged at most in one collective (bounds held tickets and lag)

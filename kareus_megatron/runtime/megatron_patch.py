@@ -21,12 +21,12 @@ from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.patch_common import BasePatchState, compare, device_mismatches, raise_mismatches
+from kareus_megatron.runtime.patch_common import BasePatchState, PatchSlot, compare, device_mismatches, raise_mismatches
+from kareus_megatron.vocab import FRAMEWORK_MEGATRON, SUPPORTED_MCORE_VERSIONS, schedule_for
 
 log = logging.getLogger(__name__)
 
-FRAMEWORK = "megatron"  # the plan's framework this patch runs
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+FRAMEWORK = FRAMEWORK_MEGATRON  # the plan's framework this patch runs
 VOCAB_PADDING = 1024  # largest vocabulary padding (per TP rank) accepted as the same vocabulary
 SCHEDULE_FUNCTIONS = (
     "forward_backward_no_pipelining",
@@ -196,9 +196,9 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
     cmp("sequence length", par.seq_length, live.seq_length)
     cmp("micro batch size", par.micro_batch_size, live.micro_batch_size)
     cmp("sequence parallel", par.sequence_parallel, live.sequence_parallel)
-    if plan.framework != "megatron":
-        out.append(f"framework: plan {plan.framework}, run megatron")
-    want_schedule = "interleaved-1f1b" if live.vp > 1 else "1f1b"
+    if plan.framework != FRAMEWORK:
+        out.append(f"framework: plan {plan.framework}, run {FRAMEWORK}")
+    want_schedule = schedule_for(FRAMEWORK, live.vp)
     if par.schedule != want_schedule:
         out.append(f"schedule: plan {par.schedule}, run {want_schedule}")
     if plan.model is not None:
@@ -253,19 +253,18 @@ def _tensor_key(t: Any) -> int:
     return id(t)
 
 
-_state: PatchState | None = None
-_originals: dict[str, Any] = {}
+_slot = PatchSlot()  # the installed state and the megatron-core functions it replaced
 
 
 def installed_state() -> PatchState | None:
     """The live patch state, or None when the patch is not installed."""
-    return _state
+    return _slot.state
 
 
 def _wrap_schedule(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def schedule(*args: Any, **kwargs: Any) -> Any:
-        st = _state
+        st = _slot.state
         if st is None or kwargs.get("forward_only", False) or st.active:
             return fn(*args, **kwargs)
         return st.run_iteration(lambda: live_run_from_call(kwargs), lambda: fn(*args, **kwargs))
@@ -273,73 +272,53 @@ def _wrap_schedule(name: str, fn: Any) -> Any:
     return schedule
 
 
-def _wrap_forward_step(fn: Any) -> Any:
+def _forward_ident(st: PatchState, args: Any, kwargs: Any) -> tuple[str, int, int] | None:
+    """The plan instruction of a forward_step call: megatron passes its microbatch and chunk."""
+    mb = kwargs.get("current_microbatch")
+    return None if mb is None else ("forward", kwargs.get("vp_stage") or 0, mb)
+
+
+def _backward_ident(st: PatchState, args: Any, kwargs: Any) -> tuple[str, int, int] | None:
+    """The plan instruction of a backward_step call: the one whose forward produced its output tensor."""
+    output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output
+    ident = st.fwd_ids.pop(_tensor_key(output_tensor), None)
+    return None if ident is None else ("backward", ident[0], ident[1])
+
+
+def _wrap_step(fn: Any, identify: Any) -> Any:
+    """Wrap megatron-core's forward_step or backward_step: announce the instruction `identify` names."""
+
     @functools.wraps(fn)
-    def forward_step(*args: Any, **kwargs: Any) -> Any:
-        st = _state
+    def step(*args: Any, **kwargs: Any) -> Any:
+        st = _slot.state
         if st is None or not st.active:
             return fn(*args, **kwargs)
-        mb = kwargs.get("current_microbatch")
-        chunk = kwargs.get("vp_stage") or 0
-        if mb is None:
-            return fn(*args, **kwargs)
-        if not st.announce(("forward", chunk, mb)):
-            st.warn_unplanned("forward", chunk, mb)
-        out = fn(*args, **kwargs)
-        st.instruction_ends()
-        st.fwd_ids[_tensor_key(out[0])] = (chunk, mb)  # its backward gets the same object back
-        return out
-
-    return forward_step
-
-
-def _wrap_backward_step(fn: Any) -> Any:
-    @functools.wraps(fn)
-    def backward_step(*args: Any, **kwargs: Any) -> Any:
-        st = _state
-        if st is None or not st.active:
-            return fn(*args, **kwargs)
-        output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output
-        ident = st.fwd_ids.pop(_tensor_key(output_tensor), None)
+        ident = identify(st, args, kwargs)
         if ident is None:
             return fn(*args, **kwargs)
-        if not st.announce(("backward", ident[0], ident[1])):
-            st.warn_unplanned("backward", ident[0], ident[1])
+        if not st.announce(ident):
+            st.warn_unplanned(*ident)
         out = fn(*args, **kwargs)
         st.instruction_ends()
+        if identify is _forward_ident:
+            st.fwd_ids[_tensor_key(out[0])] = (ident[1], ident[2])  # its backward gets the same object back
         return out
 
-    return backward_step
+    return step
 
 
 def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
     """Patch megatron-core's schedules for `plan`; `session` gets validate/iteration/instruction calls."""
-    global _state
     check_megatron_core_version()
     from megatron.core.pipeline_parallel import schedules
 
-    if _state is not None:
-        uninstall()
-    _originals.clear()
-    for name in SCHEDULE_FUNCTIONS:
-        _originals[name] = getattr(schedules, name)
-        setattr(schedules, name, _wrap_schedule(name, _originals[name]))
-    _originals["forward_step"] = schedules.forward_step
-    schedules.forward_step = _wrap_forward_step(schedules.forward_step)
-    _originals["backward_step"] = schedules.backward_step
-    schedules.backward_step = _wrap_backward_step(schedules.backward_step)
-    _state = PatchState(plan, session, source)
-    return _state
+    replacements = [(schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS]
+    replacements += [(schedules, "forward_step", functools.partial(_wrap_step, identify=_forward_ident)),
+                     (schedules, "backward_step", functools.partial(_wrap_step, identify=_backward_ident))]
+    state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
+    return state
 
 
 def uninstall() -> None:
     """Restore megatron-core's original functions (no-op when not installed)."""
-    global _state
-    if _state is None:
-        return
-    from megatron.core.pipeline_parallel import schedules
-
-    for name, fn in _originals.items():
-        setattr(schedules, name, fn)
-    _originals.clear()
-    _state = None
+    _slot.uninstall()

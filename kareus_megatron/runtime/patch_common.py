@@ -4,13 +4,14 @@ A *mismatch* is one line naming a way the plan does not fit the live run ("NAME:
 every check collects them all and ``raise_mismatches`` turns them into ONE PlanMismatchError.
 A *patch state* (``BasePatchState``) is a patch's per-process bookkeeping: the plan, the session that
 gets validate/iteration/instruction calls, and the iteration counter; ``run_iteration`` runs one
-wrapped training iteration (DeepSpeed: one ``train_batch`` step) around it.
+wrapped training iteration (DeepSpeed: one ``train_batch`` step) around it. ``Replaced`` records the
+framework functions a patch swapped for its wrappers, so uninstalling restores exactly those.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus_megatron.errors import PlanMismatchError
@@ -18,6 +19,68 @@ from kareus_megatron.plan.schema import Instruction, Plan
 from kareus_megatron.runtime import hooks
 
 log = logging.getLogger("kareus_megatron.runtime")
+
+
+class Replaced:
+    """The framework attributes and mapping entries a patch replaced, with their originals."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[Any, Any, Any]] = []  # (owner: object or dict, name or key, original)
+
+    def attribute(self, owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+        """Set ``owner.name`` to ``wrap(owner.name)``; a class attribute is saved as defined on the class."""
+        current = getattr(owner, name)
+        original = owner.__dict__.get(name, current) if isinstance(owner, type) else current
+        self._entries.append((owner, name, original))
+        setattr(owner, name, wrap(current))
+
+    def item(self, mapping: dict[Any, Any], key: Any, wrap: Callable[[Any], Any]) -> None:
+        """Set ``mapping[key]`` to ``wrap(mapping[key])``."""
+        self._entries.append((mapping, key, mapping[key]))
+        mapping[key] = wrap(mapping[key])
+
+    def originals(self) -> dict[Any, Any]:
+        """Name (or key) -> the original it replaced, in the order replaced."""
+        return {key: original for _, key, original in self._entries}
+
+    def restore(self) -> None:
+        """Put every original back (latest first); the record is empty afterwards."""
+        for owner, key, original in reversed(self._entries):
+            if isinstance(owner, dict):
+                owner[key] = original
+            else:
+                setattr(owner, key, original)
+        self._entries.clear()
+
+
+class PatchSlot:
+    """A framework patch's one installed state (None when not installed) and what it replaced."""
+
+    def __init__(self) -> None:
+        self.state: Any = None  # the patch's PatchState; its wrappers read it on every call
+        self.replaced = Replaced()
+
+    def install(self, replacements: Sequence[tuple[Any, Any, Callable[[Any], Any]]],
+                make_state: Callable[[], Any]) -> Any:
+        """Uninstall any earlier state, swap in the wrappers, then hold `make_state()`. Each replacement
+        is (owner, name, wrap): an attribute of an object or class, or (dict, key, wrap) an entry."""
+        self.uninstall()
+        try:
+            for owner, key, wrap in replacements:
+                if isinstance(owner, dict):
+                    self.replaced.item(owner, key, wrap)
+                else:
+                    self.replaced.attribute(owner, key, wrap)
+        except BaseException:
+            self.replaced.restore()
+            raise
+        self.state = make_state()
+        return self.state
+
+    def uninstall(self) -> None:
+        """Put the framework's originals back and drop the state (no-op when not installed)."""
+        self.replaced.restore()
+        self.state = None
 
 
 def compare(out: list[str], name: str, planned: Any, actual: Any, side: str = "run") -> None:

@@ -22,11 +22,13 @@ from types import ModuleType
 from typing import Any, Generic, Literal, TypeVar
 
 from kareus_megatron.errors import ClockControlError, ConfigError
+from kareus_megatron.hardware.device.base import SimulationHooks
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import hooks, megatron_patch
-from kareus_megatron.runtime.clock_client import ClockClient
+from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
 Controller = Literal["process", "thread"]
@@ -104,6 +106,7 @@ class RuntimeSession:
         self.framework_patch = framework_patch
         self.client: ClockClient | None = None
         self.device: Any = None  # measurement-only: the device, read on the training thread
+        self.simulation: SimulationHooks | None = None  # measurement-only: a simulated device's hooks
         self.ready: dict[str, Any] = {}
         self.meter: IterationMeter | None = None
         self.patch: Any = None  # the framework patch's PatchState
@@ -113,7 +116,7 @@ class RuntimeSession:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> RuntimeSession:
         """Start the clock controller (measure only: open the device), check permission, install the patch."""
-        from kareus_megatron.hardware.device import backend_from_env, open_gpu
+        from kareus_megatron.hardware.device import backend_from_env, open_gpu, simulation_of
 
         self.framework_patch.check_version()
         backend = backend_from_env(self.backend)
@@ -121,16 +124,18 @@ class RuntimeSession:
             self.plan.gpu if backend == "simulated" and self.plan is not None else None)
         index = physical_gpu_index(self.local_rank)
         header: dict[str, Any] = {"plan": None if self.plan is None else self.source, "backend": backend}
-        if self.framework_patch.FRAMEWORK != "megatron":
+        if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
         if self.plan is None:
             self.device = open_gpu(index, backend=backend, gpu=gpu)
+            self.simulation = simulation_of(self.device)
             header.update(gpu=self.device.spec.name, clock_control=False)
             self.meter = IterationMeter(self.log_path, mark=self._read_now, header=header)
         else:
             client = ClockClient(event_factory=_cuda_event_factory())
             if self.controller == "thread":
-                self.ready = client.start_thread(open_gpu(index, backend=backend, gpu=gpu), log_path=self.clock_log)
+                device = open_gpu(index, backend=backend, gpu=gpu)
+                self.ready = client.start_thread(device, simulation=simulation_of(device), log_path=self.clock_log)
             else:
                 self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log)
             self.client = client
@@ -253,15 +258,14 @@ class RuntimeSession:
 
     def instruction_begins_unplanned(self, kind: str) -> None:
         """A compute instruction outside the plan (measurement only): mark a simulated device busy."""
-        set_busy = getattr(self.device, "set_busy", None)
-        if set_busy is not None:
-            set_busy(True)
+        if self.simulation is not None:
+            self.simulation.set_busy(True)
 
     def instruction_ends(self) -> None:
         if self.client is not None:
             self.client.instruction_ends()
-        elif self.device is not None and hasattr(self.device, "set_busy"):
-            self.device.set_busy(False)
+        elif self.simulation is not None:
+            self.simulation.set_busy(False)
 
     def instruction_callables(self) -> tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]:
         """What the patch calls at every instruction: (begins(iteration, index, mhz, kind) or None,
@@ -304,3 +308,7 @@ class SessionSlot(Generic[S]):
         session, self.session = self.session, None
         if session is not None:
             session.close()
+
+
+MEGATRON_SESSIONS: SessionSlot[RuntimeSession] = SessionSlot(RuntimeSession)
+"""The megatron-core session of this process: installed by kareus_megatron.megatron and the entry points."""

@@ -42,8 +42,8 @@ def pareto_sum(
     """
     ta, ea = np.asarray(time_a, float), np.asarray(energy_a, float)
     tb, eb = np.asarray(time_b, float), np.asarray(energy_b, float)
-    ii, jj = np.meshgrid(np.arange(ta.size), np.arange(tb.size), indexing="ij")
-    ii, jj = ii.ravel(), jj.ravel()
+    grid_i, grid_j = np.meshgrid(np.arange(ta.size), np.arange(tb.size), indexing="ij")
+    ii, jj = grid_i.ravel(), grid_j.ravel()
     t, e = ta[ii] + tb[jj], ea[ii] + eb[jj]
     keep = pareto_indices(t, e)
     if max_points is not None and keep.size > max_points:

@@ -28,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, KareusError
 from kareus_megatron.search.compose import pareto_compose, union_frontier
 from kareus_megatron.search.frontier import pareto_indices
-from kareus_megatron.search.tables import CostAdapter, PhaseTable, phase_table
-from kareus_megatron.workload.layer_vocab import SUPPORTED_NANOBATCHES
+from kareus_megatron.search.tables import PhaseTable, phase_table
+from kareus_megatron.vocab import KAREUS, MEGATRON, METHODS, NANOBATCH_PERSEUS, PERSEUS, SUPPORTED_NANOBATCHES
 from kareus_megatron.workload.opgraph import stage_extra_ops
 
-METHODS: tuple[str, ...] = ("megatron", "perseus", "nanobatch_perseus", "kareus")
 OptionKey = tuple[int, int, str]  # (stage, chunk, kind)
 
 
@@ -54,25 +54,6 @@ class InstructionOptions:
 
     def __len__(self) -> int:
         return int(self.time_s.size)
-
-
-def default_clock_grid(gpu: Any, step_mhz: int = 30, min_fraction: float = 0.6) -> tuple[int, ...]:
-    """Lockable SM clocks (MHz, descending) every step_mhz from the max down to min_fraction × max."""
-    if step_mhz <= 0 or not 0.0 < min_fraction <= 1.0:
-        raise ConfigError(f"clock grid step {step_mhz} MHz / fraction {min_fraction} must be > 0 / in (0, 1].")
-    lockable = np.asarray(gpu.sm_clocks_mhz)
-    lo = min_fraction * gpu.max_sm_clock_mhz
-    out: list[int] = []
-    f = float(gpu.max_sm_clock_mhz)
-    while f >= lo - 1e-9:
-        ok = lockable[lockable <= f + 1e-9]
-        if ok.size == 0 or ok.max() < lo - 1e-9:
-            break
-        c = int(ok.max())  # the highest lockable clock not above the target
-        if not out or c != out[-1]:
-            out.append(c)
-        f -= step_mhz
-    return tuple(out)
 
 
 def check_nanobatches(par: Any, nanobatches: int) -> int:
@@ -104,7 +85,7 @@ class LayerTables:
     def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int]):
         self.gpu, self.model, self.par, self.kernel = gpu, model, par, kernel
         self.clocks_mhz = np.asarray(clocks_mhz, dtype=np.int64)
-        self.adapter = CostAdapter(gpu, kernel)
+        self.adapter = OverlapCost(kernel)
         self.overlap_error: KareusError | None = None  # why 2 nanobatches cannot run, if they cannot
         self.phases: dict[str, PhaseTable] = {}
         nb = 2
@@ -202,16 +183,16 @@ def instruction_options(
     clocks = tables.clocks_mhz
     parts: list[tuple[np.ndarray, np.ndarray, int, int, list[dict]]] = []
     t1, e1 = tables.sequential(stage, chunk, kind)
-    if method in ("megatron", "perseus", "kareus"):
-        idx = [int(np.argmax(clocks))] if method == "megatron" else range(clocks.size)
+    if method in (MEGATRON, PERSEUS, KAREUS):
+        idx = [int(np.argmax(clocks))] if method == MEGATRON else range(clocks.size)
         parts += [(t1[i : i + 1], e1[i : i + 1], int(clocks[i]), 1, [{}]) for i in idx]
-    if method in ("nanobatch_perseus", "kareus"):
+    if method in (NANOBATCH_PERSEUS, KAREUS):
         if tables.overlap_error is not None:
-            if method == "nanobatch_perseus":
-                raise InfeasibleConfigError(f"method nanobatch_perseus: {tables.overlap_error}")
+            if method == NANOBATCH_PERSEUS:
+                raise InfeasibleConfigError(f"method {NANOBATCH_PERSEUS}: {tables.overlap_error}")
         else:
             for ci in range(clocks.size):
-                t, e, dicts = tables.overlapped(stage, chunk, kind, ci, default_only=method == "nanobatch_perseus")
+                t, e, dicts = tables.overlapped(stage, chunk, kind, ci, default_only=method == NANOBATCH_PERSEUS)
                 parts.append((t, e, int(clocks[ci]), tables.nanobatches, dicts))
     return _options(parts, max_points)
 
@@ -233,11 +214,11 @@ def build_options(
     """
     if method not in METHODS:
         raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}.")
-    clocks = tuple(gpu.check_clocks(clocks_mhz)) if clocks_mhz is not None else default_clock_grid(gpu)
+    clocks = tuple(gpu.check_clocks(clocks_mhz)) if clocks_mhz is not None else gpu.clock_grid_mhz()
     if not clocks:
         raise ConfigError("the clock grid is empty; give at least one SM clock (MHz).")
     clocks = tuple(sorted(set(clocks), reverse=True))
-    if method == "megatron" and gpu.max_sm_clock_mhz not in clocks:
+    if method == MEGATRON and gpu.max_sm_clock_mhz not in clocks:
         clocks = (gpu.max_sm_clock_mhz, *clocks)
     tables = layer_tables(gpu, model, par, kernel, clocks)
     out: dict[OptionKey, InstructionOptions] = {}

@@ -1,6 +1,6 @@
 """Partition builder: cut one layer's op list at collectives and lay out the nanobatch overlap schedule.
 
-Terms (names from ``workload/layer_vocab.py``):
+Terms (names from ``kareus_megatron/vocab.py``):
 
 - *segment*: a maximal run of compute ops of one nanobatch, ended by a tensor- or context-parallel
   collective (or by the end of the layer: a *tail*, e.g. the backward ``input_norm``);
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, InfeasibleConfigError
-from kareus_megatron.workload.layer_vocab import PARTITION_COLLECTIVE, PARTITION_SLOTS
+from kareus_megatron.errors import InfeasibleConfigError
+from kareus_megatron.vocab import PARTITION_COLLECTIVE, PARTITION_SLOTS
 from kareus_megatron.workload.opgraph import layer_ops
 
 COMPUTE_KINDS = ("gemm", "attention", "memory")
@@ -47,12 +47,12 @@ class Segment:
     """Compute ops of one nanobatch in execution order and the collective that ends them (None: tail).
 
     slot_positions: indices into `compute` of the ops the collective may be launched before (the ops
-    that layer_vocab lists as launch slots of the partition).
+    that the vocabulary lists as launch slots of the partition).
     """
 
     compute: tuple[Any, ...]
     collective: Any | None
-    partition: str | None  # layer_vocab partition name of this compute (None for a tail)
+    partition: str | None  # vocab partition name of this compute (None for a tail)
     slot_positions: tuple[int, ...] = ()
 
     @property
@@ -111,7 +111,7 @@ def _is_cp(op: Any) -> bool:
 
 
 def partition_name(phase: str, compute: Sequence[Any], collective: Any | None) -> str | None:
-    """layer_vocab partition name of a segment's compute in `phase` (None for a tail with no collective).
+    """vocab partition name of a segment's compute in `phase` (None for a tail with no collective).
 
     The segment ending in a CP collective is ``{fwd,bwd}_cp_kv``; otherwise the op graph's segment label
     of the compute (``attn`` / ``mlp``) names it.
@@ -144,6 +144,7 @@ def split_segments(phase: str, ops: Sequence[Any]) -> list[Segment]:
                     "parallelism is not supported with 2 nanobatches; drop --sp or plan with 1 nanobatch."
                 )
             name = partition_name(phase, run, op)
+            assert name is not None  # op is a collective, so the segment has a partition name
             segments.append(Segment(tuple(run), op, name, _slot_positions(name, run)))
             run = []
         elif op.kind in COMPUTE_KINDS:
@@ -156,8 +157,8 @@ def split_segments(phase: str, ops: Sequence[Any]) -> list[Segment]:
 
 
 def _slot_positions(name: str, compute: Sequence[Any]) -> tuple[int, ...]:
-    """Positions of the segment's ops that layer_vocab lists as launch slots of `name`."""
-    assert name in PARTITION_SLOTS, f"partition {name!r} not in layer_vocab"  # our own invariant
+    """Positions of the segment's ops that the vocabulary lists as launch slots of `name`."""
+    assert name in PARTITION_SLOTS, f"partition {name!r} not in the vocabulary"  # our own invariant
     pos = tuple(k for k, op in enumerate(compute) if op.name in PARTITION_SLOTS[name])
     assert pos, f"{name}: none of {[op.name for op in compute]} is a launch slot {PARTITION_SLOTS[name]}"
     return pos
@@ -182,6 +183,7 @@ def layer_schedule(phase: str, ops: Sequence[Any], nanobatches: int) -> LayerSch
             if pending is None:
                 alone.extend(seg.compute)
             else:
+                assert seg.partition is not None  # body segments end in a collective: split_segments named them
                 instances.append(
                     PartitionInstance(seg.partition, seg.compute, pending.collective, seg.slot_positions)
                 )
@@ -199,32 +201,8 @@ def layer_schedule(phase: str, ops: Sequence[Any], nanobatches: int) -> LayerSch
 
 
 def collective_kind(name: str) -> str:
-    """Collective kind whose comm-SM range applies to partition `name` (layer_vocab)."""
+    """Collective kind whose comm-SM range applies to partition `name` (kareus_megatron.vocab)."""
     return PARTITION_COLLECTIVE[name]
-
-
-def parse_overlap(text: str) -> dict[str, tuple[int, str]]:
-    """Parse an overlap configuration ``NAME=SMS@SLOT[,NAME=SMS@SLOT...]`` into name → (comm SMs, slot).
-
-    Example: ``fwd_attn=12@qkv,fwd_mlp=21@fc1``. Only the syntax is checked here; check_overlap checks
-    names, slots and SM counts against a layout.
-    """
-    out: dict[str, tuple[int, str]] = {}
-    items = [s.strip() for s in str(text).split(",")]
-    if not any(items):
-        raise ConfigError("--overlap is empty; give NAME=SMS@SLOT items separated by commas, e.g. fwd_attn=12@qkv.")
-    for item in items:
-        name, eq, rest = item.partition("=")
-        sms, at, slot = rest.partition("@")
-        name, sms, slot = name.strip(), sms.strip(), slot.strip()
-        if not eq or not at or not name or not slot:
-            raise ConfigError(f"--overlap item {item!r} is malformed; write NAME=SMS@SLOT, e.g. fwd_attn=12@qkv.")
-        if not sms.isdecimal() or not sms.isascii():
-            raise ConfigError(f"--overlap item {item!r}: comm SMs {sms!r} must be a positive integer, e.g. fwd_attn=12@qkv.")
-        if name in out:
-            raise ConfigError(f"--overlap names partition {name!r} twice; give each partition once.")
-        out[name] = (int(sms), slot)
-    return out
 
 
 def layout_slots(model: Any, par: Any, nanobatches: int = 2) -> dict[str, tuple[str, ...]]:
@@ -235,27 +213,3 @@ def layout_slots(model: Any, par: Any, nanobatches: int = 2) -> dict[str, tuple[
         if ops:
             slots.update(layer_schedule(phase, ops, nanobatches).slots())
     return slots
-
-
-def check_overlap(
-    config: dict[str, tuple[int, str]], gpu: Any, model: Any, par: Any, nanobatches: int = 2
-) -> dict[str, tuple[int, str]]:
-    """The config unchanged if every partition, slot and SM count fits the layout; ConfigError otherwise."""
-    if nanobatches < 2:
-        raise ConfigError("--overlap needs --nanobatches 2: with 1 nanobatch nothing overlaps; drop --overlap.")
-    slots = layout_slots(model, par, nanobatches)
-    for name, (sms, slot) in config.items():
-        if name not in slots:
-            raise ConfigError(
-                f"--overlap names partition {name!r}, which this layout does not have; "
-                f"partitions: {', '.join(slots)}."
-            )
-        if slot not in slots[name]:
-            raise ConfigError(
-                f"--overlap {name}: launch slot {slot!r} is not an op of that partition; slots: {', '.join(slots[name])}."
-            )
-        if not 1 <= sms < gpu.sm_count:
-            raise ConfigError(
-                f"--overlap {name}: {sms} comm SMs; {gpu.name} has {gpu.sm_count} SMs, so use 1..{gpu.sm_count - 1}."
-            )
-    return config

@@ -27,8 +27,9 @@ import numpy as np
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
 from kareus_megatron.search.schedules import InstrKey
+from kareus_megatron.vocab import InstructionKind
 
-NodeKey = tuple[int, str, int, int]  # (stage, kind, microbatch, chunk)
+NodeKey = tuple[int, InstructionKind, int, int]  # (stage, kind, microbatch, chunk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,21 +73,14 @@ class PipelineDAG:
         """(pp,) the last instruction of each rank."""
         return np.array([o[-1] for o in self.rank_orders], dtype=np.int64)
 
-    def node_index(self, key: NodeKey) -> int:
-        """Index of the node keyed (stage, kind, microbatch, chunk)."""
-        try:
-            return self.index[key]
-        except KeyError:
-            raise ConfigError(f"no instruction {key} in this pipeline") from None
-
 
 def _padded(lists: list[list[tuple[int, float]]], pad: int) -> tuple[np.ndarray, np.ndarray]:
     width = max(1, max((len(x) for x in lists), default=1))
     idx = np.full((len(lists), width), pad, dtype=np.int64)
     lag = np.zeros((len(lists), width))
     for i, x in enumerate(lists):
-        for j, (k, l) in enumerate(x):
-            idx[i, j], lag[i, j] = k, l
+        for j, (k, lag_s) in enumerate(x):
+            idx[i, j], lag[i, j] = k, lag_s
     return idx, lag
 
 
@@ -120,8 +114,8 @@ def build_dag(
     vp = 1 + max(k[3] for k in keys)
     n_virtual = vp * pp
     edges: list[tuple[int, int, float]] = []
-    for order in rank_orders:
-        edges.extend((a, b, 0.0) for a, b in zip(order[:-1], order[1:]))
+    for rank_order in rank_orders:
+        edges.extend((a, b, 0.0) for a, b in zip(rank_order[:-1], rank_order[1:]))
     for i, (s, kind, mb, c) in enumerate(keys):
         v = c * pp + s
         if kind == "forward" and v > 0:
@@ -144,17 +138,17 @@ def build_dag(
                 edges.append((j, i, p2p_time_s if ns != s else 0.0))
     # Drop duplicate edges (rank order that coincides with a data edge), keeping the larger lag.
     best: dict[tuple[int, int], float] = {}
-    for a, b, l in edges:
-        best[(a, b)] = max(l, best.get((a, b), 0.0))
+    for a, b, lag_s in edges:
+        best[(a, b)] = max(lag_s, best.get((a, b), 0.0))
     n = len(keys)
     src = np.array([a for a, _ in best], dtype=np.int64)
     dst = np.array([b for _, b in best], dtype=np.int64)
     lag = np.array(list(best.values()), dtype=float)
     preds: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     succs: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    for (a, b), l in best.items():
-        preds[b].append((a, l))
-        succs[a].append((b, l))
+    for (a, b), lag_s in best.items():
+        preds[b].append((a, lag_s))
+        succs[a].append((b, lag_s))
     # Kahn's algorithm: topological order and levels; a leftover node means the order deadlocks.
     indeg = np.array([len(p) for p in preds])
     level = np.zeros(n, dtype=np.int64)

@@ -9,7 +9,8 @@ Terms:
 - *frontier*: the solver's discrete plans of the pipeline, sorted fastest first (time = iteration time s,
   energy = GPU energy of the whole job per iteration J: instructions + blocked power in every wait).
 - *chosen points*: the plans written to files: always the fastest and the lowest-energy plan, the two
-  plans that decide the reductions against Perseus (notes §3), and the rest spread evenly in time.
+  plans that decide the reductions against Perseus (docs/sources.md#kareus-evaluation), and the rest
+  spread evenly in time.
 
 This module returns plain data; ``plan.build`` turns it into plan files (plan/ comes after search/).
 """
@@ -24,9 +25,18 @@ import numpy as np
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
 from kareus_megatron.search.schedules import InstrKey, instruction_order
+from kareus_megatron.vocab import (
+    KAREUS,
+    MEGATRON,
+    METHODS,
+    NANOBATCH_PERSEUS,
+    PERSEUS,
+    REFERENCE_METHODS,
+    SCHEDULE_1F1B,
+    MethodName,
+    ScheduleName,
+)
 
-METHODS: tuple[str, ...] = ("megatron", "perseus", "nanobatch_perseus", "kareus")
-REFERENCE_METHODS: tuple[str, ...] = ("megatron", "perseus")  # the reductions are measured against these
 OptionKey = tuple[int, int, str]  # (stage, chunk, kind)
 Progress = Callable[[str, float], None]  # (message, fraction of the work done 0..1)
 
@@ -47,7 +57,7 @@ class TimedInstruction:
 class MethodFrontier:
     """The whole frontier of one method, fastest first, and the indices of the chosen points."""
 
-    method: str
+    method: MethodName
     options: Mapping[OptionKey, Any]
     plans: list[Any]  # SolvedPlan: .choice, .time_s, .energy_j
     time_s: np.ndarray
@@ -62,18 +72,18 @@ class PlanningResult:
     gpu: Any
     model: Any
     par: Any
-    schedule: str
+    schedule: ScheduleName
     orders: list[list[InstrKey]]
     dag: Any
     p2p_time_s: float
     dp_reduce_time_s: float | None
     p_blocked_w: float
     gpus_per_stage: int
-    methods: dict[str, MethodFrontier]
+    methods: dict[MethodName, MethodFrontier]
     calibration_sha256: str | None = None
 
 
-def check_methods(methods: Sequence[str]) -> list[str]:
+def check_methods(methods: Sequence[str]) -> list[MethodName]:
     """The methods to plan, in canonical order, with the reference methods added."""
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -103,7 +113,7 @@ def select_points(time_s: np.ndarray, n: int, must: Sequence[int] = (), allowed:
 
 
 def reduction_indices(time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: float, ref_energy_j: float) -> list[int]:
-    """Frontier points that decide the iso-time and iso-energy reductions (notes §3).
+    """Frontier points that decide the iso-time and iso-energy reductions (docs/sources.md#kareus-evaluation).
 
     `ref_time_s` is the reference's fastest time; `ref_energy_j` its lowest energy. Returns the index of the
     lowest-energy point with T <= ref_time_s and of the fastest point with E <= ref_energy_j, where they exist.
@@ -119,7 +129,7 @@ def reduction_indices(time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: floa
     return out
 
 
-def choose_points(methods: Mapping[str, MethodFrontier], points: int, max_time_s: float | None = None) -> None:
+def choose_points(methods: Mapping[MethodName, MethodFrontier], points: int, max_time_s: float | None = None) -> None:
     """Fill `chosen` of every method: fastest, lowest energy, the reduction points, spread in time.
 
     With `max_time_s`, only plans no slower than it are chosen; a method with none keeps its fastest plan
@@ -134,7 +144,7 @@ def choose_points(methods: Mapping[str, MethodFrontier], points: int, max_time_s
                 f"--max-time {max_time_s:g} s is below the fastest plan of any method ({fastest:.4g} s); "
                 f"use --max-time >= {fastest:.4g} or leave it out"
             )
-    ref = methods["perseus"]
+    ref = methods[PERSEUS]
     ref_t, ref_e = float(ref.time_s[0]), float(np.min(ref.energy_j))
     for m in methods.values():
         allowed = None
@@ -182,7 +192,7 @@ def plan_methods(
     *,
     methods: Sequence[str] = METHODS,
     points: int = 10,
-    schedule: str = "1f1b",
+    schedule: ScheduleName = SCHEDULE_1F1B,
     max_time_s: float | None = None,
     clocks_mhz: Sequence[int] | None = None,
     calibration_sha256: str | None = None,
@@ -200,10 +210,10 @@ def plan_methods(
     todo = check_methods(methods)
     if points < 2:
         raise ConfigError(f"--points {points}: need at least 2 (the fastest and the lowest-energy plan)")
-    if "nanobatch_perseus" in todo and par.micro_batch_size % 2:
+    if NANOBATCH_PERSEUS in todo and par.micro_batch_size % 2:
         raise InfeasibleConfigError(
-            f"method nanobatch_perseus splits each microbatch into 2 nanobatches, but --mbs is "
-            f"{par.micro_batch_size}; use an even --mbs or leave nanobatch_perseus out of --methods."
+            f"method {NANOBATCH_PERSEUS} splits each microbatch into 2 nanobatches, but --mbs is "
+            f"{par.micro_batch_size}; use an even --mbs or leave {NANOBATCH_PERSEUS} out of --methods."
         )
     orders = instruction_order(schedule, par.pp, par.num_microbatches, par.vp)
     p2p_s, dp_s = pipeline_comm_times_s(model, par, kernel)
@@ -211,19 +221,20 @@ def plan_methods(
     gpus_per_stage = par.tp * par.cp * par.dp
     p_blocked = float(kernel.p_blocked_w)
     # Rough share of the work per method: megatron has one option per instruction, kareus the most.
-    weight = {"megatron": 0.3, "perseus": 1.0, "nanobatch_perseus": 1.0, "kareus": 1.6}
+    weight = {MEGATRON: 0.3, PERSEUS: 1.0, NANOBATCH_PERSEUS: 1.0, KAREUS: 1.6}
     total = sum(weight[m] for m in todo)
     done = 0.0
-    found: dict[str, MethodFrontier] = {}
+    found: dict[MethodName, MethodFrontier] = {}
     for name in todo:
         w = weight[name] / total
         say(f"{name}: options", done)
         opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz)
         say(f"{name}: frontier", done + 0.1 * w)
-        solved = solve_frontier(
-            dag, node_options(dag, opts), p_blocked, gpus_per_stage,
-            progress=lambda f, d=done, w=w, n=name: say(f"{n}: frontier", d + w * (0.1 + 0.9 * f)),
-        )
+
+        def frontier_progress(f: float, d: float = done, w: float = w, n: str = name) -> None:
+            say(f"{n}: frontier", d + w * (0.1 + 0.9 * f))
+
+        solved = solve_frontier(dag, node_options(dag, opts), p_blocked, gpus_per_stage, progress=frontier_progress)
         if not solved:
             raise PlanError(f"method {name}: the solver found no plan")
         kept, t, e = _frontier_arrays(solved)
@@ -238,7 +249,7 @@ def plan_methods(
     )
 
 
-def simulate_plan(result: PlanningResult, method: str, index: int) -> tuple[Any, list[TimedInstruction]]:
+def simulate_plan(result: PlanningResult, method: MethodName, index: int) -> tuple[Any, list[TimedInstruction]]:
     """Event simulation of frontier plan `index` of `method`: (Simulation, instructions per rank in order)."""
     from kareus_megatron.search.simulate import simulate
 

@@ -7,28 +7,25 @@ vp) to, for every pipeline rank, the order in which that rank runs its instructi
 
 Schedules (facts read from the frameworks' public sources; the code here is our own):
 
-- ``"1f1b"``: megatron-core ``forward_backward_pipelining_without_interleaving``: rank r runs
+- ``1f1b``: megatron-core ``forward_backward_pipelining_without_interleaving``: rank r runs
   ``min(pp - r - 1, M)`` warm-up forwards, then alternates one forward and one backward, then drains
   the remaining backwards.
-- ``"interleaved-1f1b"``: megatron-core ``forward_backward_pipelining_with_interleaving``: virtual
+- ``interleaved-1f1b``: megatron-core ``forward_backward_pipelining_with_interleaving``: virtual
   microbatches follow the schedule table (groups of ``group_size`` microbatches, default pp, each group
   walked chunk by chunk); rank r runs ``2 (pp - r - 1) + (vp - 1) group_size`` warm-up forwards (capped at
   M vp), then one forward and one backward per step; backwards walk the same table with the chunk
   reversed (``vp - 1 - chunk``).
-- ``"deepspeed-train"``: DeepSpeed ``TrainSchedule``: 2 (M + pp - 1) steps; at step t rank s runs a
+- ``deepspeed-train``: DeepSpeed ``TrainSchedule``: 2 (M + pp - 1) steps; at step t rank s runs a
   forward when t and s have the same parity, else a backward; forward microbatch ``t//2 - s//2``,
   backward microbatch ``t//2 - pp + (s + 2)//2``; ids outside 0..M-1 are idle steps.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
+from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, SCHEDULES, InstructionKind
 
-InstrKey = tuple[str, int, int]  # (kind, microbatch, chunk)
-SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "deepspeed-train")
-ScheduleName = Literal["1f1b", "interleaved-1f1b", "deepspeed-train"]
+InstrKey = tuple[InstructionKind, int, int]  # (kind, microbatch, chunk)
 
 
 def _check_counts(pp: int, num_microbatches: int, vp: int) -> None:
@@ -76,10 +73,10 @@ def interleaved_order(
         raise ConfigError(f"microbatch group size {g} must be >= 1")
     # megatron-core 0.16.1 refuses these (its interleaved schedule would stall on dependency bubbles).
     if not pp <= g <= num_microbatches:
-        raise InfeasibleConfigError(f"interleaved-1f1b: the microbatch group size ({g}) must lie in "
+        raise InfeasibleConfigError(f"{SCHEDULE_INTERLEAVED}: the microbatch group size ({g}) must lie in "
                                     f"[pp={pp}, microbatches={num_microbatches}]; use more microbatches")
     if 0 < num_microbatches % g < pp:
-        raise InfeasibleConfigError(f"interleaved-1f1b: microbatches ({num_microbatches}) modulo the group size "
+        raise InfeasibleConfigError(f"{SCHEDULE_INTERLEAVED}: microbatches ({num_microbatches}) modulo the group size "
                                     f"({g}) must be 0 or at least pp={pp}; use a multiple of {g}")
     table = interleaved_table(num_microbatches, vp, g)
     total = len(table)
@@ -110,6 +107,7 @@ def deepspeed_train_order(pp: int, num_microbatches: int) -> list[list[InstrKey]
     orders = []
     for s in range(pp):
         order: list[InstrKey] = []
+        kind: InstructionKind
         for t in range(2 * (m + pp - 1)):
             if t % 2 == s % 2:
                 mb, kind = t // 2 - s // 2, "forward"
@@ -128,14 +126,14 @@ def instruction_order(
     _check_counts(pp, num_microbatches, vp)
     if schedule not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    if schedule == "interleaved-1f1b":
+    if schedule == SCHEDULE_INTERLEAVED:
         if pp < 2:
-            raise InfeasibleConfigError("interleaved-1f1b needs pp >= 2; use schedule 1f1b for pp=1")
+            raise InfeasibleConfigError(f"{SCHEDULE_INTERLEAVED} needs pp >= 2; use schedule {SCHEDULE_1F1B} for pp=1")
         return interleaved_order(pp, num_microbatches, vp, group_size)
     if vp != 1:
         raise InfeasibleConfigError(
-            f"schedule {schedule} has no virtual chunks (vp={vp}); use interleaved-1f1b or vp=1"
+            f"schedule {schedule} has no virtual chunks (vp={vp}); use {SCHEDULE_INTERLEAVED} or vp=1"
         )
-    if schedule == "1f1b":
+    if schedule == SCHEDULE_1F1B:
         return one_f_one_b_order(pp, num_microbatches)
     return deepspeed_train_order(pp, num_microbatches)

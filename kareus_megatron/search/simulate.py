@@ -3,14 +3,10 @@
 Every instruction starts as soon as its rank has finished the previous instruction and its data has
 arrived (predecessor's end plus P2P lag): the as-soon-as-possible schedule that the frameworks run. The
 *iteration time* T is the latest rank end (last instruction plus DP gradient reduction). The *energy* of
-the iteration, over every GPU of the job (``gpus_per_stage`` = tp * cp * dp GPUs run each stage):
-
-    E = gpus_per_stage * ( sum_i e_i  +  p_blocked_w * sum_ranks (T - busy_rank) )
-
-where e_i is instruction i's energy (J, one GPU) and busy_rank the summed duration of that rank's
-instructions: a GPU that is not computing (pipeline bubbles, waiting for data, P2P, the gradient
-reduction, and waiting for the slowest rank to finish) draws the blocked power. Arrays may carry leading
-batch dimensions, so many plans are simulated at once.
+the iteration, over every GPU of the job, is cost/energy.py's ``iteration_energy_j``: each instruction's
+energy plus the blocked power ``p_blocked_w`` (W) over each rank's idle time T - busy_rank (pipeline
+bubbles, waiting for data, P2P, the gradient reduction, waiting for the slowest rank). Arrays may carry
+leading batch dimensions, so many plans are simulated at once.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kareus_megatron.cost.energy import idle_time_s, iteration_energy_j
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.search.pipeline import PipelineDAG
 
@@ -62,20 +59,6 @@ def latest_finish(dag: PipelineDAG, dur_s: np.ndarray, deadline_s: np.ndarray | 
     return lfin
 
 
-def energy_j(
-    dag: PipelineDAG,
-    dur_s: np.ndarray,
-    inst_energy_j: np.ndarray,
-    iter_time_s: np.ndarray,
-    p_blocked_w: float,
-    gpus_per_stage: int,
-) -> np.ndarray:
-    """Iteration energy (J, all GPUs) from durations and energies (..., n) and iteration time (...)."""
-    busy = np.asarray(dur_s, float).sum(axis=-1)
-    idle = dag.pp * np.asarray(iter_time_s, float) - busy
-    return gpus_per_stage * (np.asarray(inst_energy_j, float).sum(axis=-1) + p_blocked_w * idle)
-
-
 @dataclass(frozen=True)
 class Simulation:
     """Result of simulating one plan: times in s, energy in J (all GPUs)."""
@@ -104,10 +87,10 @@ def simulate(
     start, end = earliest_times(dag, dur)
     t = float(iteration_time(dag, end))
     busy = np.bincount(dag.stage, weights=dur, minlength=dag.pp)
-    idle = t - busy
+    idle = idle_time_s(busy, t)  # per rank; never negative here (every rank ends by T)
     comp = gpus_per_stage * float(en.sum())
-    idle_e = gpus_per_stage * p_blocked_w * float(idle.sum())
-    return Simulation(start, end, t, comp + idle_e, comp, idle_e, idle)
+    total = float(iteration_energy_j(en.sum(), busy.sum(), t, p_blocked_w, gpus_per_stage, ranks=dag.pp))
+    return Simulation(start, end, t, total, comp, total - comp, idle)
 
 
 def option_arrays(

@@ -30,16 +30,33 @@ from typing import Any
 
 import numpy as np
 
+from kareus_megatron.cost.energy import iteration_energy_j
 from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.search.frontier import pareto_indices, thin_indices
 from kareus_megatron.search.pipeline import PipelineDAG
 from kareus_megatron.search.simulate import earliest_times, iteration_time, option_arrays
-from kareus_megatron.search.solver_lp import ExactMILP, HullLP
 from kareus_megatron.search.solver_local import durations, fill_slack, round_down
+from kareus_megatron.search.solver_lp import ExactMILP, HullLP
 from kareus_megatron.search.solver_options import PreparedOptions, prepare_options
 
+# Engineering choices of the search, not physical constants; docs/sources.md#solver-budgets has the
+# measurements behind the values.
+# - The exact MILP runs only on DAGs this small: it costs one MILP per frontier point, and a point took
+#   0.2-10 s on a 4 x 4 GPT-3 pipeline (32 nodes), so beyond a dozen nodes the LP method is used.
 EXACT_MAX_NODES = 12
 EXACT_MAX_OPTIONS = 48  # total useful options over all nodes
+# - Relaxed plans interpolated between neighbouring LP solutions, in total per discretisation pass (at
+#   least 2 per gap; about 10 per gap with the default 24 deadlines). On the GPT-3 A100 profile (8 stages,
+#   M = 16 and 32) 256 keeps the frontier within 0.02% mean energy of 1024 plans at half the solver time.
+INTERPOLATED_PLANS = 256
+# - The deadline grid ends this factor above the relaxed minimum-energy iteration time (slower deadlines
+#   only add blocked power; a rounded, slack-filled plan may end a little after its LP optimum). Not
+#   critical: 1.00-1.10 find the same minimum energy within 0.02% on that profile.
+MIN_ENERGY_TIME_MARGIN = 1.02
+# - With a wall-time budget the first deadline grid shrinks to what fits in this share of it. The
+#   default solve cap (grid + grid // 2 + 1) makes the first pass about 2/3 of the LP solves, so 70% of
+#   the time goes to it and the rest to the refinement passes.
+FIRST_PASS_BUDGET_SHARE = 0.7
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +85,7 @@ class _Evaluator:
         t = iteration_time(self.dag, end)
         en = np.take_along_axis(np.broadcast_to(self.prep.energy_j, pos.shape + (self.prep.energy_j.shape[1],)),
                                 pos[..., None], -1)[..., 0]
-        e = self.g * (en.sum(-1) + self.p * (self.dag.pp * t - dur.sum(-1)))
+        e = iteration_energy_j(en.sum(-1), dur.sum(-1), t, self.p, self.g, ranks=self.dag.pp)
         for k in range(pos.shape[0]):
             key = pos[k].tobytes()
             if key in self._seen:
@@ -126,7 +143,7 @@ def _solve_lp(
         # Between two LP optima the parametric optimum moves linearly in the deadline, so convex
         # combinations of neighbouring solutions are (near-)optimal relaxed plans for deadlines in between.
         keys = sorted(sols)
-        per_gap = max(2, -(-256 // len(keys)))  # interpolated plans between neighbouring LP solutions
+        per_gap = max(2, -(-INTERPOLATED_PLANS // len(keys)))  # interpolated plans per gap
         durs, dls = [], []
         for d in deadlines:
             k = keys.index(d)
@@ -149,16 +166,16 @@ def _solve_lp(
     # only add blocked power, so the grid stops a little beyond it.
     solve(np.array([t_hi]))
     if sols:
-        t_hi = min(t_hi, max(lp.last_time_s * 1.02, t_fast))
+        t_hi = min(t_hi, max(lp.last_time_s * MIN_ENERGY_TIME_MARGIN, t_fast))
     # Deadlines are solved in descending order (each LP warm-starts from the previous basis); when a
-    # budget is set, the grid shrinks to what the first solves say fits into 70% of it.
+    # budget is set, the grid shrinks to what the first solves say fits into FIRST_PASS_BUDGET_SHARE of it.
     first = np.linspace(t_fast, t_hi, grid)
     t0 = time.perf_counter()
     solve(first[::-1][:2])
     rest = first[:-2]
     if budget_s is not None and grid > 4:
         per_lp = (time.perf_counter() - t0) / 2
-        fit = int((0.7 * budget_s - (time.perf_counter() - t_start)) / max(per_lp, 1e-6))
+        fit = int((FIRST_PASS_BUDGET_SHARE * budget_s - (time.perf_counter() - t_start)) / max(per_lp, 1e-6))
         if fit < rest.size:
             rest = np.linspace(t_fast, first[-2], max(fit, 2) + 1)[:-1]
             first = np.r_[rest, first[-2:]]
@@ -231,7 +248,8 @@ def solve_frontier(
     "auto", "lp" or "exact". LP method: `grid` first-pass deadlines (default 24, fewer for few
     `points`); refinement passes add deadlines until neighbouring frontier points differ by at most
     `resolution` in relative energy, `max_solves` LPs were solved or `budget_s` seconds passed (the
-    first pass also shrinks to fit 70% of the budget). `progress(fraction)` is called as it goes.
+    first pass also shrinks to fit FIRST_PASS_BUDGET_SHARE of the budget). `progress(fraction)` is called
+    as it goes.
     """
     _check_inputs(p_blocked_w, gpus_per_stage, points)
     if method not in ("auto", "lp", "exact"):

@@ -10,43 +10,38 @@ on one GPU and every SM clock of the grid:
   the instances of that partition in the layer (see search/partition.py; the layer's last collective
   runs on NCCL's default SMs and belongs to ``alone_*``).
 
-The cost model is called once per op list with the whole grid broadcast (cost/partition.py does the
-phase arithmetic), so a table costs a few numpy calls regardless of the grid size.
+Every time and energy comes from the cost model (cost/overlap.py's OverlapCost, called once per op list
+with the whole grid broadcast), so a table costs a few numpy calls regardless of the grid size; this
+module only chooses the knob values and sums instances.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from kareus_megatron.cost.partition import PhaseArrays, contention, simulate_overlap
-from kareus_megatron.search.partition import LayerSchedule, PartitionInstance, collective_kind, layer_schedule
+from kareus_megatron.cost.overlap import OverlapCost
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.search.partition import LayerSchedule, collective_kind, layer_schedule
 from kareus_megatron.workload.opgraph import layer_ops
 
-A100_SM_COUNT = 108
-# Knob ranges the Kareus authors searched on A100 (domain.md §2), scaled by the GPU's SM count.
+# Comm-SM knob values the Kareus authors searched on A100 (TP all-reduce 3..30 in steps of 3, CP
+# collectives 1..20; docs/sources.md#kareus-knobs). Other GPUs get them scaled by their SM count relative
+# to the preset below.
+KNOB_REFERENCE_GPU = "a100-sxm4-40gb"
 TP_COMM_SMS_A100: tuple[int, ...] = tuple(range(3, 31, 3))
 CP_COMM_SMS_A100: tuple[int, ...] = tuple(range(1, 21))
-# NCCL's default on an 8×A100 NVSwitch node: 24 ring channels, one CTA (one SM) each
-# ("NCCL INFO Channel 23/24" in the logs of NVIDIA/nccl-tests#100 and NVIDIA/nccl#578).
-NCCL_DEFAULT_SMS_A100 = 24
 
 
 def scale_sms(gpu: Any, values: Sequence[int]) -> np.ndarray:
     """SM counts from an A100 range scaled to gpu.sm_count: unique, ascending, in 1..sm_count-1."""
-    v = np.rint(np.asarray(values, dtype=float) * gpu.sm_count / A100_SM_COUNT).astype(np.int64)
+    reference_sms = gpu_spec(KNOB_REFERENCE_GPU).sm_count
+    v = np.rint(np.asarray(values, dtype=float) * gpu.sm_count / reference_sms).astype(np.int64)
     return np.unique(np.clip(v, 1, gpu.sm_count - 1))
-
-
-def default_comm_sms(gpu: Any, kernel: Any | None = None) -> int:
-    """Comm SMs of an unrestricted NCCL collective: the kernel model's value, else NCCL's A100 default scaled."""
-    params = getattr(kernel, "params", None)
-    if params is not None and getattr(params, "default_comm_sms", None):
-        return int(round(float(params.default_comm_sms)))
-    return int(scale_sms(gpu, [NCCL_DEFAULT_SMS_A100])[0])
 
 
 def comm_sms_range(gpu: Any, partition: str) -> np.ndarray:
@@ -77,67 +72,13 @@ class PhaseTable:
     seq_energy_j: np.ndarray
     alone_time_s: np.ndarray  # (n_clk,) 2 nanobatches, no knob
     alone_energy_j: np.ndarray
-    partitions: dict[str, PartitionTable] = field(default_factory=dict)
-    schedule: LayerSchedule | None = None
-
-
-class CostAdapter:
-    """The cost-model calls the tables need, with the grid broadcast: clocks (n_clk,), comm SMs (n_sms,).
-
-    Everything goes through KernelModel.op_profile, so times include the calibration's time scale and
-    powers the sustained clock, exactly as `kareus predict` sees them.
-    """
-
-    def __init__(self, gpu: Any, kernel: Any, default_sms: int | None = None):
-        self.gpu = getattr(kernel, "gpu", gpu)  # the calibrated preset when the kernel carries one
-        self.kernel = kernel
-        self.default_sms = int(default_sms or default_comm_sms(gpu, kernel))
-
-    def compute(self, ops: Sequence[Any], clocks: np.ndarray, sms: Any = None) -> tuple[np.ndarray, ...]:
-        """(time s, power W, HBM bytes/s, compute activity) of ops; arrays (n_ops, *broadcast grid)."""
-        prof = self.kernel.op_profile(list(ops), clocks, sms=sms)
-        return prof.time_s, prof.power_w, prof.hbm_bytes_per_s, prof.compute_activity
-
-    def collective(self, op: Any, clocks: np.ndarray, sms: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(time s, power W, HBM bytes/s, compute activity) of a collective alone: arrays (n_clk, n_sms)."""
-        full = np.full((1, sms.size), float(self.gpu.sm_count))
-        prof = self.kernel.op_profile([op], clocks[:, None], sms=full, comm_sms=np.asarray(sms, float)[None, :])
-        return prof.time_s[0], prof.power_w[0], prof.hbm_bytes_per_s[0], prof.compute_activity[0]
-
-    def exposed(self, op: Any, clocks: np.ndarray, sms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(time s, energy J) of a collective alone: arrays (n_clk, n_sms)."""
-        t, p, _, _ = self.collective(op, clocks, sms)
-        return t, t * p
-
-    def instance(self, inst: PartitionInstance, clocks: np.ndarray, sms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(time s, energy J) of one partition instance: arrays (n_clk, n_slots, n_sms)."""
-        bw = float(self.gpu.hbm_bytes_per_s)
-        c = clocks[:, None]  # (n_clk, 1)
-        a, pa, _, _ = self.compute(inst.compute, c)  # (n, n_clk, 1)
-        b, _, d, ca = self.compute(inst.compute, c, sms=(self.gpu.sm_count - sms)[None, :])  # (n, n_clk, n_sms)
-        # Fewer SMs never make an op faster: op_profile alone would credit the idle SMs' power headroom
-        # to a higher sustained clock, but the collective's SMs draw that power during the overlap.
-        b = np.maximum(b, a)
-        ct, pc, cd, cca = self.collective(inst.collective, clocks, sms)  # (n_clk, n_sms)
-        r = contention(d, cd, bw)
-        ma = np.minimum((np.minimum(d, bw) + np.minimum(cd, bw)) / bw, 1.0)
-        po = self.kernel.power_w(c, np.minimum((ca + cca) / r, 1.0), ma)
-        arrays = PhaseArrays(a_s=a, pa_w=pa, w_s=b * r, rho=1.0 / r, po_w=po, coll_s=ct, pc_w=pc)
-        t, e = simulate_overlap(arrays)  # (n_ops, n_clk, n_sms): axis 0 = launch slot position
-        pos = list(inst.slot_positions)
-        return np.moveaxis(t[pos], 0, 1), np.moveaxis(e[pos], 0, 1)
-
-    def alone(self, ops: Sequence[Any], clocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(time s, energy J) of ops run back to back (collectives on NCCL's default SMs): arrays (n_clk,)."""
-        if not ops:
-            z = np.zeros(clocks.shape)
-            return z, z.copy()
-        t, p, _, _ = self.compute(ops, clocks)
-        return t.sum(axis=0), (t * p).sum(axis=0)
+    partitions: dict[str, PartitionTable]
+    schedule: LayerSchedule
 
 
 def phase_table(
-    adapter: CostAdapter, model: Any, par: Any, phase: str, clocks_mhz: Sequence[int], nanobatches: int = 2
+    adapter: OverlapCost, model: Any, par: Any, phase: str, clocks_mhz: Sequence[int] | NDArray[np.integer[Any]],
+    nanobatches: int = 2,
 ) -> PhaseTable:
     """Knob tables of one layer of `phase` at every clock (1-nanobatch order and `nanobatches` overlap)."""
     clocks = np.asarray(clocks_mhz, dtype=float)

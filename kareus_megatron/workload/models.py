@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from kareus_megatron.errors import ConfigError, UnknownPresetError
 

@@ -6,7 +6,7 @@ HBM bytes (bf16 unless the precision says otherwise), a GEMM's (M, N, K), and fo
 nccl-tests message size ``comm_bytes`` (all-reduce: the buffer; all-gather: the gathered output;
 reduce-scatter: the input; send/recv: the tensor), the group size and the link it crosses.
 
-Op order follows workload/layer_vocab.py: forward segments ``attn`` then ``mlp``, each ending in its TP
+Op order follows kareus_megatron/vocab.py: forward segments ``attn`` then ``mlp``, each ending in its TP
 collective; backward segments ``mlp``, ``attn`` and the ``tail`` (input_norm). The norms include the
 fused residual add of the previous sublayer. With sequence parallelism each segment starts with a TP
 all-gather and ends in a reduce-scatter; with CP the KV all-gather sits just before ``attention`` in
@@ -26,10 +26,6 @@ from kareus_megatron.workload.parallel import ParallelConfig
 
 PHASES = ("forward", "backward", "recompute")
 KINDS = ("gemm", "attention", "memory", "collective", "p2p")
-COLLECTIVES = (
-    "tp_all_reduce", "tp_all_gather", "tp_reduce_scatter", "cp_all_gather", "cp_reduce_scatter",
-    "pp_send_recv", "dp_reduce_scatter",
-)
 FP32_BYTES = 4
 ATTENTION_BWD_FLOP_FACTOR = 2.5  # flash attention backward: 5 matmuls against forward's 2 (Dao 2023)
 

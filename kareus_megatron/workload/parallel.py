@@ -1,4 +1,4 @@
-"""Parallel layout of a training run and the workload flags shared by every `kareus` subcommand.
+"""Parallel layout of a training run: sizes, layer split over pipeline stages, and their validation.
 
 Terms (Megatron's): TP tensor, CP context, PP pipeline (stages), VP virtual pipeline chunks per stage
 (1 = no interleaving), DP data parallel size; SP sequence parallelism (norms/elementwise split over
@@ -8,13 +8,11 @@ of them per pipeline. Ranks are ordered TP innermost, then CP, DP, PP (Megatron'
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Any
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
-from kareus_megatron.hardware.gpus import GPUSpec, gpu_spec
-from kareus_megatron.workload.models import ModelSpec, model_spec
+from kareus_megatron.workload.models import ModelSpec
 
 RECOMPUTE = ("none", "full", "selective")
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "tf32": 4, "fp32": 4}
@@ -99,7 +97,7 @@ def _split_layers(model: ModelSpec, pp: int, vp: int, first: int | None, last: i
                 f"--first-stage-layers {first} + --last-stage-layers {last} = {sum(fixed)} but {model.name} has "
                 f"{n} layers; they must add up to {n} when --pp 2."
             )
-        split = [first, last]
+        split = list(fixed)  # pp == 2 and both counts given: [first, last]
     else:
         if rest < middle_stages or rest % middle_stages:
             what = f"{n} layers" if not fixed else f"the {rest} layers left after the first/last stage counts"
@@ -222,67 +220,3 @@ def make_parallel(
         recompute=recompute, layers_per_stage=layers, nodes=nodes, gpus_per_node=gpus_per_node,
         precision=precision,
     )
-
-
-# Defaults of `kareus plan` (domain.md §3, configuration 1): Llama 3.2 3B on 2 nodes × 8 A100-SXM4-40GB.
-DEFAULTS: dict[str, Any] = {
-    "gpu": "a100-sxm4-40gb", "model": "llama3.2-3b", "tp": 8, "cp": 1, "pp": 2, "vp": 1, "dp": None,
-    "mbs": 8, "seq": 4096, "microbatches": 8, "recompute": "full", "nodes": 2, "gpus_per_node": 8,
-    "first_stage_layers": 15, "last_stage_layers": 13, "precision": "bf16",
-}
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --gpu, --model, the parallel flags and --calibration (defaults: the `kareus plan` default job)."""
-    d = DEFAULTS
-    g = parser.add_argument_group("workload")
-    g.add_argument("--gpu", default=d["gpu"], help=f"GPU preset (default {d['gpu']})")
-    g.add_argument("--model", default=d["model"], help=f"model preset or .yaml/.json file (default {d['model']})")
-    g.add_argument("--tp", type=int, default=d["tp"], help=f"tensor parallel size (default {d['tp']})")
-    g.add_argument("--cp", type=int, default=d["cp"], help="context parallel size (default 1)")
-    g.add_argument("--pp", type=int, default=d["pp"], help=f"pipeline stages (default {d['pp']})")
-    g.add_argument("--vp", type=int, default=d["vp"], help="virtual pipeline chunks per stage (default 1)")
-    g.add_argument("--dp", type=int, default=d["dp"], help="data parallel size (default: GPUs / (TP×CP×PP))")
-    g.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_true",
-                   help="sequence parallelism (default off)")
-    g.add_argument("--mbs", type=int, default=d["mbs"], help=f"microbatch size (default {d['mbs']})")
-    g.add_argument("--seq", type=int, default=d["seq"], help=f"sequence length (default {d['seq']})")
-    g.add_argument("--microbatches", type=int, default=d["microbatches"],
-                   help=f"microbatches per iteration (default {d['microbatches']})")
-    g.add_argument("--recompute", choices=RECOMPUTE, default=d["recompute"],
-                   help=f"activation recompute (default {d['recompute']})")
-    g.add_argument("--first-stage-layers", type=int, default=None,
-                   help="layers on the first stage (default: 15 for the default job, else uniform)")
-    g.add_argument("--last-stage-layers", type=int, default=None,
-                   help="layers on the last stage (default: 13 for the default job, else uniform)")
-    g.add_argument("--nodes", type=int, default=None,
-                   help="nodes (default: as many as TP×CP×PP×DP needs; 2 for the default job)")
-    g.add_argument("--gpus-per-node", type=int, default=d["gpus_per_node"],
-                   help=f"GPUs per node (default {d['gpus_per_node']})")
-    g.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=d["precision"],
-                   help="training precision (default bf16)")
-    g.add_argument("--calibration", default=None, help="calibration JSON from `kareus calibrate`")
-
-
-def _default_split(model: ModelSpec, pp: int, first: int | None, last: int | None) -> tuple[int | None, int | None]:
-    """The default job's 15 + 13 split when the user left both unset and the layout is that job's."""
-    if first is None and last is None and pp == 2 and model.name == DEFAULTS["model"]:
-        return DEFAULTS["first_stage_layers"], DEFAULTS["last_stage_layers"]
-    return first, last
-
-
-def workload_from_args(args: argparse.Namespace) -> tuple[GPUSpec, ModelSpec, ParallelConfig]:
-    """Resolve the workload flags into (GPU preset, model, validated parallel layout)."""
-    gpu = gpu_spec(args.gpu)
-    model = model_spec(args.model)
-    precision = getattr(args, "precision", "bf16")
-    gpu.peak_flops(precision)  # raises ConfigError if the GPU lacks that precision
-    first, last = _default_split(model, args.pp, args.first_stage_layers, args.last_stage_layers)
-    nodes, gpn = args.nodes, args.gpus_per_node
-    par = make_parallel(
-        model, tp=args.tp, cp=args.cp, pp=args.pp, vp=args.vp, dp=args.dp,
-        sequence_parallel=args.sequence_parallel, micro_batch_size=args.mbs, seq_length=args.seq,
-        num_microbatches=args.microbatches, recompute=args.recompute, first_stage_layers=first,
-        last_stage_layers=last, nodes=nodes, gpus_per_node=gpn, precision=precision,
-    )
-    return gpu, model, par

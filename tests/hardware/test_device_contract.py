@@ -8,8 +8,10 @@ import time
 import pytest
 
 from kareus_megatron.errors import ClockControlError, ConfigError, DeviceUnavailableError
-from kareus_megatron.hardware.device import GPUDevice, nearest_supported_mhz, open_gpu
+from kareus_megatron.hardware.device import GPUDevice, SimulationHooks, nearest_supported_mhz, open_gpu, simulation_of
 from kareus_megatron.hardware.device.nvml import nvml_available
+from kareus_megatron.hardware.device.sim import DEFAULT_COMPUTE_ACTIVITY as ACT_C
+from kareus_megatron.hardware.device.sim import DEFAULT_MEMORY_ACTIVITY as ACT_M
 from kareus_megatron.hardware.device.sim import SimulatedGPU
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.hardware.power import power_w
@@ -48,11 +50,36 @@ def test_unsupported_clock_is_refused(gpu):
         gpu.set_sm_clock_mhz(clocks[0] + 1)
 
 
-def test_energy_is_cumulative_and_monotone(gpu):
-    e0 = gpu.energy_j()
-    time.sleep(0.05)
-    e1 = gpu.energy_j()
-    assert 0.0 <= e0 <= e1
+def _energy_over(gpu, seconds):
+    """(energy J, elapsed s) of `gpu` over about `seconds` of wall time."""
+    e0, t0 = gpu.energy_j(), time.monotonic()
+    time.sleep(seconds)
+    return gpu.energy_j() - e0, time.monotonic() - t0
+
+
+def test_energy_grows_by_power_times_time(gpu):
+    """The counter grows strictly, by power x elapsed time (a counter stuck at any value fails)."""
+    spec, sim = gpu.spec, simulation_of(gpu)
+    assert gpu.energy_j() >= 0.0
+    if sim is None:  # a real GPU: at least a few watts even when idle, never far above its board limit
+        energy, dt = _energy_over(gpu, 1.0)
+        assert energy > 0.0 and 5.0 <= energy / dt <= 1.5 * spec.power_limit_w
+        return
+    sim.set_busy(False)  # idle: the preset's blocked power
+    energy, dt = _energy_over(gpu, 0.1)
+    assert energy > 0.0 and energy == pytest.approx(spec.p_blocked_w * dt, rel=0.1)
+    sim.set_busy(True)  # an instruction runs: the power model at the present clock
+    energy, dt = _energy_over(gpu, 0.1)
+    busy_w = float(power_w(spec, gpu.sm_clock_mhz(), ACT_C, ACT_M))
+    assert busy_w > spec.p_blocked_w and energy == pytest.approx(busy_w * dt, rel=0.1)
+
+
+def test_simulation_hooks_only_for_the_simulated_backend(gpu):
+    sim = simulation_of(gpu)
+    if isinstance(gpu, SimulatedGPU):
+        assert sim is gpu and isinstance(sim, SimulationHooks)
+    else:
+        assert sim is None and not isinstance(gpu, SimulationHooks)
 
 
 def test_close_is_idempotent_and_final(gpu):
@@ -117,7 +144,7 @@ def test_energy_can_be_read_slightly_in_the_past():
 
 def test_lower_clock_draws_less_busy_power():
     spec = gpu_spec("a100-sxm4-40gb")
-    assert float(power_w(spec, 1005, 0.8, 0.4)) < float(power_w(spec, 1410, 0.8, 0.4))
+    assert float(power_w(spec, 1005, ACT_C, ACT_M)) < float(power_w(spec, 1410, ACT_C, ACT_M))
 
 
 def test_simulated_no_permission(monkeypatch):

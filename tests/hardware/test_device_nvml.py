@@ -27,7 +27,8 @@ def fake(monkeypatch):
             setattr(f, name, getattr(pynvml, name))
     f.nvmlDeviceGetHandleByIndex.return_value = "handle0"
     f.nvmlDeviceGetName.return_value = "NVIDIA A100-SXM4-40GB"
-    f.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215, pynvml.NVML_CLOCK_SM: 1410}[kind]
+    f.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
+                                                            pynvml.NVML_CLOCK_SM: 1410}[kind]
     f.nvmlDeviceGetSupportedGraphicsClocks.return_value = [1200, 1410, 1395, 1410]
     f.nvmlDeviceGetTotalEnergyConsumption.return_value = 1_000_000  # mJ
     monkeypatch.setattr(nvml_mod, "_pynvml", lambda: f)

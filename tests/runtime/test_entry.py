@@ -7,9 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import plans
 import pytest
 
-import plans
 from kareus_megatron.plan.io import save_plan
 from kareus_megatron.runtime.entry import megatron_lm_hook
 

@@ -7,14 +7,15 @@ import json
 import tempfile
 from pathlib import Path
 
+import plans
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import plans
 from kareus_megatron.errors import KareusError
 from kareus_megatron.plan.io import save_plan, write_json_atomic
+from kareus_megatron.report.against_plan import compare
+from kareus_megatron.report.runlog import read_run_log, summarize
 from kareus_megatron.runtime.entry import resolve_plan
-from kareus_megatron.runtime.run_report import compare, load_run_log
 
 _DIR = Path(tempfile.mkdtemp(prefix="kareus-points-"))
 save_plan(plans.tiny_plan(), _DIR / "plans" / "kareus-00.json")
@@ -25,7 +26,8 @@ write_json_atomic(_DIR / "frontier.json", {
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.one_of(st.text(max_size=12), st.sampled_from(["00", "kareus-00", "fastest", "min-energy", "01", "x-00"])))
+@given(st.one_of(st.text(max_size=12), st.sampled_from(["00", "kareus-00", "fastest", "min-energy", "01", "x-00",
+                                                        "kareus-fastest", "kareus-min-energy", "all", "perseus-00"])))
 def test_point_choice_resolves_or_fails_cleanly(point):
     try:
         plan, source = resolve_plan(str(_DIR), point)
@@ -57,11 +59,11 @@ def test_run_log_parses_or_fails_cleanly(lines):
         p = Path(d) / "run.jsonl"
         p.write_text("\n".join(lines))
         try:
-            log = load_run_log(p)
+            summary = summarize(read_run_log(p), 0)
         except KareusError as e:
             assert "\n" not in str(e)
             return
-        assert log.iterations and all(r["kind"] == "iteration" for r in log.iterations)
+        assert summary.used and all(r["kind"] == "iteration" for r in summary.log.iterations)
         plan = plans.tiny_plan()
-        cmp = compare(log, plan, 80.0)  # a log that loads can always be compared
+        cmp = compare(summary, plan, 80.0)  # a log that summarises can always be compared
         assert cmp.rows[0].predicted == plan.predicted.iteration_time_s

@@ -10,10 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import plans
+import pytest
 from _dist import free_port
+
 from kareus_megatron import launch
 from kareus_megatron.cli.main import main
 from kareus_megatron.plan.io import save_plan, write_json_atomic
@@ -169,8 +169,9 @@ def test_launcher_bad_inputs(tmp_path, capsys, monkeypatch):
     (tmp_path / "out").mkdir()
     _one_line_error(capsys, launch.main(["--kareus-plan", "out", "--", "train.py"]), "without frontier.json")
     _plan_dir(tmp_path / "kout")
-    for point, needle in [("banana", "'banana' is not allowed"), ("07", "has plans 00..01"),
-                          ("perseus-00", "no plans for method 'perseus'")]:
+    for point, needle in [("banana", "--kareus-point 'banana' is not valid"), ("07", "kareus has points 00..01"),
+                          ("perseus-00", "has no points for method 'perseus'"), ("all", "'all' is not allowed here"),
+                          ("zeus-00", "names unknown method 'zeus'")]:
         code = launch.main(["--kareus-plan", "kout", "--kareus-point", point, "--", "train.py"])
         _one_line_error(capsys, code, needle)
 
@@ -188,10 +189,21 @@ def test_pretrain_gpt_needs_megatron_lm(tmp_path, capsys, monkeypatch):
                                                str(tmp_path)]), "has no pretrain_gpt.py")
 
 
-@pytest.mark.parametrize("point,index", [("fastest", 0), ("min-energy", 1), ("00", 0), ("kareus-01", 1), (None, 0)])
+@pytest.mark.parametrize("point,index", [("fastest", 0), ("min-energy", 1), ("00", 0), ("kareus-01", 1), (None, 0),
+                                         ("kareus-fastest", 0), ("kareus-min-energy", 1)])
 def test_plan_directory_points(tmp_path, point, index):
     from kareus_megatron.runtime.entry import resolve_plan
 
     expected = _plan_dir(tmp_path)[index]
     plan, source = resolve_plan(str(tmp_path), point)
     assert plan == expected and source.endswith(f"kareus-0{index}.json")
+
+
+@pytest.mark.parametrize("cmd", [[sys.executable, "-m", "kareus_megatron.launch", "--help"],
+                                 [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--help"]])
+def test_entry_points_answer_help_without_megatron_lm(cmd):
+    """--help lists the kareus flags and exits 0 (pretrain_gpt.py: without MEGATRON_LM_DIR too)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}, "COLUMNS": "200"}  # no wrapping
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "--kareus-plan PATH" in r.stdout and "--kareus-point POINT" in r.stdout and "METHOD-min-energy" in r.stdout

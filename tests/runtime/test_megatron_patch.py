@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import plans
+import pytest
 from _dist import read_ranks, spawn
+
 from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
 from kareus_megatron.runtime import megatron_patch
 from kareus_megatron.runtime.megatron_patch import LiveRun, plan_mismatches, validate_plan
@@ -106,7 +106,8 @@ def _live(**kw):
 
 
 def test_matching_plan_has_no_mismatch():
-    assert plan_mismatches(plans.tiny_plan(), _live(), (1410, 1305, 1200, 1155, 1095, 1005, 990), "a100-sxm4-40gb") == []
+    assert plan_mismatches(plans.tiny_plan(), _live(), (1410, 1305, 1200, 1155, 1095, 1005, 990),
+                           "a100-sxm4-40gb") == []
 
 
 def test_every_mismatch_is_listed():
@@ -116,7 +117,8 @@ def test_every_mismatch_is_listed():
     msg = str(e.value)
     bad = sorted(set(plans.tiny_plan().clock_sequence(0)) - {1410, 1200})
     assert bad
-    for part in ("p.json does not match", "tensor parallel size (tp): plan 1, run 2", "sequence length: plan 16, run 32",
+    for part in ("p.json does not match", "tensor parallel size (tp): plan 1, run 2",
+                 "sequence length: plan 16, run 32",
                  "virtual pipeline chunks (vp): plan 1, run 2", "schedule: plan 1f1b, run interleaved-1f1b",
                  "model hidden_size: plan 32, run 64", "layers on pipeline rank 0: plan 1, run 3",
                  "GPU: plan made for a100-sxm4-40gb, this GPU is h100-sxm5-80gb",

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from plans import HEADS, HIDDEN, MBS, SEQ, VOCAB  # noqa: E402  (tests/runtime on sys.path)
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -96,6 +94,7 @@ def train(chunks: list[torch.nn.Module], m: int, iterations: int, lr: float = 0.
     NaN) and the final gradients by parameter name. With `forward_only_every` = k, an evaluation
     (forward-only) pass runs after every k-th step. Each step's wall time (s) is appended to `times_s`."""
     import time
+
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     vp = len(chunks) > 1

@@ -2,7 +2,9 @@
 
 ``KAREUS_GPU_BACKEND=nvml|simulated`` picks the backend (default: nvml when NVML initialises). Asking
 for nvml where it is missing is an error naming the fix; there is no silent fallback to the simulator.
-The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb).
+The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb). What only the
+simulated GPU can do (``SimulationHooks``) is handed out by ``simulation_of``: the runtime passes that
+object on explicitly and treats every device as a plain ``GPUDevice`` otherwise.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import os
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
-from kareus_megatron.hardware.device.base import BACKENDS, GPUDevice, nearest_supported_mhz
+from kareus_megatron.hardware.device.base import BACKENDS, GPUDevice, SimulationHooks, nearest_supported_mhz
 
 DEFAULT_SIMULATED_GPU = "a100-sxm4-40gb"
 
-__all__ = ["BACKENDS", "GPUDevice", "backend_from_env", "nearest_supported_mhz", "open_gpu"]
+__all__ = ["BACKENDS", "GPUDevice", "SimulationHooks", "backend_from_env", "nearest_supported_mhz", "open_gpu",
+           "simulation_of"]
 
 
 def backend_from_env(backend: str | None = None) -> str:
@@ -50,3 +53,10 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None) -> 
             "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
         )
     return NVMLGPU(index, gpu=gpu or os.environ.get("KAREUS_GPU") or None)
+
+
+def simulation_of(device: GPUDevice) -> SimulationHooks | None:
+    """The simulated capabilities of `device`: the device itself on the simulated backend, None on NVML."""
+    from kareus_megatron.hardware.device.sim import SimulatedGPU
+
+    return device if isinstance(device, SimulatedGPU) else None

@@ -6,12 +6,12 @@ change is appended with a timestamp to a JSONL log (``KAREUS_SIMULATED_LOG``). E
 the cost model's power ``hardware.power.power_w(spec, clock, compute_activity, memory_activity)`` over
 wall time while an instruction runs (*busy*) and the preset's blocked power ``spec.p_blocked_w`` while
 none runs. Timestamps are ``time.monotonic()`` seconds (one clock for every process on the machine).
-``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root.
+``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root. Beyond the
+``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -19,41 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
 from kareus_megatron.hardware.power import power_w
+from kareus_megatron.jsonl import JsonlAppender
 
 if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
 
 DEFAULT_LATENCY_MS = 15.0
-# Activity factors of a busy transformer instruction when the caller gives none (fraction of peak).
-DEFAULT_COMPUTE_ACTIVITY = 0.8
-DEFAULT_MEMORY_ACTIVITY = 0.4
-
-
-class JsonlAppender:
-    """Append one JSON object per line; each line is one O_APPEND write, safe across processes."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        """Open (create) `path` for appending."""
-        self.path = os.fspath(path)
-        parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._lock = threading.Lock()
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append `record` as one line."""
-        data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            if self._fd is not None:
-                os.write(self._fd, data)
-
-    def close(self) -> None:
-        """Close the file; later writes are dropped."""
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+# Activity (fraction of peak) of a busy instruction when the caller gives none: the planner's cost model's
+# time-weighted mean over every op of the default job's forward and backward instructions at the maximum
+# clock (0.741 compute, 0.313 memory; tests/hardware/test_sim_activity.py recomputes them). The simulator
+# sits below the cost model, so it uses these means rather than each op's own activity.
+DEFAULT_COMPUTE_ACTIVITY = 0.74
+DEFAULT_MEMORY_ACTIVITY = 0.31
 
 
 def latency_from_env() -> float:
@@ -176,7 +153,8 @@ class SimulatedGPU:
                     self._advance(t)
                     self._busy = bool(b)
                 return
-            busy, self._busy = self._busy, True
+            busy: float = self._busy  # then each edge's busy value (1.0 or 0.0)
+            self._busy = True
             p_busy, p_idle = self._power_w(), float(self.spec.p_blocked_w)
             t_last, energy = self._t_last, self._energy_j
             for t, b in zip(it, it):

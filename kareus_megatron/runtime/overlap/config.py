@@ -1,6 +1,6 @@
 """Overlap settings of the running instruction, the hooks listener, and plan checks at load (no torch).
 
-Terms (names from ``workload.layer_vocab``):
+Terms (names from ``kareus_megatron.vocab``):
 
 - *nanobatches*: 1 (the microbatch runs whole, collectives blocking) or 2 (halves of the microbatch along
   the batch dimension, collectives of one half overlapped with compute of the other).
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kareus_megatron.errors import PlanError
-from kareus_megatron.workload.layer_vocab import TP_PARTITION_SLOTS
+from kareus_megatron.vocab import TP_PARTITION_SLOTS
 
 if TYPE_CHECKING:
     from kareus_megatron.plan.schema import Instruction, Plan

@@ -1,6 +1,6 @@
 """The nanobatch schedule of one partitioned-layer call, forward and backward, and its autograd functions.
 
-Semantics (names from ``workload.layer_vocab``; nanobatches 0 and 1 are halves of the microbatch along
+Semantics (names from ``kareus_megatron.vocab``; nanobatches 0 and 1 are halves of the microbatch along
 the batch dimension). A *unit* is one nanobatch's compute segment; each unit ends in a TP all-reduce.
 
 Forward (and recompute), units in order ``attn0, attn1, mlp0, mlp1``:
@@ -145,7 +145,7 @@ class LayerRun:
     def _wait(self, c: _Coll) -> None:
         if c.waited:
             return
-        if c.pending is None:  # never got a partner op (cannot happen with layer_vocab's segments)
+        if c.pending is None:  # never got a partner op (cannot happen with the vocabulary's segments)
             self._issue(c)
         c.pending.wait()
         c.waited = True

@@ -3,7 +3,7 @@
 One event per line of the JSON ``events`` list, in program order (``seq``), with ``t_s`` from
 ``time.perf_counter`` (s; host time of the call, not of the device kernel). Kinds:
 
-- ``op``: a compute op of one nanobatch is about to start (``op`` is a layer_vocab op name,
+- ``op``: a compute op of one nanobatch is about to start (``op`` is a vocab op name,
   ``partition`` the partition whose compute segment it belongs to, ``""`` for the backward tail and
   for segments with no overlap partner).
 - ``issue`` / ``wait``: a collective (``coll``, e.g. ``L1.fwd.attn.nb0``) of nanobatch ``nb`` is issued

@@ -1,0 +1,112 @@
+"""Measured against predicted: one run's summary (report/runlog.py) against the plan it ran (``kareus report``).
+
+Predicted per stage: cost/energy.py's iteration energy, the formula the planner's simulator uses. The
+stage's GPUs (tp * cp * dp of them) each spend sum(e_i) J on the stage's instructions and
+p_blocked_w * (T - sum(t_i)) J blocked, with T the predicted iteration time (s), t_i and e_i each
+instruction's predicted time (s) and energy (J, one GPU), and p_blocked_w the blocked power (W, one GPU)
+the prediction used: the plan's ``p_blocked_w``, or for a plan written before plans recorded it, its GPU
+preset's. Measured per stage: energy summed over the stage's ranks, time the slowest of its ranks; every
+measured figure is the median of runlog.summarize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kareus_megatron.cost.energy import iteration_energy_j
+from kareus_megatron.errors import KareusError, PlanError
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.plan.io import plan_sha256
+from kareus_megatron.plan.schema import Plan
+from kareus_megatron.report.runlog import RunSummary, truncation_note
+
+
+@dataclass
+class Row:
+    """One compared quantity: measured and predicted (None when unknown), in `unit`."""
+
+    name: str
+    unit: str
+    measured: float | None
+    predicted: float | None
+
+    @property
+    def error(self) -> float | None:
+        """(measured - predicted) / predicted, or None."""
+        if self.measured is None or not self.predicted:
+            return None
+        return (self.measured - self.predicted) / self.predicted
+
+
+@dataclass
+class Comparison:
+    """Measured against predicted, in total and per pipeline stage; per-iteration series for the plot."""
+
+    rows: list[Row]
+    iteration_time_s: list[float | None]
+    iteration_energy_j: list[float | None]
+    used: int
+    skipped: int
+    p_blocked_w: float
+    notes: list[str] = field(default_factory=list)
+    stage_energy_j: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+
+
+def blocked_power_w(plan: Plan, source: str = "the plan") -> float:
+    """The blocked power (W, one GPU) the plan's prediction used; PlanError when neither plan nor preset knows."""
+    if plan.p_blocked_w is not None:
+        return plan.p_blocked_w
+    try:
+        return gpu_spec(plan.gpu).p_blocked_w
+    except KareusError:
+        raise PlanError(f"{source} records no blocked power (p_blocked_w) and its GPU {plan.gpu!r} is not a preset; "
+                        "regenerate it with this version of kareus plan or kareus solve (--p-blocked W)") from None
+
+
+def predicted_stage_energy_j(plan: Plan, p_blocked_w: float) -> dict[int, float | None]:
+    """Predicted energy (J) of each stage's GPUs per iteration; None where instructions lack predictions."""
+    par = plan.parallel
+    gpus = par.tp * par.cp * par.dp
+    out: dict[int, float | None] = {}
+    for st in plan.stages:
+        ts = [i.predicted_time_s for i in st.instructions]
+        es = [i.predicted_energy_j for i in st.instructions]
+        if any(x is None for x in ts + es):
+            out[st.pp_rank] = None
+            continue
+        out[st.pp_rank] = float(iteration_energy_j(sum(es), sum(ts), plan.predicted.iteration_time_s,  # type: ignore[arg-type]
+                                                   p_blocked_w, gpus_per_stage=gpus, ranks=1))
+    return out
+
+
+def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Comparison:
+    """Compare a run's summary with its plan (see the module doc); `p_blocked_w` None: blocked_power_w(plan)."""
+    pb = blocked_power_w(plan) if p_blocked_w is None else p_blocked_w
+    header = run.log.header
+    notes = []
+    sha = header.get("plan_sha256")
+    if sha and sha != plan_sha256(plan):
+        notes.append("the log was recorded with a different plan than --plan (plan_sha256 differs)")
+    if header.get("clock_control") is False:
+        notes.append("clocks were not controlled in this run (no permission; --kareus-on-error warn)")
+    if run.partial:
+        notes.append(f"{run.partial} iteration(s) were logged by fewer ranks than the job has")
+    cut = truncation_note(run.log)
+    if cut:
+        notes.append(cut)
+    rows = [
+        Row("iteration time", "s", run.time_s, plan.predicted.iteration_time_s),
+        Row("iteration energy", "J", run.energy_j, plan.predicted.iteration_energy_j),
+    ]
+    pred_stage = predicted_stage_energy_j(plan, pb)
+    stage_energy: dict[int, tuple[float | None, float | None]] = {}
+    for st in plan.stages:
+        r = st.pp_rank
+        e = run.stage_energy_j.get(r)
+        stage_energy[r] = (e, pred_stage.get(r))
+        rows.append(Row(f"stage {r} energy", "J", e, pred_stage.get(r)))
+        rows.append(Row(f"stage {r} time", "s", run.stage_time_s.get(r), plan.predicted.iteration_time_s))
+    its = run.log.iterations
+    return Comparison(rows=rows, iteration_time_s=[r.get("time_s") for r in its],
+                      iteration_energy_j=[r.get("energy_j") for r in its], used=run.used, skipped=run.skipped,
+                      p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy)

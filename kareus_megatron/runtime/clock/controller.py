@@ -1,0 +1,259 @@
+"""Clock controller: applies each instruction's planned SM clock to one GPU, off the training thread.
+
+It runs in a side process per local GPU (process.py; NVML calls take 10–20 ms) or, for tests, in a
+thread of the trainer (``ClockClient.start_thread``). Its input is the wire format of wire.py (records
+for begin, end and mark; JSON lines for answer, reset, close) fed by the client's transport.
+
+With NVML (``simulation=None``) the path is a straight line in wall time: ``feed`` parses a block,
+passes its begins to the control loop (``run``), which takes everything queued, lets the latest begin
+overtake the earlier ones (``skip``, reason ``stale``), skips a clock already locked (``unchanged``)
+and otherwise calls ``device.set_sm_clock_mhz`` (``nvmlDeviceSetGpuLockedClocks``). With a simulated
+GPU, its ``SimulationHooks`` are passed in explicitly and its input goes to timeline.py instead, which
+decides at the records' own times.
+
+Clocks are reset when the client closes or asks for it, when the controller is stopped (SIGTERM/SIGINT
+in the side process), and when the trainer is gone (stdin closes, or ``parent_alive`` turns False,
+checked every 0.2 s). Replies: ``mark`` -> ``mark`` {seq, t, energy_j} (at once; a lazy one is held
+until HOLD_MARKS are due or an ``answer`` asks for them), ``reset`` {seq} -> ``ack``, ``close`` {seq} ->
+``ack`` {counts}; on start (``probe``) ``ready`` {gpu, backend, supported, busy_events, latency_s, pid}
+or ``error`` {type, message, busy_events}.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kareus_megatron.errors import ClockControlError, KareusError
+from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
+from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, route_control
+from kareus_megatron.runtime.clock.timeline import SimulatedTimeLine
+from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, FrameReader
+
+_POLL_S = 0.2
+Reply = Callable[[dict[str, Any]], None]
+
+
+def _nothing() -> None:
+    pass
+
+
+class ClockController:
+    """Applies clock changes to one device in order, skipping stale ones; `feed`/`submit` are thread-safe."""
+
+    def __init__(self, device: GPUDevice, reply: Reply, *, simulation: SimulationHooks | None = None,
+                 log_path: str | None = None, reply_many: Callable[[list[dict[str, Any]]], None] | None = None
+                 ) -> None:
+        """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML).
+        `reply` sends messages back (`reply_many`, when given, several at once: the energy marks of one
+        batch leave in one write); `log_path` gets the decisions (a simulated GPU logs to its own log)."""
+        self.device = device
+        self.simulation = simulation
+        self._reply = reply
+        self._reply_many = reply_many
+        self.decisions = Decisions(device.index, simulation, log_path)
+        # Items for the control loop: begins as (mhz, iteration, index, kind), ("stale", n), control dicts.
+        self._inbox: queue.Queue[list[Any]] = queue.Queue()
+        self._held: list[dict[str, Any]] = []  # answers to lazy marks not sent yet
+        self._frames = FrameReader()
+        self._stop = threading.Event()
+        self._close_seq: Any = None
+        # Chosen once: wall time (NVML), or the simulated time line.
+        self._take_records: Callable[[list[Any], list[Any], list[dict[str, Any]], list[dict[str, Any]]], bool]
+        if simulation is None:
+            self._take_records, self._reset_clocks, self._settle = self._take_wall, device.reset_clocks, _nothing
+        else:
+            line = SimulatedTimeLine(device, simulation, self.decisions)
+            self._take_records, self._reset_clocks, self._settle = line.take, line.reset_clocks, line.settle
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Decisions so far: applied, stale, unchanged, errors."""
+        return self.decisions.counts
+
+    @property
+    def clock_control(self) -> bool:
+        """False once ``probe`` found that clocks may not be locked (energy is still answered)."""
+        return self.decisions.clock_control
+
+    # -- start -------------------------------------------------------------------------------
+    def probe(self) -> dict[str, Any]:
+        """Check clock permission by resetting clocks once; return the ``ready`` (or ``error``) message."""
+        sim = self.simulation
+        try:
+            self.device.reset_clocks()
+            self.decisions.reset(self.device.spec.max_sm_clock_mhz, "start")
+        except ClockControlError as e:
+            self.decisions.clock_control = False
+            return {"op": "error", "type": type(e).__name__, "message": str(e), "busy_events": sim is not None}
+        return {
+            "op": "ready",
+            "gpu": self.device.spec.name,
+            "backend": "nvml" if sim is None else "simulated",
+            "supported": list(self.device.supported_sm_clocks_mhz()),
+            "busy_events": sim is not None,  # only a simulated GPU needs instruction ends (busy power)
+            "latency_s": None if sim is None else sim.latency_s,  # a simulated clock call's duration
+            "pid": os.getpid(),
+        }
+
+    # -- input (any thread) ------------------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        """Accept bytes of the input stream (records and control lines, see wire.py)."""
+        items = self._frames.feed(data)
+        if items:
+            self._take(items)
+
+    def submit(self, msg: dict[str, Any]) -> None:
+        """Accept one control message (``reset``, ``close``, ``answer``, ``parent_gone``)."""
+        self._take([msg])
+
+    def _take(self, items: list[Any]) -> None:
+        """Handle what arrived, in order: marks are answered at once, in this thread, so a clock call in
+        progress never delays them; clock changes, resets and close go to the control loop in order."""
+        rest: list[Any] = []
+        answers: list[dict[str, Any]] = []
+        release = self._take_records(items, rest, answers, self._held)
+        # Lazy marks (a CPU client reads them only when it publishes) leave in groups of HOLD_MARKS, or
+        # when asked (``answer``), or before a reset/close is acknowledged.
+        if self._held and (len(self._held) >= HOLD_MARKS or release):
+            answers, self._held = self._held + answers, []
+        if answers and self._reply_many is not None:
+            self._reply_many(answers)
+        else:
+            for answer in answers:
+                self._reply(answer)
+        if rest:
+            self._inbox.put_nowait(rest)
+
+    def _take_wall(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
+                   held: list[dict[str, Any]]) -> bool:
+        """NVML: begins go to `rest` for the control loop (without a decision log only the last begin of
+        a block, with the number it overtook); a mark is answered with the energy counter now (its
+        record left the client when the GPU reached the point). Return whether held answers go out."""
+        dec = self.decisions
+        each = dec.logging and dec.clock_control
+        read = self.device.energy_j
+        release = False
+        for item in items:
+            if isinstance(item, dict):
+                release = route_control(item, rest) or release
+                continue
+            last = None
+            overtaken = 0
+            it = iter(item)
+            for code, t, _idle, a, b, c, d in zip(it, it, it, it, it, it, it):
+                if code == CODE_BEGIN:
+                    if each:
+                        rest.append((int(c), int(a), int(b), int(d)))  # mhz, iteration, index, kind
+                    else:
+                        overtaken += last is not None
+                        last = (c, a, b, d)
+                elif code == CODE_MARK:
+                    (held if b else answers).append(dec.mark(int(a), t, read))
+            if last is not None:
+                if overtaken:
+                    rest.append(("stale", overtaken))
+                rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3])))
+        return release
+
+    # -- control loop ------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to finish (it resets clocks on the way out)."""
+        self._stop.set()
+        self._inbox.put([{"op": "_wake"}])
+
+    def run(self, parent_alive: Callable[[], bool] = lambda: True) -> str:
+        """Serve until close, stop or parent death; always reset clocks; return why it ended."""
+        why = "stopped"
+        try:
+            while not self._stop.is_set():
+                try:
+                    first = self._inbox.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not parent_alive():
+                        why = "parent-gone"
+                        break
+                    continue
+                batch = list(first)
+                while True:
+                    try:
+                        batch.extend(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                ended = self._handle(batch)
+                if ended:
+                    why = ended
+                    break
+                if not parent_alive():
+                    why = "parent-gone"
+                    break
+        finally:
+            self._final_reset(why)
+        return why
+
+    def _handle(self, batch: list[Any]) -> str | None:
+        """One pass over what is queued: the latest begin wins and is applied at the end; a reset or
+        close first settles the begins before it."""
+        dec = self.decisions
+        pending: Begin | None = None
+        for item in batch:
+            if isinstance(item, tuple):
+                if item[0] == "stale":  # begins overtaken within one block (not logged one by one)
+                    dec.overtaken(item[1])
+                    continue
+                if pending is not None:  # a begin overtakes the pending one
+                    dec.skip(pending, "stale")
+                pending = item
+                continue
+            op = item.get("op")
+            if op in ("reset", "close", "parent_gone"):
+                if pending is not None:
+                    dec.skip(pending, "stale")
+                    pending = None
+                self._settle()  # the simulated time line's waiting call (NVML: nothing)
+                if op == "reset":
+                    self._reset("requested")
+                    self._reply({"op": "ack", "seq": item.get("seq")})
+                elif op == "close":
+                    self._close_seq = item.get("seq")
+                    return "closed"
+                else:
+                    return "parent-gone"
+        if pending is not None:
+            self._apply(pending)
+        return None
+
+    def _apply(self, begin: Begin) -> None:
+        """Lock `begin`'s clock now, in wall time (blocks for the driver call)."""
+        dec = self.decisions
+        if not dec.wanted(begin):
+            return
+        try:
+            self.device.set_sm_clock_mhz(begin[0])
+        except KareusError as e:
+            dec.failed(begin, e)
+            return
+        dec.applied(begin)
+
+    def _reset(self, reason: str) -> None:
+        if not self.decisions.clock_control:
+            return
+        try:
+            self._reset_clocks()
+        except KareusError as e:
+            self.decisions.error(str(e), reason=reason)
+            return
+        self.decisions.reset(self.device.spec.max_sm_clock_mhz, reason)
+
+    def _final_reset(self, why: str) -> None:
+        self._reset(why)
+        try:
+            self.device.close()
+        except KareusError:
+            pass
+        self.decisions.close()
+        if why == "closed":
+            self._reply({"op": "ack", "seq": self._close_seq, "counts": dict(self.counts)})

@@ -1,0 +1,114 @@
+"""The clock controller's input for a simulated GPU, handled on the simulated time line.
+
+On a CPU host the trainer's records arrive in batches, long after the fact. A simulated GPU can
+account for that (``SimulationHooks``): busy/idle edges are integrated at their own times, a mark is
+answered with the energy at its own time, and a clock call is *scheduled*: issued at the begin's own
+time if the simulated device is free then, else when it becomes free; a begin still waiting when a
+later one begins is skipped as stale. So the decisions are those of a controller that saw every message
+at its own time, however late and batched the messages arrive. The wall-time (NVML) path is in
+controller.py and never comes here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from kareus_megatron.errors import KareusError
+from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
+from kareus_megatron.runtime.clock.decisions import Begin, Decisions, route_control
+from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_END
+
+
+class SimulatedTimeLine:
+    """Input handling for `device`, a simulated GPU (`simulation` is its SimulationHooks)."""
+
+    def __init__(self, device: GPUDevice, simulation: SimulationHooks, decisions: Decisions) -> None:
+        self._device = device
+        self._sim = simulation
+        self._dec = decisions
+        self._lock = threading.Lock()  # the input thread schedules, the control loop resets
+        self._free_at = float("-inf")  # when the simulated device finishes its last clock call (s)
+        self._pending: Begin | None = None  # a begin waiting for the device
+
+    def take(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
+             held: list[dict[str, Any]]) -> bool:
+        """Handle what arrived, in order: record blocks here (busy/idle edges, marks into `answers`, or
+        `held` when lazy, clock calls on the time line), control messages into `rest` for the control
+        loop. Return whether one of them releases the held mark answers."""
+        sim, dec = self._sim, self._dec
+        schedule = dec.clock_control  # without clock control begins only mark the device busy
+        release = False
+        edges: list[float] = []  # t0, busy0, t1, busy1, ... (busy as 1.0 / 0.0)
+        t = None
+        with self._lock:
+            for item in items:
+                if isinstance(item, dict):
+                    release = route_control(item, rest) or release
+                    continue
+                it = iter(item)
+                for code, t, idle, a, b, c, d in zip(it, it, it, it, it, it, it):
+                    if idle == idle:  # not NaN: the previous instruction ended then
+                        edges += (idle, 0.0)
+                    if code == CODE_BEGIN:
+                        edges += (t, 1.0)
+                        if schedule:
+                            self._begin((int(c), int(a), int(b), int(d)), t)  # mhz, iteration, index, kind
+                    elif code == CODE_END:
+                        edges += (t, 0.0)
+                    else:  # a mark: its energy includes every edge and clock change before it
+                        self._catch_up(t)
+                        if edges:
+                            sim.busy_edges(edges)
+                            edges = []
+                        (held if b else answers).append(dec.mark(int(a), t, sim.energy_j_at, t))
+            if t is not None:
+                self._catch_up(t)  # every record up to t has arrived: a call due by then is made
+            if edges:
+                sim.busy_edges(edges)
+        return release
+
+    def _begin(self, begin: Begin, t: float) -> None:
+        """A begin at time `t` (s): call at once if the device is free then, else wait (a begin still
+        waiting is overtaken: stale)."""
+        self._catch_up(t)
+        if self._free_at <= t:
+            self._call(begin, t)
+        else:
+            if self._pending is not None:
+                self._dec.skip(self._pending, "stale")
+            self._pending = begin
+
+    def _catch_up(self, t: float) -> None:
+        """Make the waiting call if the device became free by `t` (s); it starts when the device is free."""
+        if self._pending is not None and self._free_at <= t:
+            begin, self._pending = self._pending, None
+            self._call(begin, self._free_at)
+
+    def _call(self, begin: Begin, at: float) -> None:
+        """Issue `begin`'s clock call at `at` (s) on the simulated time line."""
+        if not self._dec.wanted(begin):
+            return
+        try:
+            self._free_at = float(self._sim.schedule_sm_clock(begin[0], at))
+        except KareusError as e:
+            self._dec.failed(begin, e)
+            return
+        self._dec.applied(begin)
+
+    def settle(self) -> None:
+        """Before a reset or close: a call due by now is made; one still waiting is overtaken."""
+        with self._lock:
+            self._catch_up(time.monotonic())
+            if self._pending is not None:
+                self._dec.skip(self._pending, "stale")
+                self._pending = None
+
+    def reset_clocks(self) -> None:
+        """Reset the device's clocks now (blocking, as NVML); forget any waiting call."""
+        with self._lock:
+            self._device.reset_clocks()
+            self._dec.locked_mhz = None  # under the lock: a begin taken meanwhile sees the reset
+            self._pending = None
+            self._free_at = time.monotonic()

@@ -1,0 +1,82 @@
+"""Wire format from the clock client's transports (training side) to the clock controller.
+
+The frequent messages are fixed-size *records* of RECORD_FIELDS float64 (code, t, idle_from, a, b, c,
+d), sent in blocks ``b"R <n>\\n"`` followed by n records (``encode_records``):
+
+- *begin* (CODE_BEGIN): instruction a=iteration, b=index began at t at c=mhz MHz; d=kind (KINDS index);
+- *end* (CODE_END): the running instruction ended at t (only a simulated GPU needs it: busy vs
+  blocked power);
+- *mark* (CODE_MARK): a measurement point at t, a=seq; b=1 when the answer may be held (lazy).
+
+``idle_from`` (NaN: none) is the end of the previous instruction, sent along with the next record. Times
+are ``time.monotonic()`` seconds. The rare messages (answer, reset, close, parent_gone) are one JSON
+object per line (``encode_control``). Records keep the side channel cheap on a busy CPU: a trainer
+appends 7 floats per instruction, the controller reads a block with one ``array.frombytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from array import array
+from typing import Any
+
+RECORD_FIELDS = 7  # code, t (s, time.monotonic()), idle_from (s; NaN: none), a, b, c, d
+CODE_BEGIN, CODE_END, CODE_MARK = 1.0, 2.0, 3.0
+KINDS = ("forward", "backward")  # instruction kinds a begin record can name (d = index)
+NO_TIME = math.nan
+
+
+def begin_record(t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME
+                 ) -> tuple[float, ...]:
+    """The record of "instruction `index` of `iteration` (`kind`) begins at `t` at `mhz` MHz"."""
+    return (CODE_BEGIN, t, idle_from, iteration, index, mhz, KINDS.index(kind))
+
+
+def encode_records(records: Any) -> bytes:
+    """A block of records (a flat array('d') or sequence of floats, RECORD_FIELDS per record) as bytes."""
+    arr = records if isinstance(records, array) else array("d", records)
+    return b"R %d\n" % (len(arr) // RECORD_FIELDS) + arr.tobytes()
+
+
+def encode_control(msg: dict[str, Any]) -> bytes:
+    """A rare message (answer, reset, close, parent_gone) as one JSON line."""
+    return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+
+
+class FrameReader:
+    """Splits the controller's input stream into record blocks (array('d')) and control messages (dict)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[Any]:
+        """Everything complete in what has arrived so far, in order; the rest waits for more bytes."""
+        buf = self._buf + data if self._buf else data
+        out: list[Any] = []
+        pos = 0
+        while pos < len(buf):
+            nl = buf.find(b"\n", pos)
+            if nl < 0:
+                break
+            if buf[pos:pos + 2] == b"R ":
+                count = buf[pos + 2:nl]
+                if not count.isdigit():
+                    raise ValueError(f"bad clock controller message header {buf[pos:nl][:40]!r}")
+                end = nl + 1 + int(count) * RECORD_FIELDS * 8
+                if end > len(buf):
+                    break
+                block = array("d")
+                block.frombytes(buf[nl + 1:end])
+                out.append(block)
+                pos = end
+                continue
+            line = buf[pos:nl].strip()
+            pos = nl + 1
+            if not line:
+                continue
+            if line[:1] != b"{":
+                raise ValueError(f"unknown clock controller message {line[:40]!r}")
+            out.append(json.loads(line))
+        self._buf = buf[pos:]
+        return out

@@ -1,0 +1,107 @@
+"""Every `kareus` subcommand and flag, listed so that adding or removing one is a deliberate change.
+
+If this test fails because you added a flag on purpose, add it here too (and to the README).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kareus_megatron.cli.main import build_parser, main
+
+EXPECTED = {
+    "env": ['--check-permission', '--gpu-index', '--json'],
+    "predict": [
+        '--calibration', '--cp', '--dp', '--first-stage-layers', '--format', '--freqs', '--gpu', '--gpus-per-node',
+        '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--pp', '--precision', '--recompute',
+        '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
+    ],
+    "calibrate": [
+        '--calibration', '--cp', '--device', '--dp', '--first-stage-layers', '--gpu', '--gpus-per-node',
+        '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--output', '--pp', '--precision',
+        '--profile', '--ratios-only', '--recompute', '--run', '--seconds', '--seq', '--sequence-parallel', '--sp',
+        '--tp', '--vp', '-o'
+    ],
+    "partitions": [
+        '--calibration', '--cp', '--dp', '--first-stage-layers', '--format', '--freq', '--gpu', '--gpus-per-node',
+        '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nanobatches', '--nodes', '--overlap', '--pp',
+        '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
+    ],
+    "plan": [
+        '--calibration', '--cp', '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu', '--gpus-per-node',
+        '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--nodes', '--out',
+        '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
+        '--vp'
+    ],
+    "solve": [
+        '--cp', '--dp', '--gpu', '--layers-per-stage', '--max-time', '--micro-batch-size', '--microbatches', '--out',
+        '--p-blocked', '--p2p-time', '--points', '--pp', '--profile', '--schedule', '--seq-length', '--tp',
+        '--zeus-format'
+    ],
+    "report": ['--no-plot', '--plan', '--plot', '--skip-iterations'],
+    "compare": ['--no-plot', '--out', '--skip-iterations'],
+    "launch run": [
+        '--container-image', '--container-mounts', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
+        '--master-addr', '--master-port', '--method', '--node-rank', '--nodes', '--overwrite', '--plan-dir', '--point',
+        '--rdzv-id', '--script', '--train-iters'
+    ],
+    "launch comparison": [
+        '--container-image', '--container-mounts', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
+        '--master-addr', '--master-port', '--methods', '--node-rank', '--nodes', '--overwrite', '--plan-arg',
+        '--plan-dir', '--point', '--rdzv-id', '--script', '--skip-iterations', '--train-iters'
+    ],
+}
+
+
+def _subparsers(parser=None, prefix=""):
+    """'name' -> parser of every subcommand; nested ones (kareus launch run) as 'launch run', leaves only."""
+    parser = parser or build_parser()
+    action = next((a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"), None)
+    out = {}
+    for name, sp in (action.choices.items() if action else ()):
+        nested = _subparsers(sp, f"{prefix}{name} ")
+        out.update(nested or {f"{prefix}{name}": sp})
+    return out
+
+
+def test_subcommands_and_flags_are_the_documented_ones():
+    got = {name: sorted(o for a in sp._actions for o in a.option_strings if o not in ("-h", "--help"))
+           for name, sp in _subparsers().items()}
+    assert got == EXPECTED
+
+
+def test_every_subcommand_answers_help_with_exit_0(capsys):
+    for name in [*EXPECTED, "launch"]:
+        try:
+            main([*name.split(), "--help"])
+        except SystemExit as e:
+            assert e.code == 0, name
+        assert "usage: kareus " + name in capsys.readouterr().out, name
+
+
+def test_unknown_flag_is_one_line_exit_2(capsys):
+    try:
+        main(["predict", "--no-such-flag"])
+    except SystemExit as e:
+        assert e.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--no-such-flag" in err[0]
+
+
+def test_unknown_preset_through_the_console_script_has_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "predict", "--gpu", "b200-nope"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "b200-nope" in r.stderr
+
+
+def test_version_is_the_installed_metadata(capsys):
+    from importlib.metadata import version
+
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert capsys.readouterr().out.strip() == f"kareus {version('kareus-megatron')}"

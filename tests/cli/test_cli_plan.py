@@ -1,0 +1,184 @@
+"""`kareus plan`: the no-argument default run, its files, and bad input that leaves --out untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kareus_megatron.cli import main as cli_main
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.plan.io import load_plan
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUICK = ["--methods", "perseus", "--points", "2"]  # megatron + perseus only: the cheapest real run
+
+
+@pytest.fixture(autouse=True)
+def only_plan(monkeypatch):
+    """Register only this subcommand in the other tests, so they do not depend on the other CLI modules."""
+    monkeypatch.setattr(cli_main, "COMMANDS", {"plan": "plan"})
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under root (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`kareus` with no arguments (every subcommand registered, as `make demo` runs it), in a fresh directory."""
+    work = tmp_path_factory.mktemp("default")
+    mp = pytest.MonkeyPatch()
+    mp.chdir(work)
+    try:
+        rc = cli_main.main([])
+    finally:
+        mp.undo()
+    return rc, work
+
+
+def test_default_run_writes_every_output(default_run, capsys):
+    rc, work = default_run
+    assert rc == 0
+    out = work / "kareus-out"
+    doc = json.loads((out / "frontier.json").read_text())
+    assert doc["format"] == "kareus-frontier/1"
+    assert doc["config"]["model"] == "llama3.2-3b" and doc["config"]["nodes"] == 2
+    assert list(doc["methods"]) == ["megatron", "perseus", "nanobatch_perseus", "kareus"]
+    written = sorted(p.name for p in (out / "plans").iterdir())
+    listed = sorted(Path(p["plan"]).name for m in doc["methods"].values() for p in m["points"])
+    assert written == listed
+    assert len(doc["methods"]["kareus"]["points"]) == 10
+    for m, entry in doc["methods"].items():
+        for nn, p in enumerate(entry["points"]):
+            plan = load_plan(out / p["plan"])
+            assert plan.method == m and p["plan"] == f"plans/{m}-{nn:02d}.json"
+            assert plan.predicted.iteration_time_s == pytest.approx(p["time_s"])
+            assert plan.predicted.iteration_energy_j == pytest.approx(p["energy_j"])
+    trace = json.loads((out / "timeline.trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * 2 * 8
+    for png in ("frontier.png", "timeline.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    assert leftovers(work) == []
+    assert all(v > 0 for v in doc["reductions"]["kareus"].values())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask, "the output directory is as private as a temp dir"
+    assert (out / "plans" / "kareus-00.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
+    _, work = default_run
+    monkeypatch.chdir(work)
+    out = work / "again"
+    assert cli_main.main(["plan", "--out", str(out), *QUICK]) == 0
+    assert cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "3",
+                          "--timeline", "perseus-01"]) == 0
+    text = capsys.readouterr().out
+    assert "perseus-01" in text and "iso-time energy" in text
+    assert sorted(p.name for p in (out / "plans").iterdir()) == [
+        "megatron-00.json", "perseus-00.json", "perseus-01.json", "perseus-02.json"]
+    assert not [p for p in work.iterdir() if p.name.startswith(".again")]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--max-time", "0.5", *QUICK], "--max-time"),
+        (["--max-time", "-1", *QUICK], "--max-time"),
+        (["--tp", "7"], "--tp 7"),
+        (["--methods", "perseus,zeus"], "zeus"),
+        (["--points", "1"], "--points"),
+        (["--timeline", "kareus-12"], "--timeline"),
+        (["--framework", "deepspeed", "--vp", "2", "--pp", "2"], "vp"),
+        (["--freqs", "1410,abc"], "--freqs"),
+        (["--freqs", "1411"], "1411"),
+        (["--model", "gpt-9"], "gpt-9"),
+        (["--mbs", "1", "--methods", "nanobatch_perseus"], "--mbs"),
+    ],
+)
+def test_bad_input_exits_2_and_leaves_out_untouched(default_run, capsys, argv, needle):
+    _, work = default_run
+    out = work / "kareus-out"
+    before = snapshot(out)
+    rc = cli_main.main(["plan", "--out", str(out), *argv])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+    assert snapshot(out) == before
+    assert leftovers(work) == []
+
+
+def test_out_that_is_not_a_plan_directory_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    (tmp_path / "file").write_text("x")
+    for target in ("mine", "file"):
+        assert cli_main.main(["plan", "--out", str(tmp_path / target), *QUICK]) == 2
+        assert "--out" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path / "mine")
+    assert cli_main.main(["plan", "--out", ".", *QUICK]) == 2
+    assert "current directory" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine"]
+
+
+def test_failure_while_writing_leaves_out_untouched(default_run, monkeypatch):
+    _, work = default_run
+    out = work / "kareus-out"
+    before = snapshot(out)
+    import kareus_megatron.plotting.timeline as timeline
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(timeline, "save_timeline_png", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli_main.main(["plan", "--out", str(out), *QUICK])
+    assert snapshot(out) == before
+    assert leftovers(work) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=30))
+def test_list_flags_parse_or_name_the_flag(text):
+    from kareus_megatron.cli.plan import _parse_list
+
+    try:
+        freqs = _parse_list("--freqs", text, int)
+    except ConfigError as e:
+        assert "--freqs" in str(e)
+    else:
+        assert freqs and all(isinstance(f, int) for f in freqs)
+        assert len(freqs) == len([x for x in text.split(",") if x.strip()])
+
+
+def test_reproduce_script_writes_the_comparison(tmp_path):
+    """`make repro` on one configuration: per-config output, comparison table, JSON and both plots."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "reproduce.py"), "--out", str(tmp_path), "--only", "8",
+         "--points", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "comparison.json").read_text())
+    assert [(r["tag"], r["model"], r["tp"], r["cp"]) for r in rows] == [("8", "qwen3-1.7b", 4, 2)]
+    doc = json.loads((tmp_path / "config-8" / "frontier.json").read_text())
+    assert rows[0]["reductions"] == doc["reductions"]
+    assert doc["config"]["layers_per_stage"] == [15, 13] and doc["config"]["nodes"] == 2
+    assert "MODEL PREDICTIONS" in (tmp_path / "comparison.md").read_text()
+    for png in ("frontiers.png", "reductions.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC

@@ -1,0 +1,142 @@
+"""GPU presets (hardware/gpus.toml) and the power model (hardware/power.py)."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+
+import numpy as np
+import pytest
+
+from kareus_megatron.errors import ConfigError, UnknownPresetError
+from kareus_megatron.hardware.gpus import (
+    CLOCK_GRID_LOWEST_FRACTION,
+    CLOCK_GRID_STEP_MHZ,
+    _sources,
+    clock_grid_mhz,
+    gpu_names,
+    gpu_spec,
+    gpu_spec_for_device_name,
+    spec_from_table,
+)
+from kareus_megatron.hardware.power import power_w, raw_power_w, relative_voltage, sustained_clock_mhz
+
+PRESETS = ["a100-sxm4-40gb", "a100-sxm4-80gb", "a100-pcie-80gb", "a40", "h100-sxm5-80gb", "h200-sxm-141gb"]
+
+
+def test_every_required_preset_ships():
+    assert set(PRESETS) <= set(gpu_names())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_is_consistent(name):
+    g = gpu_spec(name)
+    assert g.name == name
+    clocks = np.array(g.sm_clocks_mhz)
+    assert np.all(np.diff(clocks) < 0), "lockable clocks must be descending"
+    assert g.max_sm_clock_mhz == clocks[0] and g.min_sm_clock_mhz == clocks[-1]
+    assert g.peak_tflops["bf16"] > g.peak_tflops["fp32"] > 0
+    assert 0 < g.static_power_w < g.p_blocked_w < g.power_limit_w
+    assert 0.5 <= g.voltage_floor < 1 and g.min_sm_clock_mhz < g.voltage_knee_mhz < g.max_sm_clock_mhz
+    # blocked power is static + idle-clock power: the two presets' numbers must roughly agree
+    idle = float(power_w(g, g.max_sm_clock_mhz, 0.0, 0.0))
+    assert 0.6 * g.p_blocked_w < idle < 1.4 * g.p_blocked_w
+
+
+def test_spec_sheet_numbers():
+    a = gpu_spec("a100-sxm4-40gb")
+    assert (a.sm_count, a.max_sm_clock_mhz, a.peak_tflops["bf16"], a.hbm_bytes_per_s) == (108, 1410, 312.0, 1555e9)
+    assert 1395 in a.sm_clocks_mhz and 900 in a.sm_clocks_mhz  # 15 MHz steps (docs/sources.md#lockable-clocks)
+    h = gpu_spec("h100-sxm5-80gb")
+    assert (h.sm_count, h.max_sm_clock_mhz) == (132, 1980) and "fp8" in h.peak_tflops
+    assert gpu_spec("a40").p_blocked_w == 70.0 and a.p_blocked_w == 83.64
+
+
+def test_every_number_has_a_source_comment():
+    text = resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text()
+    src = _sources(text)
+    for name in PRESETS:
+        keys = [f for f in ("sm_count", "sm_clock_max_mhz", "peak_tflops", "hbm_gb_per_s", "nvlink_gb_per_s",
+                            "internode_gb_per_s", "power_limit_w", "p_blocked_w", "static_power_w",
+                            "compute_dynamic_w", "voltage_floor", "voltage_knee_mhz")]
+        missing = [k for k in keys if not src[name].get(k)]
+        assert not missing, f"{name}: no source beside {missing}"
+
+
+def test_unknown_preset_lists_known_names():
+    with pytest.raises(UnknownPresetError, match="a100-sxm4-40gb"):
+        gpu_spec("a100-sxm9")
+
+
+def test_device_name_mapping():
+    assert gpu_spec_for_device_name("NVIDIA A100-SXM4-40GB").name == "a100-sxm4-40gb"
+    assert gpu_spec_for_device_name("NVIDIA A100-SXM4-80GB").name == "a100-sxm4-80gb"
+    assert gpu_spec_for_device_name("NVIDIA H100 80GB HBM3").name == "h100-sxm5-80gb"
+    assert gpu_spec_for_device_name("NVIDIA A40").name == "a40"
+    assert gpu_spec_for_device_name("Tesla V100-SXM2-16GB") is None
+
+
+def test_unsupported_clock_is_rejected():
+    a = gpu_spec("a100-sxm4-40gb")
+    assert a.check_clocks([1410, 900]) == (1410, 900)
+    with pytest.raises(ConfigError, match="1411 MHz"):
+        a.check_clocks([1411])
+    with pytest.raises(ConfigError, match="fp8"):
+        a.peak_flops("fp8")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_power_is_monotone_in_clock_and_activity(name):
+    g = gpu_spec(name)
+    f = np.array(g.sm_clocks_mhz, dtype=float)[::-1]  # ascending
+    for ca, ma in ((0.0, 0.0), (0.3, 0.8), (1.0, 0.1)):
+        p = power_w(g, f, ca, ma)
+        assert np.all(np.diff(p) >= -1e-9)
+    p_act = raw_power_w(g, 1200, np.linspace(0, 1, 11), 0.2)
+    assert np.all(np.diff(p_act) > 0)
+    assert np.all(np.diff(power_w(g, 1200, np.linspace(0, 1, 11), 0.2)) >= 0)
+    v = relative_voltage(g, f)
+    assert np.all(np.diff(v) >= 0) and v[-1] == pytest.approx(1.0)
+
+
+def test_power_is_clamped_and_clock_is_sustained():
+    g = gpu_spec("a100-pcie-80gb")  # 300 W: a full-activity GEMM cannot hold 1410 MHz
+    assert float(raw_power_w(g, 1410, 1.0, 0.1)) > g.power_limit_w
+    assert float(power_w(g, 1410, 1.0, 0.1)) == g.power_limit_w
+    f_s = float(sustained_clock_mhz(g, 1410, 1.0, 0.1))
+    assert g.min_sm_clock_mhz < f_s < 1410
+    assert float(raw_power_w(g, f_s, 1.0, 0.1)) == pytest.approx(g.power_limit_w, rel=1e-6)
+    # below the sustainable clock nothing changes; broadcasting over clocks and activities
+    low = sustained_clock_mhz(g, np.array([[900.0], [1410.0]]), np.array([0.2, 1.0]), 0.1)
+    assert low.shape == (2, 2) and low[0, 0] == 900.0 and low[1, 1] == pytest.approx(f_s)
+
+
+# ---- the one clock-grid policy (hardware/gpus.py clock_grid_mhz) ----------------------------------
+
+def test_default_clock_grid_is_every_30_mhz_down_to_60_percent():
+    a100 = gpu_spec("a100-sxm4-40gb")
+    grid = a100.clock_grid_mhz()
+    assert grid[0] == 1410 and grid[-1] == 870 and len(grid) == 19
+    assert all(a - b == CLOCK_GRID_STEP_MHZ for a, b in zip(grid, grid[1:]))
+    assert set(grid) <= set(a100.sm_clocks_mhz) and grid[-1] >= CLOCK_GRID_LOWEST_FRACTION * 1410
+    h100 = gpu_spec("h100-sxm5-80gb")
+    assert h100.clock_grid_mhz()[0] == 1980 and h100.clock_grid_mhz()[-1] >= 0.6 * 1980
+
+
+def test_clock_grid_snaps_to_lockable_clocks():
+    a100 = gpu_spec("a100-sxm4-40gb")
+    assert a100.clock_grid_mhz(step_mhz=100, lowest_fraction=0.9) == (1410, 1305)  # 1310 -> 1305 (15 MHz steps)
+    assert a100.clock_grid_mhz(step_mhz=15) == tuple(c for c in a100.sm_clocks_mhz if c >= 0.6 * 1410)
+    assert clock_grid_mhz([1400, 1410, 1300, 1000], 50, 0.7) == (1410, 1300, 1000)  # any driver list, any order
+    assert clock_grid_mhz([], 30, 0.6) == ()
+    for bad in ((0, 0.6), (30, 0.0), (30, 1.5)):
+        with pytest.raises(ConfigError, match="clock grid"):
+            a100.clock_grid_mhz(*bad)
+
+
+def test_a_preset_without_fp32_throughput_is_refused():
+    t = {k: v for k, v in tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
+                                        .read_text(encoding="utf-8"))["a40"].items()}
+    t["peak_tflops"] = {"bf16": 149.7}
+    with pytest.raises(ConfigError, match="peak_tflops.fp32"):
+        spec_from_table("a40-no-fp32", t)

@@ -1,0 +1,153 @@
+"""report/against_plan.py through `kareus report LOG --plan PLAN`: the table and plot, the predicted stage
+energy (cost/energy.py's formula with the plan's blocked power), plans of `kareus solve` and `kareus plan`,
+and one-line errors for bad logs and plans."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from report_fixtures import GPU, tiny_plan, write_log
+
+from kareus_megatron.cli import main as cli_main
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
+from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
+from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.runtime.measurement import IterationMeter
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT3 = ROOT / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
+ROWS = [(0.9, 90.0), (0.8, 80.0), (0.5, 50.0), (0.75, 75.0), (0.5, 50.0), (4.0, 400.0)]
+
+
+@pytest.fixture(autouse=True)
+def only_these(monkeypatch):
+    """The real `kareus` dispatcher with just these subcommands (others' modules may be mid-edit)."""
+    monkeypatch.setattr(cli_main, "COMMANDS", {"report": "report", "solve": "solve", "plan": "plan"})
+
+
+def _one_line(capsys, code: int, needle: str) -> None:
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err and needle in err, err
+
+
+def test_predicted_stage_energy_is_the_simulators_formula():
+    plan = tiny_plan(p_blocked_w=80.0)  # every instruction 0.05 s, 10 J on one GPU; T = 0.5 s; tp = 2 GPUs a stage
+    busy = sum(i.predicted_time_s for i in plan.stages[0].instructions)
+    want = 2 * (sum(i.predicted_energy_j for i in plan.stages[0].instructions) + 80.0 * (0.5 - busy))
+    assert predicted_stage_energy_j(plan, 80.0) == {0: pytest.approx(want), 1: pytest.approx(want)}
+    assert blocked_power_w(plan) == 80.0
+    assert blocked_power_w(tiny_plan()) == gpu_spec(GPU).p_blocked_w  # a plan without it: the preset's
+
+
+def test_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
+    save_plan(tiny_plan(p_blocked_w=80.0), tmp_path / "plan.json")
+    log = write_log(tmp_path / "run.jsonl", ROWS)
+    assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration time" in out and "stage 0 energy" in out and "stage 1 time" in out
+    assert "6 iterations (2 warm-up left out; median of 4)" in out and "blocked power 80 W" in out
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    cmp = compare(summarize(read_run_log(log)), tiny_plan(p_blocked_w=80.0))
+    assert cmp.used == 4 and cmp.skipped == 2 and cmp.notes == [] and cmp.p_blocked_w == 80.0
+    assert (cmp.rows[0].measured, cmp.rows[1].measured) == (0.625, 62.5)
+    assert cmp.rows[0].predicted == 0.5 and cmp.rows[0].error == pytest.approx(0.25)
+
+
+def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
+    """runtime/measurement.py writes, report/runlog.py reads: medians of the meter's own records."""
+    durations = [d for d, _ in ROWS]
+    clock = iter([x for k, d in enumerate(durations) for x in (10.0 * k, 10.0 * k + d)])
+
+    class Ticket:  # a clock-client mark: time (s) and the energy counter (J) at 100 W
+        def __init__(self) -> None:
+            self.t = next(clock)
+            self.energy_j = 100.0 * self.t
+
+        def wait(self, timeout_s: float) -> bool:
+            return True
+
+    meter = IterationMeter(tmp_path / "m.jsonl", mark=Ticket, header={"backend": "simulated"}, publish_every=2)
+    for it in range(len(durations)):
+        meter.begin(it)
+        meter.end(it)
+    meter.flush()
+    meter.close()
+    s = summarize(read_run_log(tmp_path / "m.jsonl"))
+    assert s.time_s == pytest.approx(statistics.median(r["time_s"] for r in meter.records[2:])) == pytest.approx(0.625)
+    assert s.energy_j == pytest.approx(62.5) and s.stage_energy_j == {0: pytest.approx(62.5)}
+
+
+def test_report_notes_a_log_of_another_plan(tmp_path, capsys):
+    plan = tiny_plan(p_blocked_w=80.0)
+    other = tiny_plan(p_blocked_w=80.0, time_s=0.6)
+    save_plan(other, tmp_path / "other.json")
+    log = write_log(tmp_path / "run.jsonl", ROWS)
+    lines = log.read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "plan_sha256": plan_sha256(plan)})
+    log.write_text("\n".join(lines) + "\n")
+    assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "other.json"), "--no-plot"]) == 0
+    assert "note: the log was recorded with a different plan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "has 0 iteration(s) and none with both time and energy"),
+    ("{oops\n", "run.jsonl:1 is not valid JSON"),
+    ('{"kind": "something"}\n', "unknown record kind"),
+    ('{"kind": "iteration", "iteration": 0, "time_s": -1, "energy_j": 1}\n',
+     "time_s = -1 must be a finite non-negative"),
+])
+def test_report_bad_log(tmp_path, capsys, content, needle):
+    save_plan(tiny_plan(), tmp_path / "plan.json")
+    (tmp_path / "run.jsonl").write_text(content)
+    _one_line(capsys, cli_main.main(["report", str(tmp_path / "run.jsonl"), "--plan", str(tmp_path / "plan.json")]),
+              needle)
+
+
+def _gpt3_profile(path: Path) -> Path:
+    """Measured GPT-3 rows of stages 0 and 1, every 4th clock (as tests/cli/test_cli_solve.py does)."""
+    with open(GPT3, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if int(r["stage"]) < 2]
+    keep = sorted({int(r["frequency"]) for r in rows}, reverse=True)[::4]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["stage", "instruction", "frequency", "time", "energy"])
+        w.writeheader()
+        w.writerows(r for r in rows if int(r["frequency"]) in keep)
+    return path
+
+
+def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
+    out = tmp_path / "solved"
+    assert cli_main.main(["solve", "--profile", str(_gpt3_profile(tmp_path / "p.csv")), "--pp", "2",
+                          "--microbatches", "4", "--points", "2", "--tp", "2", "--p-blocked", "75",
+                          "--out", str(out)]) == 0
+    plan_file = out / "plans" / "solve-00.json"
+    plan = load_plan(plan_file)
+    assert plan.gpu == "measured" and plan.p_blocked_w == 75.0  # not a preset: the plan must carry it
+    assert (plan.parallel.nodes * plan.parallel.gpus_per_node, plan.parallel.tp) == (4, 2)
+    log = write_log(tmp_path / "run.jsonl", ROWS, world=4)
+    capsys.readouterr()
+    assert cli_main.main(["report", str(log), "--plan", str(plan_file), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    assert "(solve, measured, blocked power 75 W" in text and "stage 1 energy" in text
+    pred = compare(summarize(read_run_log(log)), plan).stage_energy_j
+    for st in plan.stages:
+        busy = sum(i.predicted_time_s for i in st.instructions)
+        want = 2 * (sum(i.predicted_energy_j for i in st.instructions)
+                    + 75.0 * max(0.0, plan.predicted.iteration_time_s - busy))
+        assert pred[st.pp_rank][1] == pytest.approx(want)
+    older = tmp_path / "older.json"  # the same plan as kareus solve wrote it before plans recorded p_blocked_w
+    save_plan(plan.model_copy(update={"p_blocked_w": None}), older)
+    _one_line(capsys, cli_main.main(["report", str(log), "--plan", str(older), "--no-plot"]),
+              f"plan {older} records no blocked power (p_blocked_w) and its GPU 'measured' is not a preset")
+
+
+def test_kareus_plan_records_the_blocked_power_it_predicted_with(tmp_path):
+    assert cli_main.main(["plan", "--points", "2", "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "frontier.json").read_text())
+    files = sorted((tmp_path / "out" / "plans").glob("*.json"))
+    assert files and {load_plan(f).p_blocked_w for f in files} == {doc["config"]["p_blocked_w"]}
