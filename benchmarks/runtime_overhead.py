@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         s.close()
         mp.spawn(_worker, args=(2, port, tmp, args.iterations, args.controller, args.rounds), nprocs=2, join=True)
         times = [json.loads((Path(tmp) / f"times{r}.json").read_text()) for r in range(2)]
-        logged = sum(1 for line in (Path(tmp) / "run.jsonl").read_text().splitlines() if '"iteration"' in line)
+        rank0_log = Path(tmp) / "run.jsonl" / "rank-00000.jsonl"
+        logged = sum(1 for line in rank0_log.read_text().splitlines() if '"iteration"' in line)
     # An iteration ends when the slower rank is done: take the max over ranks per iteration.
     arm = {side: [max(a, b) for a, b in zip(times[0][side], times[1][side])] for side in ARMS}
     unpatched = arm["without"] + arm["control"]

@@ -3,7 +3,7 @@
 One line, before ``deepspeed.initialize``, in one of three forms:
 
     import kareus_megatron.deepspeed as kareus
-    kareus.install("plans/kareus-03.json", log_path="runs/kareus-03/measurement.jsonl")
+    kareus.install("plans/kareus-03.json", log_path="runs/kareus-03/measurement")
     config = kareus.from_config("ds_config.json")   # reads and removes the config's "kareus" section
     kareus.install_from_env()                       # KAREUS_PLAN, KAREUS_LOG (set by `kareus launch`)
 
@@ -14,8 +14,8 @@ METHOD-NN, fastest, min-energy, METHOD-fastest, METHOD-min-energy; default faste
 ``from_config`` returns the config without the section, so no DeepSpeed version can reject it. Without
 a plan (``install(None, log_path=...)``) the run is only measured, at the driver's default clocks.
 
-Each step (``train_batch``) is one measured iteration; rank 0 appends it to the log in the runtime's
-JSONL format (``runtime.measurement``), which ``kareus report`` and ``kareus compare`` read. Call
+Each step (``train_batch``) is one measured iteration; every rank appends it to its own file in the log
+directory (``runtime.measurement``), which ``kareus report`` and ``kareus compare`` read. Call
 ``uninstall()`` (or ``session.close()``) on every rank at the end: it writes the last step and resets
 clocks; at interpreter exit clocks are reset anyway.
 """
@@ -33,7 +33,7 @@ from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import deepspeed_patch
 from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
 
-CONFIG_KEYS = ("plan", "log", "on_error", "point", "method")
+CONFIG_KEYS = ("plan", "log", "log_mode", "on_error", "point", "method")
 
 
 class DeepSpeedSession(RuntimeSession):
@@ -62,18 +62,20 @@ def install(plan: Plan | str | os.PathLike[str] | None, *, log_path: str | os.Pa
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
             local_rank: int | None = None, controller: Controller = "process",
             clock_log: str | None = None, point: str | int | None = None,
-            method: str | None = None) -> DeepSpeedSession:
+            method: str | None = None, log_mode: str = "new") -> DeepSpeedSession:
     """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session.
 
     For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: the fastest
-    plan of the kareus method)."""
+    plan of the kareus method). `log_path` is a directory of per-rank logs; `log_mode`: new (refuse an
+    existing rank log), append or overwrite."""
     resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
     return _slot.install(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                         log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log)
+                         log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log,
+                         log_mode=log_mode)
 
 
 def uninstall() -> None:
-    """Close the installed session (collective: call on every rank); no-op when none is installed."""
+    """Close the installed session (writes this rank's last iterations); no-op when none is installed."""
     _slot.uninstall()
 
 
@@ -103,13 +105,16 @@ def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) 
         raise ConfigError(f'unknown key(s) {", ".join(unknown)} in the "kareus" config section; '
                           f'allowed: {", ".join(CONFIG_KEYS)}')
     install(section.get("plan"), log_path=section.get("log"), on_error=section.get("on_error", "fail"),
+            log_mode=section.get("log_mode", "new"),
             point=section.get("point"), method=section.get("method"), **kwargs)
     return cleaned
 
 
 def install_from_env(**kwargs: Any) -> DeepSpeedSession | None:
-    """Install from KAREUS_PLAN / KAREUS_LOG / KAREUS_ON_ERROR; None when neither variable is set."""
+    """Install from KAREUS_PLAN / KAREUS_LOG / KAREUS_LOG_MODE / KAREUS_ON_ERROR; None when neither
+    KAREUS_PLAN nor KAREUS_LOG is set."""
     plan, log_path = os.environ.get("KAREUS_PLAN") or None, os.environ.get("KAREUS_LOG") or None
     if plan is None and log_path is None:
         return None
-    return install(plan, log_path=log_path, on_error=os.environ.get("KAREUS_ON_ERROR", "fail"), **kwargs)  # type: ignore[arg-type]
+    return install(plan, log_path=log_path, on_error=os.environ.get("KAREUS_ON_ERROR", "fail"),  # type: ignore[arg-type]
+                   log_mode=os.environ.get("KAREUS_LOG_MODE", "new"), **kwargs)  # type: ignore[arg-type]

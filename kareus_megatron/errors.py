@@ -6,7 +6,9 @@ status 2; the message names the bad value, what is allowed, and the fix.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +61,7 @@ class UnsupportedVersionError(KareusError):
     """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""
 
 
-def print_error(prog: str, e: BaseException) -> int:
+def print_error(prog: str, e: BaseException | str) -> int:
     """Write "PROG: error: MESSAGE" to stderr with the message folded onto one line; return 2."""
     msg = " ".join(str(e).split())
     sys.stderr.write(f"{prog}: error: {msg}\n")
@@ -90,3 +92,34 @@ def read_input_text(path: str | Path, error: type[KareusError], what: str, *, no
         if not_text_fix is None:
             raise
         raise error(f"{what} {str(p)!r} is not UTF-8 text; {not_text_fix}.") from e
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError: "PATH: REASON" (both paths of a rename), the reason as the OS words it."""
+    reason = e.strerror or str(e) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    return f"{' -> '.join(repr(p) for p in paths)}: {reason}" if paths else reason
+
+
+def check_writable_location(path: str | Path, flag: str, *, directory: bool) -> None:
+    """ConfigError, before any long step, when `path` (a file, or with `directory` a directory) cannot be written.
+
+    The nearest existing ancestor must be a directory in which this user can create entries; that is
+    tried for real (a temporary directory made and removed at once), so /proc, read-only mounts and
+    missing permissions are found before the work, not after it. Nothing is left behind.
+    """
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        kind = "a directory" if p.is_dir() else "not a directory"
+        want = "directory" if directory else "file"
+        raise ConfigError(f"{flag} {str(p)!r} exists and is {kind}; give a {want} path.")
+    base = p.absolute().parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"{flag} {str(p)!r}: {str(base)!r} is a file, not a directory; choose another {flag}.")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=base, prefix=".kareus-probe-"))
+    except OSError as e:
+        raise ConfigError(f"{flag} {str(p)!r}: cannot create files in {str(base)!r} "
+                          f"({e.strerror or e}); choose another {flag}.") from None

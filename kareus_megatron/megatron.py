@@ -1,7 +1,7 @@
 """Python API for code that calls megatron-core's schedule itself (NeMo, Megatron-Bridge, custom loops).
 
     import kareus_megatron.megatron as kareus
-    session = kareus.install("plan.json", log_path="kareus-run.jsonl")
+    session = kareus.install("plan.json", log_path="kareus-run")   # a directory: rank-NNNNN.jsonl
     ...  # build the model, call get_forward_backward_func()(...) as usual
     session.close()   # on every rank: writes the last iteration, resets clocks
 
@@ -24,18 +24,22 @@ _slot = MEGATRON_SESSIONS
 def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
             local_rank: int | None = None, controller: Controller = "process",
-            source: str | None = None) -> RuntimeSession:
-    """Run `plan` (a Plan or a plan file) in this process; return the started session."""
+            source: str | None = None, log_mode: str = "new") -> RuntimeSession:
+    """Run `plan` (a Plan or a plan file) in this process; return the started session.
+
+    `log_path` is a directory (each rank appends to its own rank-NNNNN.jsonl there); `log_mode`: new
+    (refuse an existing rank log), append or overwrite."""
     source = source or "the plan"
     if not isinstance(plan, Plan):
         source = str(plan)
         plan = load_plan(Path(plan))
     return _slot.install(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                         log_path=log_path, on_error=on_error, controller=controller)
+                         log_path=log_path, on_error=on_error, controller=controller,
+                         log_mode=log_mode)
 
 
 def uninstall() -> None:
-    """Close the installed session (collective: call on every rank); no-op when none is installed."""
+    """Close the installed session (writes this rank's last iterations); no-op when none is installed."""
     _slot.uninstall()
 
 

@@ -32,8 +32,8 @@ def exit_process(code: int = 0) -> None:
     noexcept frame and the process aborts with "terminate called without an active exception"
     (backtrace: ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork -> TensorImpl::decref_pyobject ->
     take_gil -> PyThread_exit_thread). Seen about once in 70 runs of tests/runtime/deepspeed/ds_train.py on a
-    loaded 2-core machine, with or without kareus (benchmarks/gloo_exit_race.py shows the same race with
-    plain all_gather). Callers write their results and call kareus uninstall() first.
+    loaded 2-core machine, with or without kareus (plain all_gather shows the
+    same race). Callers write their results and call kareus uninstall() first.
     """
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,12 +9,15 @@ the same least-squares fit then runs on those series. torch is imported only for
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, DeviceUnavailableError
+from kareus_megatron.errors import ConfigError, DeviceUnavailableError, check_writable_location
 
+MAX_SECONDS = 600.0  # longest --seconds per measurement (s)
 HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to microbenchmarks on this GPU (--run)"
 
 
@@ -27,11 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--profile", default=None, help="measured profile CSV: stage,instruction,frequency,time,energy")
     src.add_argument("--run", action="store_true", help="run microbenchmarks on this machine's GPU (needs NVML and "
                      "permission to lock clocks)")
-    parser.add_argument("--device", type=int, default=0, help="GPU index for --run (default 0)")
+    parser.add_argument("--device", "--gpu-index", dest="device", type=int, default=0,
+                        help="GPU index for --run (default 0)")
     parser.add_argument("--seconds", type=float, default=1.5, help="seconds per measurement for --run (default 1.5)")
     parser.add_argument("--ratios-only", action="store_true",
                         help="fit time ratios and power only, not absolute times (profiles in scaled units)")
-    parser.add_argument("-o", "--output", default=None, help="write the calibration JSON here")
+    parser.add_argument("-o", "--out", "--output", dest="output", default=None, metavar="FILE",
+                        help="write the calibration JSON to FILE and the fit table to stdout (default, or '-': "
+                        "the JSON to stdout and the fit table to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,16 +46,45 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.profile and not args.run:
         raise ConfigError("give --profile FILE.csv (a measured Perseus profile) or --run (microbenchmarks on a GPU).")
-    if args.output and not Path(args.output).parent.resolve().is_dir():
-        parent = str(Path(args.output).parent)
-        raise ConfigError(f"-o {args.output}: directory {parent!r} does not exist; create it first.")
+    if not 0 <= args.device < 1024:
+        raise ConfigError(f"--device {args.device} must be a GPU index from 0 to 1023.")
+    if not 0 < args.seconds <= MAX_SECONDS:
+        raise ConfigError(f"--seconds {args.seconds} must be above 0 and at most {MAX_SECONDS} s per measurement.")
+    to_file = args.output not in (None, "-")
+    if to_file:  # before the fit: a bad path fails now, not after it
+        if not Path(args.output).absolute().parent.is_dir():
+            parent = str(Path(args.output).parent)
+            raise ConfigError(f"-o {args.output}: directory {parent!r} does not exist; create it first.")
+        check_writable_location(args.output, "-o", directory=False)
     cal = _from_profile(args) if args.profile else _from_run(args)
-    if args.output:
+    fit = cal.fit
+    if to_file:
+        _fit_report(fit)
         save_calibration(cal, args.output)
         print(f"wrote {args.output} (sha256 {cal.sha256[:12]})")
-    else:
+    else:  # stdout is the JSON alone, so `kareus calibrate ... > cal.json` is a valid file
+        with contextlib.redirect_stdout(sys.stderr):
+            _fit_report(fit)
         print(cal.to_json(), end="")
     return 0
+
+
+def _fit_report(fit: dict[str, Any]) -> None:
+    from kareus_megatron.cost.calibrate import print_fit_report
+
+    print_fit_report(fit["uncalibrated"], fit["calibrated"])
+
+
+def _fitting(what: str) -> Any:
+    """A transient progress bar on stderr (a pulsing one: the fit reports no fraction) while `what` runs."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    progress = Progress(TextColumn(what), BarColumn(), TimeElapsedColumn(), console=console, transient=True,
+                        disable=not console.is_terminal)
+    progress.add_task(what, total=None)
+    return progress
 
 
 def _from_profile(args: argparse.Namespace):
@@ -59,7 +94,8 @@ def _from_profile(args: argparse.Namespace):
 
     gpu, model, par = workload_from_args(args)
     profile = read_perseus_profile(args.profile)
-    return fit_calibration(profile, gpu, model, par, fit_abs_time=not args.ratios_only)
+    with _fitting("fitting the time/energy model"):
+        return fit_calibration(profile, gpu, model, par, fit_abs_time=not args.ratios_only, verbose=False)
 
 
 # ---- --run: microbenchmarks on a real GPU (the fit is cost.calibrate.fit_microbenchmarks) ----------
@@ -133,4 +169,5 @@ def _from_run(args: argparse.Namespace):
         dev.reset_clocks()
     source = (f"kareus calibrate --run on GPU {args.device} ({gpu.name}): bf16 GEMM {m}x{n}x{k}, "
               f"{cb.MICROBENCH_COPY_BYTES >> 20} MiB copy, idle; clocks {clocks[0]}..{clocks[-1]} MHz")
-    return cb.fit_microbenchmarks(gpu, clocks, meas, source)
+    with _fitting("fitting the time/energy model"):
+        return cb.fit_microbenchmarks(gpu, clocks, meas, source, verbose=False)

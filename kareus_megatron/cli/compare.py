@@ -1,7 +1,7 @@
 """`kareus compare LOG_DIR`: the reductions table and frontier plot of measured runs.
 
 LOG_DIR holds one sub-directory per run, NAME-NN/ (as `kareus launch` writes them), each with
-``measurement.jsonl`` (the runtime's per-iteration log: time s = max over ranks, energy J = all GPUs)
+``measurement/`` (the runtime's per-rank logs, merged: time s = max over ranks, energy J = all GPUs)
 and optionally ``run.json`` (method, plan). A run's point is its median iteration time and energy after
 ``--skip-iterations`` warm-up iterations (default 2), read and summarised by report/runlog.py exactly as
 `kareus report` does. The output, under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in
@@ -23,7 +23,7 @@ HELP = "reductions table and frontier plot from measured logs (same formulas and
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus compare` flags."""
     parser.add_argument("log_dir", help="directory of measured runs, one NAME-NN/ sub-directory each")
-    parser.add_argument("--skip-iterations", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
+    parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
                         help=f"warm-up iterations left out of each run's {STATISTIC} "
                         f"(default {DEFAULT_SKIP_ITERATIONS})")
     parser.add_argument("--out", default=None, help="output directory (default LOG_DIR/compare)")
@@ -41,7 +41,8 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 110))  # keep run names whole in logs and pipes
-    t = Table(title=f"measured runs ({STATISTIC} after {doc['config']['skip_iterations']} warm-up iterations; "
+    sim = "simulated GPU: " if doc["config"].get("simulated") else ""
+    t = Table(title=f"{sim}measured runs ({STATISTIC} after {doc['config']['skip_iterations']} warm-up iterations; "
                     "energy = all GPUs per iteration)", box=box.SIMPLE)
     for col, right in (("run", False), ("iters", True), ("time (s)", True), ("energy (J)", True),
                        ("predicted (s)", True), ("predicted (J)", True)):
@@ -60,11 +61,10 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
                     _pct(r["max_throughput_time_vs_megatron"]), _pct(r["max_throughput_energy_vs_megatron"]))
     console.print(t)
     console.print(red)
-    from kareus_megatron.report.runlog import truncation_note
+    from kareus_megatron.report.runlog import log_notes
 
     for r in runs:
-        note = truncation_note(r.summary.log)
-        if note:
+        for note in log_notes(r.summary.log):
             print(f"note: {note}")
 
 
@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
             gpu = doc["config"]["gpu"]
             save_frontier_png(tmp / "frontier.png", doc,
-                              title=f"measured: {len(runs)} runs in {args.log_dir}" + (f" on {gpu}" if gpu else ""))
+                              title=("simulated, " if doc["config"].get("simulated") else "") +
+                              f"measured: {len(runs)} runs in {args.log_dir}" + (f" on {gpu}" if gpu else ""))
     print_tables(doc, runs)
     print(f"wrote {out / 'frontier.json'}" + ("" if args.no_plot else f" and {out / 'frontier.png'}"))
     return 0

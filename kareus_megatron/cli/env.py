@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+MAX_GPU_INDEX = 1024  # GPU indices accepted: 0 .. MAX_GPU_INDEX - 1
 HELP = "show the GPU driver, NVML, supported SM clocks, clock permissions and framework versions"
 
 _PACKAGES = ("kareus-megatron", "torch", "megatron-core", "deepspeed", "nvidia-ml-py")
@@ -19,7 +20,8 @@ _PACKAGES = ("kareus-megatron", "torch", "megatron-core", "deepspeed", "nvidia-m
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus env` flags."""
-    parser.add_argument("--gpu-index", type=int, default=0, help="local GPU index to inspect (default 0)")
+    parser.add_argument("--gpu-index", "--device", dest="gpu_index", type=int, default=0,
+                        help="local GPU index to inspect (default 0)")
     parser.add_argument("--check-permission", action="store_true",
                         help="test clock-lock permission by resetting the GPU's locked clocks once")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -71,6 +73,10 @@ def _clock_range(clocks: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the environment report; exit 0."""
+    if not 0 <= args.gpu_index < MAX_GPU_INDEX:
+        from kareus_megatron.errors import ConfigError
+
+        raise ConfigError(f"--gpu-index {args.gpu_index} must be a GPU index from 0 to {MAX_GPU_INDEX - 1}.")
     rep = environment(args.gpu_index, args.check_permission)
     if args.json:
         print(json.dumps(rep, indent=1))

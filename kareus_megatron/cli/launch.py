@@ -17,14 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from kareus_megatron.cli.parsing import OneLineParser
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS
 from kareus_megatron.vocab import METHODS
 
+MAX_ITERATIONS = 10**7  # the largest --train-iters (and --skip-iterations, --node-rank) accepted
 HELP = "run a plan directory's frontier points on a cluster (torchrun or Slurm), then kareus compare"
 
 
@@ -82,6 +85,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_job_args(cmp_p)
 
 
+def _on_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT during a launch: pass it on to the commands started (torchrun, srun, their workers), then stop.
+
+    A Ctrl-C at the terminal reaches the whole foreground process group already; a SIGINT sent to
+    `kareus launch` alone does not, so when this process leads its group, SIGINT goes to the group
+    (this process ignores the copy it sends itself) before subprocess.run, interrupted, kills its child.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.getpgrp() == os.getpid():  # else not our group to signal; its Ctrl-C reaches everyone anyway
+        os.killpg(os.getpgrp(), signal.SIGINT)
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the job and carry out the launch; 0 on success, 1 when a started command fails."""
     from kareus_megatron.errors import ConfigError
@@ -90,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     for flag, v, low in (("--train-iters", args.train_iters, 1), ("--node-rank", args.node_rank, 0),
                          ("--skip-iterations", getattr(args, "skip_iterations", 0), 0)):
-        if v < low:
-            raise ConfigError(f"{flag} {v} must be an integer >= {low}")
+        if not low <= v <= MAX_ITERATIONS:
+            raise ConfigError(f"{flag} {v} must be an integer from {low} to {MAX_ITERATIONS}")
     job = JobSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                   master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "localhost",
                   master_port=args.master_port, rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID") or "kareus",
@@ -105,9 +121,14 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run, plan_args=tuple(getattr(args, "plan_arg", ())),
         skip_iterations=getattr(args, "skip_iterations", DEFAULT_SKIP_ITERATIONS), argv=tuple(args.launch_argv),
     )
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main_thread else None
     try:
-        return launch_jobs(launch)
+        return launch_jobs(launch)  # KeyboardInterrupt: the boundary in cli/main.py, one line and exit 130
     except subprocess.CalledProcessError as e:
         sys.stderr.write(f"kareus launch: error: command failed with exit status {e.returncode}: "
                          f"{shlex.join(e.cmd)}\n")
         return 1
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)

@@ -1,7 +1,10 @@
 """The `kareus` command: one thin module per subcommand under kareus_megatron.cli.
 
 Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
-A KareusError (bad input, unusable environment) is printed as one line and exits with status 2.
+Every command runs inside one error boundary (run_command): a KareusError (bad input, unusable
+environment), an OSError or a UnicodeDecodeError is printed as one line and exits with status 2; a
+closed stdout pipe exits silently; Ctrl-C prints one line and exits with status 130. --debug (before or
+after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import sys
 
 from kareus_megatron import __version__
 from kareus_megatron.cli.parsing import OneLineParser
-from kareus_megatron.errors import KareusError, print_error
+from kareus_megatron.errors import KareusError, describe_os_error, print_error
 
 # Subcommand name -> module under kareus_megatron.cli. Modules are imported only when listed here.
 COMMANDS: dict[str, str] = {
@@ -29,10 +32,23 @@ COMMANDS: dict[str, str] = {
 }
 
 
+def _add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """--debug on `parser` and on every subcommand parser below it, so it is accepted after the subcommand too."""
+    # SUPPRESS: a subcommand that is not given --debug leaves the top-level value alone
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_debug_flag(sub)
+
+
+DEBUG_HELP = "show tracebacks for errors instead of one line (also: KAREUS_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every subcommand registered."""
     parser = OneLineParser(prog="kareus", description="Energy-aware planning for megatron-core training.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
@@ -40,8 +56,54 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"kareus_megatron.cli.{module_name}")
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
+        _add_debug_flag(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush into a closed pipe stays silent."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+
+
+def run_command(args: argparse.Namespace, prog: str, debug: bool) -> int:
+    """Run the parsed subcommand inside the one error boundary of `kareus`; return the exit status.
+
+    KareusError, OSError (naming the path) and UnicodeDecodeError: one line on stderr, exit 2.
+    BrokenPipeError (stdout closed early, e.g. `| head`): silent, exit 1. Ctrl-C: one line, exit 130.
+    With `debug` every one of them is re-raised with its traceback.
+    """
+    try:
+        rc = int(args._run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        if debug:
+            raise
+        _silence_stdout()
+        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
+    except KareusError as e:
+        if debug:
+            raise
+        return print_error(prog, e)
+    except UnicodeDecodeError as e:
+        if debug:
+            raise
+        return print_error(prog, f"an input file is not UTF-8 text ({e.reason} at byte {e.start}); give a "
+                           "text file (rerun with --debug to see which).")
+    except OSError as e:
+        if debug:
+            raise
+        return print_error(prog, f"{describe_os_error(e)}.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,21 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["plan"]  # the main job on its built-in default
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("kareus: interrupted\n")
+        return 130
     if args.command is None:
         parser.print_help()
         return 2
     debug = args.debug or bool(os.environ.get("KAREUS_DEBUG"))
-    try:
-        return int(args._run(args) or 0)
-    except KareusError as e:
-        if debug:
-            raise
-        return print_error(f"kareus {args.command}", e)
-    except KeyboardInterrupt:
-        sys.stderr.write("kareus: interrupted\n")
-        return 130
+    return run_command(args, f"kareus {args.command}", debug)
 
 
 if __name__ == "__main__":

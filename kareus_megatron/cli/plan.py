@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeline", default=None, metavar="NAME-NN",
                    help="plan drawn in timeline.png (default: the kareus plan with the least energy "
                    "that is no slower than Perseus's fastest)")
+    g.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the optimizer "
+                   "state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
+    g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
+                   "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
 
 def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
@@ -100,6 +104,11 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
 
     check_output_dir(Path(args.out))
     gpu, model, par = workload_from_args(args)
+    from kareus_megatron.cost.memory import check_fits, memory_summary
+
+    stages = check_fits(gpu, model, par, distributed_optimizer=args.distributed_optimizer,
+                        refuse=not args.no_memory_check)  # refuses a job that does not fit the GPU
+    memory = memory_summary(gpu, stages, args.distributed_optimizer)
     cal = load_calibration(args.calibration) if args.calibration else None
     kernel = KernelModel(gpu, cal)
     schedule = schedule_for(args.framework, par.vp)
@@ -125,7 +134,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
             progress=report,
         )
         bar.update(task, description="building plans")
-        doc, built = build_outputs(result)
+        doc, built = build_outputs(result, memory=memory)
     return result, doc, built
 
 
@@ -173,10 +182,9 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
             bars.append(Bar(rank=ti.rank, start_s=ti.start_s, end_s=ti.end_s, clock_mhz=int(o.clock_mhz[ti.option]),
                             kind=kind, microbatch=mb, chunk=chunk, nanobatches=int(o.nanobatches[ti.option])))
         write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
-        clocks = [int(c) for o in opts.values() for c in o.clock_mhz]
         p = chosen.plan.predicted
         save_timeline_png(
-            tmp / "timeline.png", bars, clock_range_mhz=(min(clocks), max(clocks)),
+            tmp / "timeline.png", bars,
             title=f"{chosen.name} ({method_label(chosen.method)}): {p.iteration_time_s:.3f} s, "
             f"{p.iteration_energy_j / 1e3:.1f} kJ per iteration; hatched = 2 nanobatches",
         )

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{100 * CLOCK_GRID_LOWEST_FRACTION:.0f}%% of it")
     parser.add_argument("--format", choices=("table", "json", "csv"), default="table",
                         help="output format (with --vp > 1 a row sums the stage's chunks)")
+    parser.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the "
+                        "optimizer state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
 
 
 def parse_freqs(text: str) -> list[int]:
@@ -46,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from kareus_megatron.cost.profile import format_perseus_csv
 
     gpu, model, par = workload_from_args(args)
+    from kareus_megatron.cost.memory import check_fits, memory_line, memory_summary
+
+    stages = check_fits(gpu, model, par, distributed_optimizer=args.distributed_optimizer)  # refuses if too big
     clocks = gpu.check_clocks(parse_freqs(args.freqs)) if args.freqs else gpu.clock_grid_mhz()
     cal = None
     if args.calibration:
@@ -54,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
         cal = load_calibration(args.calibration)
     rows = predict_rows(KernelModel(gpu, cal), model, par, clocks)
     if args.format == "json":
-        json.dump({"rows": [r.as_dict() for r in rows]}, sys.stdout, indent=1)
+        json.dump({"rows": [r.as_dict() for r in rows],
+                   "memory": memory_summary(gpu, stages, args.distributed_optimizer)}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     elif args.format == "csv":
         sys.stdout.write(format_perseus_csv([(r.stage, r.instruction, r.frequency_mhz, r.time_s, r.energy_j)
                                              for r in rows]))
     else:
         _print_table(rows, gpu.name, model.name, par, cal is not None)
+        print(memory_line(gpu, stages))
     return 0
 
 

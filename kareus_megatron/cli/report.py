@@ -19,11 +19,13 @@ HELP = "compare a run's measured iteration time and energy (--kareus-log) with i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus report` flags."""
-    parser.add_argument("log", help="run log written with --kareus-log (JSONL)")
+    parser.add_argument("log", help="run log directory written with --kareus-log (rank-NNNNN.jsonl files)")
     parser.add_argument("--plan", required=True, help="the plan file the run used")
-    parser.add_argument("--skip-iterations", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
+    parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
                         help=f"warm-up iterations left out of the {STATISTIC}s (default {DEFAULT_SKIP_ITERATIONS})")
-    parser.add_argument("--plot", default=None, help="PNG to write (default: LOG with suffix .png)")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text table (default) or one JSON object on stdout (no plot unless --plot)")
+    parser.add_argument("--plot", default=None, help="PNG file to write (default: LOG.png beside LOG)")
     parser.add_argument("--no-plot", action="store_true", help="do not write a plot")
 
 
@@ -35,32 +37,80 @@ def _fmt(x: float | None, unit: str) -> str:
     return f"{x:.1f} J"
 
 
+def _plot_path(args: argparse.Namespace) -> Path | None:
+    """Where the plot goes (None: no plot); ConfigError for a directory or a name without .png."""
+    from kareus_megatron.errors import ConfigError
+
+    if args.no_plot or (args.format == "json" and not args.plot):
+        return None
+    if not args.plot:
+        log = Path(args.log)
+        return log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
+    out = Path(args.plot)
+    if out.is_dir():
+        raise ConfigError(f"--plot {out} is a directory; give a file name ending in .png")
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"--plot {out} does not end in .png; give a PNG file name")
+    return out
+
+
+def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
+    from kareus_megatron.report.against_plan import Comparison
+    from kareus_megatron.report.runlog import RunLog
+
+    assert isinstance(cmp, Comparison) and isinstance(log, RunLog)
+    rows = {r.name: r for r in cmp.rows}
+    stages = []
+    for stage, _ in sorted(cmp.stage_energy_j.items()):
+        t, e = rows[f"stage {stage} time"], rows[f"stage {stage} energy"]
+        stages.append({"stage": stage, "iterations": cmp.stage_iterations.get(stage, 0),
+                       "measured_time_s": t.measured, "measured_energy_j": e.measured,
+                       "predicted_time_s": t.predicted, "predicted_energy_j": e.predicted})
+    it, en = rows["iteration time"], rows["iteration energy"]
+    return {"simulated": log.simulated, "backend": log.header.get("backend"), "iterations": n_complete,
+            "used": cmp.used, "skipped": cmp.skipped, "partial": len(log.partial),
+            "measured_time_s": it.measured, "measured_energy_j": en.measured,
+            "predicted_time_s": it.predicted, "predicted_energy_j": en.predicted,
+            "stages": stages, "notes": cmp.notes}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the comparison table and write the plot; exit 0."""
+    """Print the comparison table (or JSON) and write the plot; exit 0."""
+    import json
+
     from kareus_megatron.plan.io import load_plan
     from kareus_megatron.report.against_plan import blocked_power_w, compare
     from kareus_megatron.report.runlog import read_run_log, summarize
 
+    out = _plot_path(args)
     plan = load_plan(args.plan)
     p_blocked_w = blocked_power_w(plan, source=f"plan {args.plan}")
     log = read_run_log(args.log)
     cmp = compare(summarize(log, args.skip_iterations), plan, p_blocked_w)
-    print(f"run log {args.log}: {len(log.iterations)} iterations ({cmp.skipped} warm-up left out; {STATISTIC} of "
-          f"{cmp.used}); plan {args.plan} ({plan.method}, {plan.gpu}, blocked power {p_blocked_w:g} W, "
-          f"backend {log.header.get('backend', '?')})")
-    print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
-    for row in cmp.rows:
-        err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"
-        print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} {err:>8s}")
-    for note in cmp.notes:
-        print(f"note: {note}")
-    if not args.no_plot:
+    sim = "simulated GPU: " if log.simulated else ""
+    n_complete = sum(1 for r in log.iterations if r["iteration"] not in log.partial)
+    if args.format == "json":
+        print(json.dumps(_json(cmp, log, n_complete), indent=2))
+    else:
+        print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
+              f"{cmp.skipped} warm-up left out; {STATISTIC} of {cmp.used}); plan {args.plan} ({plan.method}, "
+              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')})")
+        print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
+        for row in cmp.rows:
+            err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"
+            print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} "
+                  f"{err:>8s}")
+        for note in cmp.notes:
+            print(f"note: {note}")
+    if out is not None:
+        import sys
+
         from kareus_megatron.plotting.report import plot_run_report
 
-        out = Path(args.plot) if args.plot else Path(args.log).with_suffix(".png")
         fig = plot_run_report(cmp, plan.predicted.iteration_time_s,
-                              title=f"{Path(args.log).name} vs {Path(args.plan).name}")
+                              title=("simulated: " if log.simulated else "") +
+                              f"{Path(args.log).name} vs {Path(args.plan).name}")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
-        print(f"wrote {out}")
+        print(f"wrote {out}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0

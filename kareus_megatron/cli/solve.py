@@ -24,6 +24,9 @@ from typing import Any
 from kareus_megatron.vocab import FLAT_SCHEDULES as SCHEDULES
 from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SOLVE
 
+# Upper bounds of the sizes (far above any real run; beyond them the DAG or the numbers blow up).
+SOLVE_MAX = {"--pp": 2**12, "--microbatches": 2**14, "--points": 2**12, "--tp": 2**12, "--cp": 2**12, "--dp": 2**20,
+             "--mbs": 2**14, "--seq": 2**20}
 HELP = "solve the pipeline time-energy frontier of a measured Perseus-format profile (CSV)"
 
 
@@ -52,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    g.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch size (default 1)")
-    g.add_argument("--seq-length", type=int, default=1, help="sequence length (default 1)")
+    g.add_argument("--mbs", "--micro-batch-size", dest="micro_batch_size", type=int, default=1,
+                   help="micro-batch size (default 1)")
+    g.add_argument("--seq", "--seq-length", dest="seq_length", type=int, default=1, help="sequence length (default 1)")
     g.add_argument("--layers-per-stage", default=None, metavar="L0,L1,...",
                    help="transformer layers of each stage (default 1 each)")
 
@@ -63,11 +67,15 @@ def _check_args(args: argparse.Namespace) -> list[int]:
 
     for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--points", args.points),
                     ("--tp", args.tp), ("--cp", args.cp), ("--dp", args.dp),
-                    ("--micro-batch-size", args.micro_batch_size), ("--seq-length", args.seq_length)):
+                    ("--mbs", args.micro_batch_size), ("--seq", args.seq_length)):
         if v < 1:
             raise ConfigError(f"{flag} {v} must be a positive integer")
+        if v > SOLVE_MAX[flag]:
+            raise ConfigError(f"{flag} {v} is too large; at most {SOLVE_MAX[flag]}")
     if not (args.p_blocked >= 0 and args.p_blocked < float("inf")):
         raise ConfigError(f"--p-blocked {args.p_blocked} must be a finite power >= 0 W (A100: 83.64)")
+    if args.max_time is not None and not (0 < args.max_time < float("inf")):
+        raise ConfigError(f"--max-time {args.max_time} must be a finite time > 0 s")
     if not (args.p2p_time >= 0 and args.p2p_time < float("inf")):
         raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
     if args.layers_per_stage is None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kareus_megatron.hardware.gpus import GPUSpec, gpu_spec
-from kareus_megatron.workload.models import ModelSpec, model_spec
+from kareus_megatron.hardware.gpus import GPUSpec, gpu_names, gpu_spec
+from kareus_megatron.workload.models import ModelSpec, model_names, model_spec
 from kareus_megatron.workload.parallel import PRECISION_BYTES, RECOMPUTE, ParallelConfig, make_parallel
 
 DEFAULT_JOB: dict[str, Any] = {
@@ -32,8 +32,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULT_JOB
     split = f"{d['first_stage_layers']} + {d['last_stage_layers']}"
     g = parser.add_argument_group("workload")
-    g.add_argument("--gpu", default=d["gpu"], help=f"GPU preset (default {d['gpu']})")
-    g.add_argument("--model", default=None, help=f"model preset or .yaml/.json file (default {d['model']})")
+    g.add_argument("--gpu", default=d["gpu"], metavar="PRESET",
+                   help=f"GPU preset, one of {', '.join(gpu_names())} (default {d['gpu']})")
+    g.add_argument("--model", default=None, metavar="PRESET|FILE",
+                   help=f"model preset, one of {', '.join(model_names())}, or a .yaml/.json file "
+                   f"(default {d['model']})")
     g.add_argument("--tp", type=int, default=d["tp"], help=f"tensor parallel size (default {d['tp']})")
     g.add_argument("--cp", type=int, default=d["cp"], help="context parallel size (default 1)")
     g.add_argument("--pp", type=int, default=None, help=f"pipeline stages (default {d['pp']})")

@@ -93,7 +93,8 @@ def calibration_from_dict(data: Any, what: str = "calibration") -> Calibration:
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration JSON file; CalibrationError on a missing, unreadable or invalid file."""
     p = Path(path)
-    text = read_input_text(p, CalibrationError, "calibration file")
+    text = read_input_text(p, CalibrationError, "calibration file",
+                           not_text_fix="give a calibration JSON file from `kareus calibrate`")
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -105,8 +106,11 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
     """Write the calibration atomically (temporary file, then rename)."""
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(cal.to_json(), encoding="utf-8")
-    tmp.replace(p)
+    try:
+        tmp.write_text(cal.to_json(), encoding="utf-8")
+        tmp.replace(p)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after the rename; never left behind on an error
 
 
 def shipped_calibration_path(name: str) -> Path:

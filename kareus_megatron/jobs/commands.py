@@ -2,7 +2,7 @@
 
 Terms: a *point* (plan/points.py) selects one plan of a method's frontier. A *run* is one training job
 of one method at one point; it writes its measured log under LOG_DIR/NAME-NN/ (the manifest
-report.runlog.MANIFEST_FILE and the runtime's per-iteration log report.runlog.MEASUREMENT_FILE), which
+report.runlog.MANIFEST_FILE and the runtime's per-rank log directory report.runlog.MEASUREMENT_FILE), which
 ``kareus compare LOG_DIR`` reads. A *job* spans ``nodes`` × ``gpus_per_node`` GPUs; torchrun starts one
 process per GPU with c10d rendezvous, so every node runs the same command. Under Slurm, ``srun`` starts
 one torchrun per node; with ``--container-image`` (pyxis) the submit directory is mounted at the same path

@@ -103,15 +103,15 @@ def start(cmds: list[RunCommand], launch: Launch, say: Say = _say) -> None:
     if keeper:
         old = [c.log_dir / MEASUREMENT_FILE for c in cmds if (c.log_dir / MEASUREMENT_FILE).exists()]
         if old and not launch.overwrite:
-            raise KareusError(f"{old[0]} exists ({len(old)} earlier log(s) in {launch.log_dir}); a run appends to "
-                              "its log, so choose a new --log-dir or pass --overwrite")
+            raise KareusError(f"{old[0]} exists ({len(old)} earlier log(s) in {launch.log_dir}); a run does not "
+                              "write over a log, so choose a new --log-dir or pass --overwrite")
     for c in cmds:
         say(f"+ {c.shell()}")
         if launch.dry_run:
             continue
         if keeper:
             c.log_dir.mkdir(parents=True, exist_ok=True)
-            (c.log_dir / MEASUREMENT_FILE).unlink(missing_ok=True)
+            shutil.rmtree(c.log_dir / MEASUREMENT_FILE, ignore_errors=True)  # a directory of rank logs
             write_json_atomic(c.log_dir / MANIFEST_FILE, manifest(c, launch.job))
         execute(c.argv, c.env)
 

@@ -69,10 +69,13 @@ def parallel_layout(par: Any, schedule: ScheduleName) -> ParallelLayout:
     )
 
 
-def config_dict(result: PlanningResult) -> dict[str, Any]:
-    """The ``config`` object of frontier.json: what was planned and with which inputs."""
+def config_dict(result: PlanningResult, memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config`` object of frontier.json: what was planned and with which inputs.
+
+    `memory`: the per-GPU memory estimate (cost/memory.py memory_summary, bytes), written as ``memory``.
+    """
     par = result.par
-    return {
+    cfg = {
         "model": result.model.name,
         "gpu": result.gpu.name,
         "calibration_sha256": result.calibration_sha256,
@@ -92,6 +95,9 @@ def config_dict(result: PlanningResult) -> dict[str, Any]:
         "p2p_time_s": result.p2p_time_s,
         "dp_reduce_time_s": result.dp_reduce_time_s,
     }
+    if memory is not None:
+        cfg["memory"] = memory
+    return cfg
 
 
 def assemble_plan(
@@ -169,8 +175,11 @@ def build_plan(
     return plan, timed
 
 
-def build_outputs(result: PlanningResult) -> tuple[dict[str, Any], list[BuiltPlan]]:
-    """The frontier document and every chosen plan (fastest first within each method)."""
+def build_outputs(
+    result: PlanningResult, memory: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[BuiltPlan]]:
+    """The frontier document and every chosen plan (fastest first within each method); `memory` goes
+    into the document's ``config`` (see config_dict)."""
     built: list[BuiltPlan] = []
     points: dict[str, list[dict[str, Any]]] = {}
     for method, mf in result.methods.items():
@@ -185,7 +194,7 @@ def build_outputs(result: PlanningResult) -> tuple[dict[str, Any], list[BuiltPla
                 "energy_j": plan.predicted.iteration_energy_j,
                 "plan": bp.relpath,
             })
-    doc = frontier_document(config_dict(result), points)
+    doc = frontier_document(config_dict(result, memory), points)
     full: dict[str, list[tuple[float, float]]] = {
         m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()
     }

@@ -14,7 +14,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kareus_megatron.errors import ConfigError, PlanError, PlanVersionError, describe_validation_error
+from kareus_megatron.errors import (
+    ConfigError,
+    PlanError,
+    PlanVersionError,
+    check_writable_location,
+    describe_validation_error,
+    read_input_text,
+)
 from kareus_megatron.plan.schema import PLAN_FORMAT, Plan
 
 SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")
@@ -40,10 +47,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
 def load_plan(path: str | os.PathLike[str]) -> Plan:
     """Read and validate a plan file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
+    text = read_input_text(p, PlanError, "plan", not_text_fix="give a kareus-plan/1 JSON file from kareus plan")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -95,6 +99,7 @@ def check_output_dir(out: Path) -> None:
     """Refuse an --out that replacing as a whole could damage; ConfigError naming the fix."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory; choose another --out.")
+    check_writable_location(out, "--out", directory=True)  # under a file, in /proc, no permission
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
         raise ConfigError(f"--out {out} is the current directory or above it; the output directory is "

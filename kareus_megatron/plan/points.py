@@ -105,6 +105,8 @@ def read_frontier(plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise PlanError(f"{path} does not exist; give a `kareus plan --out DIR` directory") from None
     except OSError as e:
         raise PlanError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{path} is not UTF-8 text; regenerate it with kareus plan") from None
     except json.JSONDecodeError as e:
         raise PlanError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
     if not isinstance(doc, dict) or doc.get("format") != FRONTIER_FORMAT:

@@ -1,8 +1,11 @@
-"""Iteration time–energy frontier plot: every method's plans as points, its full frontier as a line.
+"""Iteration time–energy frontier plot: each method's Pareto frontier as a step line, its plans as points.
 
 Input is a ``kareus-frontier/1`` document (the object ``kareus plan`` writes as frontier.json and
 ``kareus compare`` builds from measured logs): time = iteration time (s), energy = GPU energy of the
-whole job per iteration (J; drawn in kJ). matplotlib is imported lazily and only with the Agg canvas,
+whole job per iteration (J). The line of a method goes through exactly its non-dominated points (its
+Pareto set: no other point is both no slower and no costlier); points another point of the same method
+dominates (a measured run can land there) are drawn faint, off the line. Axis units scale with the data
+(ms or s, J, kJ or MJ; plotting/units.py). matplotlib is imported lazily and only with the Agg canvas,
 so importing this module costs nothing and never opens a window.
 """
 
@@ -12,54 +15,89 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.vocab import KAREUS, MEGATRON, NANOBATCH_PERSEUS, PERSEUS, SOLVE
 
-# Fixed colours and labels so every figure of the project reads the same way.
+# Fixed colours and labels so every figure of the project reads the same way; a label starts with the
+# method's CLI name (vocab.py) so a legend reads like the `--methods` flag and the frontier.json keys.
 METHOD_STYLE: dict[str, tuple[str, str, str]] = {
     # name: (label, colour, marker)
-    MEGATRON: ("Megatron-LM", "#7f7f7f", "s"),
-    PERSEUS: ("Megatron + Perseus", "#1f77b4", "o"),
-    NANOBATCH_PERSEUS: ("Nanobatching + Perseus", "#ff7f0e", "^"),
-    KAREUS: ("Kareus (joint)", "#d62728", "D"),
-    SOLVE: ("solve", "#2ca02c", "v"),
+    MEGATRON: (MEGATRON, "#7f7f7f", "s"),
+    PERSEUS: (PERSEUS, "#1f77b4", "o"),
+    NANOBATCH_PERSEUS: (NANOBATCH_PERSEUS, "#ff7f0e", "^"),
+    KAREUS: (f"{KAREUS} (joint)", "#d62728", "D"),
+    SOLVE: (SOLVE, "#2ca02c", "v"),
 }
+
+Curves = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
 
 def method_label(name: str) -> str:
-    """Human-readable name of a planning method."""
+    """Legend name of a planning method: its CLI name, maybe with a short description after it."""
     return METHOD_STYLE.get(name, (name, "", ""))[0]
+
+
+def pareto_points(time_s: Sequence[float], energy_j: Sequence[float]) -> list[tuple[float, float]]:
+    """The non-dominated (time s, energy J) points, fastest first (energy strictly decreasing)."""
+    import numpy as np
+
+    from kareus_megatron.search.frontier import pareto_indices
+
+    keep = pareto_indices(np.asarray(time_s, dtype=float), np.asarray(energy_j, dtype=float))
+    return [(float(time_s[i]), float(energy_j[i])) for i in keep]
+
+
+def _same(p: tuple[float, float], q: tuple[float, float], rel_tol: float = 1e-9) -> bool:
+    """Whether two (time s, energy J) points agree to `rel_tol` (a written plan re-simulated vs the search's)."""
+    return all(abs(a - b) <= rel_tol * max(abs(a), abs(b)) for a, b in zip(p, q))
 
 
 def plot_frontier(
     doc: Mapping[str, Any],
     ax: Any,
     *,
-    curves: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+    curves: Curves | None = None,
     title: str | None = None,
     legend: bool = True,
 ) -> Any:
-    """Draw each method's points (time s, energy J) of a frontier document on `ax`; return `ax`.
+    """Draw each method's frontier of a frontier document on `ax`; return `ax`.
 
-    `curves` optionally maps a method to its whole frontier (time s, energy J), drawn as a step line
-    under the points (the points are the plans that were written; the curve is every plan found).
+    `curves` optionally maps a method to every plan its search found (time s, energy J); the method's
+    line is then the Pareto set of those and its written points, else of its written points alone.
+    Artists carry gids ``frontier/NAME`` (the line), ``points/NAME`` and ``dominated/NAME``.
     """
     curves = curves or {}
-    for name, entry in doc["methods"].items():
+    methods: Mapping[str, Any] = doc["methods"]
+    times = [p["time_s"] for m in methods.values() for p in m["points"]]
+    energies = [p["energy_j"] for m in methods.values() for p in m["points"]]
+    for ct, ce in curves.values():
+        times.extend(ct)
+        energies.extend(ce)
+    tf, tu = time_unit(times)
+    ef, eu = energy_unit(energies)
+    what = "runs" if doc.get("config", {}).get("source") == "measured" else "plans"
+    for name, entry in methods.items():
         label, colour, marker = METHOD_STYLE.get(name, (name, None, "o"))
-        pts = entry["points"]
-        t = [p["time_s"] for p in pts]
-        e = [p["energy_j"] / 1e3 for p in pts]
-        if name in curves:
-            ct, ce = curves[name]
-            ax.step(list(ct), [x / 1e3 for x in ce], where="post", color=colour, lw=1.0, alpha=0.6)
-        elif len(pts) > 1:
-            ax.plot(t, e, color=colour, lw=1.0, alpha=0.6)
-        ax.scatter(t, e, color=colour, marker=marker, s=28, zorder=3, label=f"{label} ({len(pts)})")
-    ax.set_xlabel("iteration time (s)")
-    ax.set_ylabel("GPU energy per iteration, all GPUs (kJ)")
+        pts = [(float(p["time_s"]), float(p["energy_j"])) for p in entry["points"]]
+        ct, ce = curves.get(name, ((), ()))
+        front = pareto_points([t for t, _ in pts] + list(ct), [e for _, e in pts] + list(ce))
+        kept = [p for p in pts if any(_same(p, q) for q in front)]
+        dominated = [p for p in pts if not any(_same(p, q) for q in front)]
+        if len(front) > 1:
+            ax.step([t * tf for t, _ in front], [e * ef for _, e in front], where="post", color=colour, lw=1.0,
+                    alpha=0.7, gid=f"frontier/{name}")
+        ax.scatter([t * tf for t, _ in kept], [e * ef for _, e in kept], color=colour, marker=marker, s=28,
+                   zorder=3, label=f"{label}: {len(pts)} {what if len(pts) != 1 else what[:-1]}", gid=f"points/{name}")
+        if dominated:
+            ax.scatter([t * tf for t, _ in dominated], [e * ef for _, e in dominated], color=colour, marker=marker,
+                       s=22, alpha=0.25, zorder=2, gid=f"dominated/{name}")
+    ax.set_xlabel(f"iteration time ({tu})")
+    ax.set_ylabel(f"GPU energy per iteration, all GPUs ({eu})")
     ax.grid(True, alpha=0.3)
     if legend:
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper right", title="faint: dominated" if any(
+            a.get_gid() and a.get_gid().startswith("dominated/") for a in ax.collections) else None,
+            title_fontsize=7)
     if title:
         ax.set_title(title, fontsize=10)
     return ax
@@ -125,5 +163,5 @@ def save_frontier_png(
     curves: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
     title: str | None = None,
 ) -> None:
-    """Write the frontier plot of `doc` to `path` (PNG)."""
+    """Write the frontier plot of `doc` to `path` (PNG); `curves` as for plot_frontier."""
     save_png(path, lambda ax: plot_frontier(doc, ax, curves=curves, title=title))

@@ -1,10 +1,10 @@
 """Pipeline timeline (Gantt chart) of one plan: a row per pipeline rank, a bar per instruction.
 
 A *bar* is one executed pipeline instruction: its rank, start and end (s from the iteration start),
-locked SM clock (MHz, the bar's colour), kind (forward/backward), microbatch, virtual chunk and
-nanobatch count (2 nanobatches are hatched). The bars come from the planner's event simulation;
-this module only draws them (and exports them as a Perfetto trace). matplotlib is imported lazily (Agg
-canvas only).
+locked SM clock (MHz, the bar's colour, on a scale from the plan's lowest to its highest clock), kind
+(forward/backward), microbatch, virtual chunk and nanobatch count (2 nanobatches are hatched). The bars
+come from the planner's event simulation; this module only draws them (and exports them as a Perfetto
+trace). matplotlib is imported lazily (Agg canvas only).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus_megatron.plotting.frontier import save_png
+from kareus_megatron.plotting.units import time_unit
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,10 +39,16 @@ def plot_timeline(
     clock_range_mhz: tuple[int, int] | None = None,
     title: str | None = None,
 ) -> Any:
-    """Draw `bars` on `ax`, coloured by SM clock (MHz) with a colour bar; return `ax`."""
+    """Draw `bars` on `ax`, coloured by SM clock (MHz) with a colour bar in MHz; return `ax`.
+
+    The colour scale spans the bars' own lowest to highest clock (MHz), so the plan's clock choices
+    stand apart; `clock_range_mhz` overrides it (e.g. to draw several plans on one scale). The time
+    axis is in ms or s, whichever suits the iteration's length.
+    """
     from matplotlib import colormaps
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
+    from matplotlib.ticker import MaxNLocator
 
     if not bars:
         raise ValueError("a timeline needs at least one instruction")
@@ -53,12 +60,13 @@ def plot_timeline(
     cmap = colormaps["viridis"]
     ranks = sorted({b.rank for b in bars})
     span = max(b.end_s for b in bars) - min(b.start_s for b in bars)
+    tf, tu = time_unit([b.end_s for b in bars])
     for b in bars:
         width = b.end_s - b.start_s
         ax.barh(
             b.rank,
-            width,
-            left=b.start_s,
+            width * tf,
+            left=b.start_s * tf,
             height=0.8,
             color=cmap(norm(b.clock_mhz)),
             edgecolor="black",
@@ -71,14 +79,21 @@ def plot_timeline(
                 tag += f".{b.chunk}"
             shade = norm(b.clock_mhz)
             ax.text(
-                b.start_s + width / 2, b.rank, tag, ha="center", va="center", fontsize=6,
+                (b.start_s + width / 2) * tf, b.rank, tag, ha="center", va="center", fontsize=6,
                 color="white" if shade < 0.6 else "black",
+                bbox={"facecolor": cmap(shade), "edgecolor": "none", "pad": 0.6},  # readable over the hatch
             )
     ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("time in iteration (s)")
+    ax.set_xlabel(f"time in iteration ({tu})")
     sm = ScalarMappable(norm=norm, cmap=cmap)
-    ax.figure.colorbar(sm, ax=ax, label="SM clock (MHz)", pad=0.01)
+    cbar = ax.figure.colorbar(sm, ax=ax, label="SM clock (MHz)", pad=0.01)
+    distinct = sorted(set(clocks))
+    if len(distinct) <= 6 and clock_range_mhz is None:
+        cbar.set_ticks(distinct)  # few clocks: tick exactly the ones the plan locks
+    else:
+        cbar.locator = MaxNLocator(nbins=6, integer=True)
+        cbar.update_ticks()
     if title:
         ax.set_title(title, fontsize=10)
     return ax

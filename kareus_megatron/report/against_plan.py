@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kareus_megatron.cost.energy import iteration_energy_j
-from kareus_megatron.errors import KareusError, PlanError
+from kareus_megatron.errors import ConfigError, KareusError, PlanError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.report.runlog import RunSummary, truncation_note
+from kareus_megatron.report.runlog import RunSummary, log_notes
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Comparison:
     p_blocked_w: float
     notes: list[str] = field(default_factory=list)
     stage_energy_j: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, every rank of the stage
 
 
 def blocked_power_w(plan: Plan, source: str = "the plan") -> float:
@@ -83,17 +84,17 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     """Compare a run's summary with its plan (see the module doc); `p_blocked_w` None: blocked_power_w(plan)."""
     pb = blocked_power_w(plan) if p_blocked_w is None else p_blocked_w
     header = run.log.header
+    log_pp = header.get("pp")
+    if isinstance(log_pp, int) and log_pp != plan.parallel.pp:
+        raise ConfigError(f"run log {run.log.path} is from a PP={log_pp} run but the plan has PP={plan.parallel.pp}; "
+                          "pass the plan the run used")
     notes = []
     sha = header.get("plan_sha256")
     if sha and sha != plan_sha256(plan):
         notes.append("the log was recorded with a different plan than --plan (plan_sha256 differs)")
     if header.get("clock_control") is False:
         notes.append("clocks were not controlled in this run (no permission; --kareus-on-error warn)")
-    if run.partial:
-        notes.append(f"{run.partial} iteration(s) were logged by fewer ranks than the job has")
-    cut = truncation_note(run.log)
-    if cut:
-        notes.append(cut)
+    notes.extend(log_notes(run.log))
     rows = [
         Row("iteration time", "s", run.time_s, plan.predicted.iteration_time_s),
         Row("iteration energy", "J", run.energy_j, plan.predicted.iteration_energy_j),
@@ -109,4 +110,5 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     its = run.log.iterations
     return Comparison(rows=rows, iteration_time_s=[r.get("time_s") for r in its],
                       iteration_energy_j=[r.get("energy_j") for r in its], used=run.used, skipped=run.skipped,
-                      p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy)
+                      p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy,
+                      stage_iterations=dict(run.stage_iterations))

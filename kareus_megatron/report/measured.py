@@ -1,9 +1,10 @@
 """The measured frontier of a log directory (``kareus compare``): one point per run, same layout as kareus plan.
 
 A *log directory* holds one run directory per run, NAME-NN/ (as ``kareus launch`` writes them), each with
-its run log (runlog.MEASUREMENT_FILE) and optionally a manifest (runlog.MANIFEST_FILE: method, plan,
-predicted figures). A run's point is its median iteration time (s) and GPU energy (J, all GPUs) after the
-warm-up iterations (runlog.summarize, the same figures ``kareus report`` prints). The reductions are
+its run log directory (runlog.MEASUREMENT_FILE: rank-NNNNN.jsonl files) and optionally a manifest
+(runlog.MANIFEST_FILE: method, plan, predicted figures). A run's point is its median iteration time (s)
+and GPU energy (J, all GPUs) after the warm-up iterations (runlog.summarize, the same figures ``kareus report``
+prints); a run directory from before rank logs holds one merged LEGACY_MEASUREMENT_FILE instead. The reductions are
 computed by plan/frontier.py's formulas, against the measured megatron and perseus runs.
 """
 
@@ -19,6 +20,7 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.frontier import frontier_document
 from kareus_megatron.report.runlog import (
     DEFAULT_SKIP_ITERATIONS,
+    LEGACY_MEASUREMENT_FILE,
     MANIFEST_FILE,
     MEASUREMENT_FILE,
     RUN_FORMAT,
@@ -45,6 +47,11 @@ class MeasuredRun:
     energy_j: float  # median iteration energy (J, all GPUs)
     header: dict[str, Any]  # the run log's header ({} when it has none)
     summary: RunSummary
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the run used the simulated GPU (its log header's backend)."""
+        return self.summary.log.simulated
 
 
 def _run_method(run_dir: Path, manifest: dict[str, Any] | None) -> str:
@@ -81,11 +88,13 @@ def collect_runs(log_dir: str | os.PathLike[str], skip_iterations: int = DEFAULT
     runs = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
         data = read_manifest(d)
-        if data is None and not (d / MEASUREMENT_FILE).is_file():
+        default = MEASUREMENT_FILE if (d / MEASUREMENT_FILE).exists() or not (d / LEGACY_MEASUREMENT_FILE).is_file() \
+            else LEGACY_MEASUREMENT_FILE
+        if data is None and not (d / default).exists():
             continue
         method = _run_method(d, data)
-        log = d / str((data or {}).get("measurement") or MEASUREMENT_FILE)
-        if not log.is_file():
+        log = d / str((data or {}).get("measurement") or default)
+        if not log.exists():
             raise ConfigError(f"run {d.name} has no measurement log {log.name}; did the job fail? "
                               f"Rerun it or move {d} out of {root}")
         summary = summarize(read_run_log(log), skip_iterations)
@@ -118,7 +127,8 @@ def measured_frontier(log_dir: str | os.PathLike[str],
             p["plan"] = r.plan
         methods.setdefault(r.method, []).append(p)
     gpus = sorted({str(r.header["gpu"]) for r in runs if r.header.get("gpu")})
-    config = {"source": "measured", "log_dir": str(log_dir), "statistic": STATISTIC,
+    config = {"source": "measured", "simulated": any(r.simulated for r in runs), "log_dir": str(log_dir),
+              "statistic": STATISTIC,
               "skip_iterations": skip_iterations, "runs": len(runs), "gpu": gpus[0] if len(gpus) == 1 else gpus}
     ordered: dict[str, list[dict[str, Any]]] = {m: methods[m] for m in METHODS if m in methods}
     return frontier_document(config, ordered), runs

@@ -1,19 +1,26 @@
-"""Run logs: the one reader of ``measurement.jsonl`` and the one summary of a run.
+"""Run logs: the one reader of the runtime's logs and the one summary of a run.
 
-A *run log* is the JSONL file the runtime appends to (runtime/measurement.py; ``--kareus-log``,
-``KAREUS_LOG``): a header line ``{"kind": "header", "world": N, "plan": ..., "plan_sha256": ..., "gpu": ...}``,
+A *run log* is a directory of per-rank files (runtime/measurement.py; ``--kareus-log DIR``, ``KAREUS_LOG``):
+``rank-NNNNN.jsonl``, each a header (rank, world, pp_rank, pp, tp/cp/dp, plan_sha256, gpu, backend,
+clock_control) and one line per iteration with that rank's time_s and energy_j. The reader merges them
+into one record per iteration: time = the slowest rank, energy = the sum over ranks, per stage the same
+over the ranks of that pp_rank; an iteration is *complete* when every rank of the world logged both
+figures, otherwise *partial* (``RunLog.partial`` names what is missing). A rank file holding several runs
+(``--kareus-log-mode append``) counts its last run. A single merged JSONL file (the layout before rank
+files) is still read: a header line ``{"kind": "header", "world": N, "plan": ..., "plan_sha256": ..., "gpu": ...}``,
 then one line per iteration ``{"kind": "iteration", "iteration": i, "time_s": T, "energy_j": E,
 "ranks_reporting": n, "stages": [{"pp_rank": r, "time_s": ..., "energy_j": ..., "gpus": g}, ...]}`` with T
 the iteration time (s, the slowest rank), E the GPU energy (J, summed over every rank), each stage's the
 same over its ranks, and null where a figure is unknown. A *run directory* (``kareus launch`` writes
-LOG_DIR/NAME-NN/) holds the log (MEASUREMENT_FILE) and a manifest (MANIFEST_FILE, format RUN_FORMAT).
+LOG_DIR/NAME-NN/) holds the log directory (MEASUREMENT_FILE) and a manifest (MANIFEST_FILE, format RUN_FORMAT).
 
 Reading: blank lines are skipped. A last line that is not JSON and has no newline is what a job killed
 mid-write leaves: it is dropped and ``RunLog.truncated`` is set. Any other bad line is a ConfigError naming
 the file and line; so is a second header (two runs appended to one log).
 
 Summary: the first ``skip_iterations`` iterations (default DEFAULT_SKIP_ITERATIONS = 2) are warm-up and
-left out; of the rest, those with both time and energy are used, and every figure is their median
+left out; of the rest, the complete ones with both time and energy are used (partial ones are counted,
+never summed as if complete), and every figure is their median
 (STATISTIC; robust to the odd slow iteration). ``kareus report`` and ``kareus compare`` both summarise
 through this module, so a log gives the same figures in both.
 """
@@ -21,15 +28,18 @@ through this module, so a log gives the same figures in both.
 from __future__ import annotations
 
 import json
+import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kareus_megatron.errors import ConfigError
 
 RUN_FORMAT = "kareus-run/1"
-MEASUREMENT_FILE = "measurement.jsonl"
+MEASUREMENT_FILE = "measurement"  # a directory of rank-NNNNN.jsonl files (runtime/measurement.py)
+LEGACY_MEASUREMENT_FILE = "measurement.jsonl"  # one merged log: run directories from before rank logs
+RANK_FILE_RE = re.compile(r"rank-(\d+)\.jsonl")
 MANIFEST_FILE = "run.json"
 DEFAULT_SKIP_ITERATIONS = 2
 STATISTIC = "median"
@@ -44,6 +54,13 @@ class RunLog:
     header: dict[str, Any]
     iterations: list[dict[str, Any]]
     truncated: bool = False  # the last line was cut by a killed job and left out
+    partial: dict[int, str] = field(default_factory=dict)  # iteration -> what is missing ("rank 1", "stage 1")
+    earlier_runs: int = 0  # runs before the last one in appended rank files (left out)
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the run used the simulated GPU (the header's backend)."""
+        return self.header.get("backend") == "simulated"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,7 +74,8 @@ class RunSummary:
     energy_j: float
     stage_time_s: dict[int, float | None]
     stage_energy_j: dict[int, float | None]
-    partial: int  # used iterations logged by fewer ranks than the job has
+    partial: int  # iterations after warm-up left out because a rank or stage is missing
+    stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, with every rank of the stage
 
 
 def _figure(v: Any) -> bool:
@@ -71,14 +89,29 @@ def _is_index(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+MAX_RANKS = 1 << 20  # bound on world, pp and ranks read from a header (a job has far fewer)
+_HEADER_COUNTS = ("world", "pp", "tp", "cp", "dp")  # at least 1 when present
+_HEADER_INDICES = ("rank", "pp_rank")  # at least 0 when present
+
+
+def _header_problem(rec: dict[str, Any]) -> str | None:
+    """What is wrong with a header's layout fields (each optional), or None."""
+    for key in (*_HEADER_COUNTS, *_HEADER_INDICES):
+        v = rec.get(key)
+        low = 1 if key in _HEADER_COUNTS else 0
+        if v is not None and not (_is_index(v) and low <= v <= MAX_RANKS):
+            return f"header has {key} = {v!r}, not an integer in {low}..{MAX_RANKS}"
+    if _is_index(rec.get("pp")) and _is_index(rec.get("pp_rank")) and rec["pp_rank"] >= rec["pp"]:
+        return f"header has pp_rank {rec['pp_rank']} outside pp = {rec['pp']}"
+    return None
+
+
 def _iteration_problem(rec: dict[str, Any]) -> str | None:
-    """What is wrong with an iteration record, or None."""
-    it = rec.get("iteration")
-    if not _is_index(it):
-        return f"iteration record has iteration = {it!r}, not a non-negative integer"
-    for key in ("time_s", "energy_j"):
-        if not _figure(rec.get(key)):
-            return f"iteration {it}: {key} = {rec.get(key)!r} must be a finite non-negative number or null"
+    """What is wrong with a merged log's iteration record (with its stages), or None."""
+    problem = _rank_iteration_problem(rec)
+    if problem:
+        return problem
+    it = rec["iteration"]
     stages = rec.get("stages", [])
     if not isinstance(stages, list):
         return f"iteration {it}: 'stages' must be a list"
@@ -90,8 +123,24 @@ def _iteration_problem(rec: dict[str, Any]) -> str | None:
 
 
 def read_run_log(path: str | Path) -> RunLog:
-    """Read a run log (see the module doc); ConfigError naming the file and line when it is malformed."""
+    """Read a run log: a directory of rank files, or one merged file (see the module doc); ConfigError
+    naming the file and line when it is malformed."""
     p = Path(path)
+    if p.is_dir():
+        return merge_rank_dir(p)
+    header, its, truncated = read_jsonl_run(p, merged=True)
+    world = header.get("world")
+    partial = {i: f"{world - r['ranks_reporting']} of {world} ranks missing" for i, r in its.items()
+               if _is_index(world) and _is_index(r.get("ranks_reporting")) and r["ranks_reporting"] != world}
+    return RunLog(path=p, header=header, iterations=[its[i] for i in sorted(its)], truncated=truncated,
+                  partial=partial)
+
+
+def read_jsonl_run(p: Path, merged: bool,
+                   last_run: bool = False) -> tuple[dict[str, Any], dict[int, dict[str, Any]], bool]:
+    """(header, iterations by index, truncated) of one JSONL file; `last_run`: several headers are runs
+    appended one after another, keep the last (else a second header is a ConfigError). The header gets
+    ``_runs``, the number of runs seen, when `last_run`."""
     try:
         text = p.read_text()
     except OSError as e:
@@ -116,21 +165,89 @@ def read_run_log(path: str | Path) -> RunLog:
             raise ConfigError(f"{p}:{n} is not valid JSON ({e.msg}); {_HINT}") from None
         kind = rec.get("kind") if isinstance(rec, dict) else None
         if kind == "header":
-            header_lines.append(n)
-            header = header or rec
-        elif kind == "iteration":
-            problem = _iteration_problem(rec)
+            problem = _header_problem(rec)
             if problem:
                 raise ConfigError(f"{p}:{n}: {problem}; {_HINT}")
-            if rec["iteration"] in its and len(header_lines) < 2:
+            header_lines.append(n)
+            if last_run:
+                header, its = rec, {}
+            else:
+                header = header or rec
+        elif kind == "iteration":
+            problem = _iteration_problem(rec) if merged else _rank_iteration_problem(rec)
+            if problem:
+                raise ConfigError(f"{p}:{n}: {problem}; {_HINT}")
+            if rec["iteration"] in its and (last_run or len(header_lines) < 2):
                 raise ConfigError(f"{p}:{n}: iteration {rec['iteration']} is logged twice; {_HINT}")
             its.setdefault(rec["iteration"], rec)
         else:
             raise ConfigError(f"{p}:{n}: unknown record kind {kind!r}; {_HINT}")
-    if len(header_lines) > 1:
+    if len(header_lines) > 1 and not last_run:
         raise ConfigError(f"{p} holds {len(header_lines)} runs (headers at lines "
                           f"{', '.join(map(str, header_lines))}); keep one run per log file")
-    return RunLog(path=p, header=header, iterations=[its[i] for i in sorted(its)], truncated=truncated)
+    if last_run:
+        header = {**header, "_runs": max(1, len(header_lines))}
+    return header, its, truncated
+
+
+def merge_rank_dir(d: Path) -> RunLog:
+    """Merge the rank files of log directory `d` (see the module doc) into one RunLog."""
+    files = {int(m.group(1)): f for f in d.iterdir() if (m := RANK_FILE_RE.fullmatch(f.name)) and f.is_file()}
+    if not files:
+        raise ConfigError(f"{d} holds no rank logs (rank-NNNNN.jsonl); {_HINT}")
+    ranks: dict[int, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
+    truncated, earlier = False, 0
+    for r, f in sorted(files.items()):
+        header, its, cut = read_jsonl_run(f, merged=False, last_run=True)
+        truncated |= cut
+        earlier = max(earlier, header.pop("_runs", 1) - 1)
+        if header and header.get("rank", r) != r:
+            raise ConfigError(f"{f} holds the log of rank {header.get('rank')!r}, not rank {r}; {_HINT}")
+        ranks[r] = (header, its)
+    headers = [h for h, _ in ranks.values() if h]
+    worlds = {h.get("world") for h in headers}
+    if len(worlds) > 1 or not all(_is_index(w) and w > 0 for w in worlds):  # type: ignore[operator]
+        raise ConfigError(f"the rank logs in {d} disagree on (or lack) the world size: {sorted(map(str, worlds))}")
+    world = int(worlds.pop()) if worlds else max(files) + 1  # type: ignore[arg-type]
+    stage_of = {r: h.get("pp_rank", 0) for r, (h, _) in ranks.items() if h}
+    pp_sizes = [int(h["pp"]) for h in headers if _is_index(h.get("pp"))]
+    pp = max(pp_sizes) if pp_sizes else (max(stage_of.values(), default=0) + 1)
+    stage_ranks = {s: sorted(r for r, st in stage_of.items() if st == s) for s in range(pp)}
+    base = next((h for r, (h, _) in sorted(ranks.items()) if h), {})
+    header = {k: v for k, v in base.items() if k not in ("rank", "pp_rank", "t_start")}
+    header["world"], header["pp"] = world, pp
+    indices = sorted({i for _, its in ranks.values() for i in its})
+    merged, partial = [], {}
+    for i in indices:
+        got = {r: its[i] for r, (_, its) in ranks.items()
+               if i in its and its[i].get("time_s") is not None and its[i].get("energy_j") is not None}
+        missing = [r for r in range(world) if r not in got]
+        stages = []
+        for s in range(pp):
+            rs = [r for r in stage_ranks.get(s, []) if r in got]
+            stages.append({"pp_rank": s, "gpus": len(rs), "complete": bool(rs) and len(rs) == len(stage_ranks[s]),
+                "time_s": max((got[r]["time_s"] for r in rs), default=None),
+                "energy_j": sum(got[r]["energy_j"] for r in rs) if rs else None})
+        empty = [st["pp_rank"] for st in stages if not st["gpus"]]
+        if missing:
+            what = [f"stage {s}" for s in empty] or [f"rank {r}" for r in missing[:3]]
+            partial[i] = ", ".join(what) + " missing"
+        merged.append({"kind": "iteration", "iteration": i, "ranks_reporting": len(got),
+                       "time_s": max((g["time_s"] for g in got.values()), default=None),
+                       "energy_j": sum(g["energy_j"] for g in got.values()) if got else None, "stages": stages})
+    return RunLog(path=d, header=header, iterations=merged, truncated=truncated, partial=partial,
+                  earlier_runs=earlier)
+
+
+def _rank_iteration_problem(rec: dict[str, Any]) -> str | None:
+    """What is wrong with one rank's iteration record, or None."""
+    it = rec.get("iteration")
+    if not _is_index(it):
+        return f"iteration record has iteration = {it!r}, not a non-negative integer"
+    for key in ("time_s", "energy_j"):
+        if not _figure(rec.get(key)):
+            return f"iteration {it}: {key} = {rec.get(key)!r} must be a finite non-negative number or null"
+    return None
 
 
 def _median(xs: list[Any]) -> float | None:
@@ -148,25 +265,54 @@ def check_skip(skip_iterations: Any) -> int:
 def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> RunSummary:
     """Medians after `skip_iterations` warm-up iterations; ConfigError when no iteration is left to use."""
     skip = check_skip(skip_iterations)
-    used = [r for r in log.iterations[skip:] if r.get("time_s") is not None and r.get("energy_j") is not None]
+    after = log.iterations[skip:]
+    partial = sum(1 for r in after if r["iteration"] in log.partial)
+    used = [r for r in after if r["iteration"] not in log.partial
+            and r.get("time_s") is not None and r.get("energy_j") is not None]
     if not used:
         raise ConfigError(
             f"{log.path} has {len(log.iterations)} iteration(s) and none with both time and energy after skipping "
-            f"{skip} warm-up iteration(s); run longer or pass a smaller --skip-iterations"
+            f"{skip} warm-up iteration(s) (complete iterations only, every rank logged)"
+            + (f" ({partial} partial: {partial_names(log)})" if partial else "")
+            + "; run longer or pass a smaller --skip-iterations"
         )
     ranks = sorted({s["pp_rank"] for r in used for s in r.get("stages", [])})
 
     def stage(rank: int, key: str) -> float | None:
         return _median([next((s[key] for s in r.get("stages", []) if s["pp_rank"] == rank), None) for r in used])
 
-    world = log.header.get("world")
-    partial = sum(1 for r in used if _is_index(world) and r.get("ranks_reporting") not in (None, world))
+    stage_its = {rank: sum(1 for r in after if any(s["pp_rank"] == rank and s.get("complete", True)
+                                                    for s in r.get("stages", []))) for rank in ranks}
     return RunSummary(log=log, skipped=skip, used=len(used), time_s=_median([r["time_s"] for r in used]),  # type: ignore[arg-type]
                       energy_j=_median([r["energy_j"] for r in used]),  # type: ignore[arg-type]
                       stage_time_s={r: stage(r, "time_s") for r in ranks},
-                      stage_energy_j={r: stage(r, "energy_j") for r in ranks}, partial=partial)
+                      stage_energy_j={r: stage(r, "energy_j") for r in ranks}, partial=partial,
+                      stage_iterations=stage_its)
+
+
+def partial_names(log: RunLog, limit: int = 5) -> str:
+    """The partial iterations of `log`, named with what is missing (the first `limit`)."""
+    items = sorted(log.partial.items())
+    named = ", ".join(f"{i} ({what})" for i, what in items[:limit])
+    return named + (f", and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def partial_note(log: RunLog) -> str | None:
+    """The note both commands print for a log with partial iterations (a rank or stage missing), or None."""
+    if not log.partial:
+        return None
+    return (f"{len(log.partial)} partial iteration(s) left out of every figure (a rank or stage did not log "
+            f"them): {partial_names(log)}")
 
 
 def truncation_note(log: RunLog) -> str | None:
     """The note both commands print for a log whose last line a killed job cut, or None."""
     return f"the last line of {log.path} was cut (job killed mid-write) and is left out" if log.truncated else None
+
+
+def log_notes(log: RunLog) -> list[str]:
+    """Every note about how a log was read: a cut last line, partial iterations, earlier appended runs."""
+    notes = [n for n in (truncation_note(log), partial_note(log)) if n]
+    if log.earlier_runs:
+        notes.append(f"{log.path} holds {log.earlier_runs} earlier appended run(s); only the last is read")
+    return notes

@@ -75,6 +75,10 @@ class LiveEngine:
         """The pipeline rank (the stage id), as the runtime session names it."""
         return self.stage_id
 
+    def layout(self) -> dict[str, int | None]:
+        """Parallel sizes for the run log's header (None: not known)."""
+        return {"pp": self.stages, "tp": None, "cp": None, "dp": self.dp}
+
 
 def live_engine(engine: Any) -> LiveEngine:
     """Read stages, stage id, micro-batches per step, micro-batch size and DP size from `engine`."""

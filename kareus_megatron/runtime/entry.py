@@ -27,8 +27,12 @@ def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kareus-point", default=None, metavar="POINT",
                    help="which plan of a plan directory: NN, METHOD-NN, fastest, min-energy, METHOD-fastest or "
                         "METHOD-min-energy (default: fastest of the kareus method)")
-    g.add_argument("--kareus-log", default=None, metavar="PATH",
-                   help="append per-iteration time and energy (JSONL) here; read it with `kareus report`")
+    g.add_argument("--kareus-log", default=None, metavar="DIR",
+                   help="log directory: each rank appends its per-iteration time and energy to "
+                        "DIR/rank-NNNNN.jsonl; read it with `kareus report DIR`")
+    g.add_argument("--kareus-log-mode", default="new", choices=("new", "append", "overwrite"),
+                   help="when DIR already holds this run's rank logs: refuse (new, default), append a run, "
+                        "or overwrite them")
     g.add_argument("--kareus-on-error", default="fail", choices=("fail", "warn"),
                    help="without permission to lock clocks: fail before training (default) or warn and "
                         "train at default clocks")
@@ -71,7 +75,8 @@ def start_session(ns: argparse.Namespace) -> Any:
     from kareus_megatron.runtime.session import MEGATRON_SESSIONS
 
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
-    return MEGATRON_SESSIONS.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error)
+    return MEGATRON_SESSIONS.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
+                                     log_mode=ns.kareus_log_mode)
 
 
 def debug_requested(argv: Sequence[str]) -> bool:
@@ -102,13 +107,19 @@ def run_script_in_session(session: Any, argv: list[str], run: Callable[[], Any])
 
 
 def run_guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
-    """Run `body`; a KareusError becomes one line on stderr and exit status 2 (traceback with debug)."""
+    """Run `body`; a KareusError becomes one line on stderr and exit status 2, Ctrl-C one line and exit
+    status 130 (tracebacks with debug)."""
     try:
         return body()
     except KareusError as e:
         if debug:
             raise
         return print_error(prog, e)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
 
 
 def split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -128,6 +139,7 @@ def install_from_megatron_args(args: Any) -> Any:
     local_rank = getattr(args, "local_rank", None)
     return MEGATRON_SESSIONS.install(plan, source=source, log_path=getattr(args, "kareus_log", None),
                                      on_error=getattr(args, "kareus_on_error", "fail"),
+                                     log_mode=getattr(args, "kareus_log_mode", "new"),
                                      local_rank=local_rank if isinstance(local_rank, int) else None)
 
 

@@ -1,38 +1,101 @@
-"""Per-iteration measurement: time (s, max over ranks) and GPU energy (J, sum over ranks) -> JSONL.
+"""Per-iteration measurement: each rank appends its own iteration time (s) and GPU energy (J) to its own file.
 
-An *iteration* is one training call of the megatron-core schedule (forward_backward_func), from entry
-to exit; on a GPU both points are GPU-aligned (CUDA events waited for off the training thread by the
-clock client), on a CPU they are ``time.monotonic()`` on the training thread. Energy comes from the
-device's counter (NVML: total-energy counter; simulated: the power model). Ranks exchange their
-figures in groups (one small all_gather over a gloo group, CPU tensors, so the GPU is never
-synchronised), leaving out the newest iteration, whose end the GPU may not have reached yet; ``flush()``
-(at close) publishes the rest. The first group is ``publish_every`` iterations (default 10); after each
-exchange every rank sizes the next group from the exchanged iteration times so that exchanges come
-about every ``publish_interval_s`` (default 10 s; at most MAX_GROUP iterations). Every rank sees the
-same exchanged figures, so all ranks agree on the next group without talking. Global rank 0 appends
-one line per iteration:
+An *iteration* is one training call of the framework's schedule, from entry to exit; on a GPU both
+points are GPU-aligned (the clock client's MarkTicket, filled off the training thread once the GPU has
+reached them), on a CPU they are ``time.monotonic()``. Energy comes from the device's counter (NVML:
+total-energy counter; simulated: the power model).
 
-    {"kind": "iteration", "iteration": i, "time_s": T, "energy_j": E,
-     "stages": [{"pp_rank": r, "time_s": max, "energy_j": sum, "gpus": n}, ...]}
+Layout: ``--kareus-log DIR`` is a directory; global rank r appends to ``DIR/rank-NNNNN.jsonl``
+(RANK_FILE, r with 5 digits), one O_APPEND ``os.write`` per line (jsonl.JsonlAppender), so no line
+depends on any other rank and nothing needs a collective. The first line is a header::
 
-The first line is a header: {"kind": "header", "plan": ..., "plan_sha256": ..., "gpu": ..., "world": ...}.
+    {"kind": "header", "format": RANK_LOG_FORMAT, "rank": r, "world": N, "pp_rank": s, "pp": P, "tp": ...,
+     "cp": ..., "dp": ..., "plan": ..., "plan_sha256": ..., "gpu": ..., "backend": "simulated"|"nvml",
+     "clock_control": bool, ...}
+
+written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
+with the first iteration), then one line per iteration::
+
+    {"kind": "iteration", "iteration": i, "t_start": s, "t_end": s, "time_s": T, "energy_j": E}
+
+The training thread only takes the two marks and appends to a deque; a writer thread writes every
+iteration whose marks have resolved, every FLUSH_INTERVAL_S (0.25 s). ``drain()`` writes what has
+resolved now (signal handlers, atexit); ``close()`` waits (bounded) for the rest. report/runlog.py merges
+the rank files (time = max over ranks, energy = sum, stages by pp_rank).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
+from kareus_megatron.runtime.clock import sched
 
-_FIELDS = 4  # iteration, pp_rank, time_s, energy_j
-MAX_GROUP = 1000  # iterations exchanged at most in one collective (bounds held tickets and lag)
+RANK_FILE = "rank-{rank:05d}.jsonl"
+RANK_LOG_FORMAT = "kareus-rank-log/1"
+LOG_MODES = ("new", "append", "overwrite")
+RECENT_RECORDS = 1000  # lines kept in memory (IterationMeter.records); the file holds them all
+ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still being answered
+FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
 
 
-def _resolve(point: Any, timeout_s: float = 60.0) -> tuple[float, float]:
+def rank_file(log_dir: str | os.PathLike[str], rank: int) -> str:
+    """The path of global rank `rank`'s log in `log_dir`."""
+    return os.path.join(os.fspath(log_dir), RANK_FILE.format(rank=rank))
+
+
+def open_rank_log(log_dir: str | os.PathLike[str], rank: int, mode: str = "new") -> JsonlAppender:
+    """Check `log_dir` and open this rank's file; ConfigError (one line) before any training otherwise.
+
+    `mode`: ``new`` refuses an existing rank file, ``append`` adds a run after it, ``overwrite`` replaces it.
+    """
+    if mode not in LOG_MODES:
+        raise ConfigError(f"--kareus-log-mode {mode!r} is not allowed; use {', '.join(LOG_MODES)}")
+    d = os.fspath(log_dir)
+    if os.path.exists(d) and not os.path.isdir(d):
+        raise ConfigError(f"--kareus-log {d} is a file; it must name a directory (one rank-NNNNN.jsonl per rank)")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--kareus-log {d}: cannot create the log directory ({e.strerror})") from None
+    path = rank_file(d, rank)
+    if os.path.isdir(path):
+        raise ConfigError(f"--kareus-log {d}: {path} is a directory, not a rank log")
+    if os.path.exists(path):
+        if mode == "new":
+            raise ConfigError(f"--kareus-log {d} already holds a run log ({os.path.basename(path)}); choose a new "
+                              "directory or pass --kareus-log-mode append or overwrite")
+        if mode == "overwrite":
+            try:
+                os.unlink(path)
+            except OSError as e:
+                raise ConfigError(f"--kareus-log {d}: cannot replace {path} ({e.strerror})") from None
+    try:
+        return JsonlAppender(path)
+    except OSError as e:
+        raise ConfigError(f"--kareus-log {d}: cannot write {path} ({e.strerror})") from None
+
+
+def _done(point: Any) -> bool:
+    return isinstance(point, float) or bool(getattr(point, "done", True))
+
+
+def _wait(point: Any, deadline: float) -> bool:
+    """Whether `point` has resolved, waiting for it until `deadline` (time.monotonic(), s)."""
+    if _done(point):
+        return True
+    left = deadline - time.monotonic()
+    return left > 0 and bool(point.wait(left))
+
+
+def _resolve(point: Any, timeout_s: float = 0.0) -> tuple[float, float]:
     """(time s, energy J) of a measurement point: a ticket (.wait/.t/.energy_j) or a bare time."""
     if isinstance(point, float):
         return point, math.nan
@@ -41,25 +104,33 @@ def _resolve(point: Any, timeout_s: float = 60.0) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-class IterationMeter:
-    """Collects each iteration's time and energy on every rank; rank 0 writes the JSONL log."""
+def _num(x: float) -> float | None:
+    return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
 
-    def __init__(self, log_path: str | os.PathLike[str] | None, mark: Callable[[], Any] | None = None,
-                 header: dict[str, Any] | None = None, publish_every: int = 10,
-                 publish_interval_s: float | None = 10.0) -> None:
-        """`mark()` returns a ticket with .wait()/.t/.energy_j (the clock client); None: CPU time only.
-        Iterations are exchanged between ranks in groups (one collective each): first `publish_every`,
-        then as many as take about `publish_interval_s` (None: always `publish_every`)."""
-        self._publish_every = max(1, int(publish_every))
-        self._publish_interval_s = publish_interval_s
+
+class IterationMeter:
+    """Marks each iteration's start and end on the training thread; a writer thread appends resolved ones."""
+
+    def __init__(self, log: JsonlAppender | None, mark: Callable[[], Any] | None = None,
+                 header: dict[str, Any] | None = None, flush_interval_s: float | None = FLUSH_INTERVAL_S) -> None:
+        """`log`: this rank's open file (open_rank_log) or None; `mark()` returns a ticket with
+        .wait()/.done/.t/.energy_j (the clock client), None: CPU time only. `flush_interval_s` None: no
+        writer thread (only drain/close write)."""
         self._mark = mark
-        self._log_path = os.fspath(log_path) if log_path else None
-        self._log: JsonlAppender | None = None
+        self._log = log
         self._header = dict(header or {})
-        self._pending: list[tuple[int, Any, Any]] = []  # (iteration, start point, end point)
+        self._header_written = False
+        self._queue: deque[tuple[int, Any, Any]] = deque()  # (iteration, start point, end point)
         self._start: Any = None
+        self._lock = threading.RLock()  # reentrant: a signal handler may drain inside a drain
         self.pp_rank = 0
-        self.records: list[dict[str, Any]] = []  # what rank 0 wrote (kept for tests and reports)
+        self.records: deque[dict[str, Any]] = deque(maxlen=RECENT_RECORDS)  # the latest lines written
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if log is not None and flush_interval_s is not None:
+            self._thread = threading.Thread(target=self._run, args=(flush_interval_s,), name="kareus-log-writer",
+                                            daemon=True)
+            self._thread.start()
 
     def _point(self) -> Any:
         """A measurement point: the clock client's ticket, or the time now (s) without a client."""
@@ -71,126 +142,71 @@ class IterationMeter:
         self._start = self._point()
 
     def end(self, iteration: int) -> None:
-        """Mark the end of `iteration`; publish the previous iteration (one small collective)."""
+        """Mark the end of `iteration` and queue it for the writer (training thread; does not wait)."""
         if self._start is None:
             return
-        pending = self._pending
-        pending.append((iteration, self._start, self._point()))
+        self._queue.append((iteration, self._start, self._point()))
         self._start = None
-        if len(pending) > self._publish_every:  # the newest stays: its end may not be reached yet
-            self._publish(pending[:-1])
-            del pending[:-1]
 
-    def flush(self) -> None:
-        """Publish every pending iteration; all ranks must call it (collective when distributed)."""
-        if self._pending:
-            self._publish(self._pending)
-            self._pending.clear()
+    def set_stage(self, pp_rank: int, **fields: Any) -> None:
+        """This rank's pipeline stage and parallel sizes (known at validation); writes the header now."""
+        with self._lock:
+            self.pp_rank = pp_rank
+            self._header.update({k: v for k, v in fields.items() if v is not None})
+            self._write_header()
 
-    def close(self) -> None:
-        """Release the log file (call flush first)."""
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    # -- exchange --------------------------------------------------------------------------
-    def _local_rows(self, items: list[tuple[int, Any, Any]]) -> list[list[float]]:
-        rows = []
-        for iteration, p0, p1 in items:
-            t0, e0 = _resolve(p0)
-            t1, e1 = _resolve(p1)
-            rows.append([float(iteration), float(self.pp_rank), t1 - t0, e1 - e0])
-        return rows
-
-    def _publish(self, items: list[tuple[int, Any, Any]]) -> None:
-        rows = self._local_rows(items)
-        gathered, writer = _all_gather_rows(rows)
-        self._size_next_group(gathered)
-        if not writer:
-            return  # not rank 0
-        for k in range(len(rows)):
-            per_rank = [g[k] for g in gathered]
-            self._write(per_rank)
-
-    def _size_next_group(self, gathered: list[list[list[float]]]) -> None:
-        """Iterations in the next exchange: `publish_interval_s` over the median iteration time (s)
-        just exchanged. Computed from the gathered figures only, so every rank gets the same number."""
-        if self._publish_interval_s is None or not gathered:
+    def _write_header(self) -> None:
+        if self._header_written:
             return
-        times = [max(r[2] for r in per_rank) for per_rank in zip(*gathered)]
-        times = sorted(t for t in times if math.isfinite(t) and t > 0)
-        if times:
-            median = times[len(times) // 2]
-            self._publish_every = max(1, min(MAX_GROUP, math.ceil(self._publish_interval_s / median)))
+        self._header_written = True
+        if self._log is not None:
+            self._log.write({"kind": "header", "format": RANK_LOG_FORMAT, **self._header, "pp_rank": self.pp_rank})
 
-    def _write(self, per_rank: list[list[float]]) -> None:
-        stages: dict[int, dict[str, Any]] = {}
-        for _, pp_rank, t, e in per_rank:
-            s = stages.setdefault(int(pp_rank), {"pp_rank": int(pp_rank), "time_s": -math.inf, "energy_j": 0.0,
-                                                 "gpus": 0})
-            s["time_s"] = max(s["time_s"], t)
-            s["energy_j"] += e
-            s["gpus"] += 1
-        record = {
-            "kind": "iteration",
-            "iteration": int(per_rank[0][0]),
-            "ranks_reporting": len(per_rank),
-            "time_s": _num(max(r[2] for r in per_rank)),
-            "energy_j": _num(sum(r[3] for r in per_rank)),
-            "stages": [{**s, "time_s": _num(s["time_s"]), "energy_j": _num(s["energy_j"])}
-                       for _, s in sorted(stages.items())],
-        }
-        if self._log is None and self._log_path is not None:
-            self._log = JsonlAppender(self._log_path)
-            self._log.write({"kind": "header", "world": len(per_rank), **self._header})
+    def drain(self, wait_s: float = 0.0) -> int:
+        """Write every queued iteration whose marks have resolved (waiting up to `wait_s` s in all for the
+        rest, which stay queued); return how many were written. Any thread, signal handlers included."""
+        deadline = time.monotonic() + wait_s
+        written = 0
+        with self._lock:
+            queue = self._queue
+            while queue:
+                _, p0, p1 = queue[0]
+                if not (_wait(p0, deadline) and _wait(p1, deadline)):
+                    break
+                self._write(*queue.popleft())
+                written += 1
+        return written
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop the writer, write everything (unresolved marks after `wait_s` s: null figures), close."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        with self._lock:
+            self.drain(wait_s)
+            while self._queue:
+                self._write(*self._queue.popleft())
+            self._write_header()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def _run(self, interval_s: float) -> None:
+        # A CPU client's marks are answered lazily, when someone waits for them: waiting a little here
+        # asks for the answers, so a completed iteration reaches the disk within about one period.
+        sched.yield_to_training()  # never preempt a trainer; still on disk within about a period
+        while not self._stop.wait(interval_s):
+            try:
+                self.drain(wait_s=ANSWER_WAIT_S)
+            except OSError:  # pragma: no cover - disk full etc.: keep training, retry next period
+                continue
+
+    def _write(self, iteration: int, p0: Any, p1: Any) -> None:
+        t0, e0 = _resolve(p0)
+        t1, e1 = _resolve(p1)
+        record = {"kind": "iteration", "iteration": iteration, "t_start": _num(t0), "t_end": _num(t1),
+                  "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0)}
+        self._write_header()
         if self._log is not None:
             self._log.write(record)
         self.records.append(record)
-
-
-def _num(x: float) -> float | None:
-    return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
-
-
-def _all_gather_rows(rows: list[list[float]]) -> tuple[list[list[list[float]]], bool]:
-    """Gather every rank's rows as [rank][row][field] (on every rank); True on the rank that writes (0)."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - the runtime always has torch
-        return [rows], True
-    if not (dist.is_available() and dist.is_initialized()):
-        # No process group (single process, or already destroyed at exit): rank 0 writes its own rows.
-        return [rows], os.environ.get("RANK", "0") == "0"
-    if dist.get_world_size() == 1:
-        return [rows], True
-    global _held_exchange
-    local = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), _FIELDS)
-    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    work = dist.all_gather(out, local, group=_cpu_group(), async_op=True)
-    work.wait()
-    _held_exchange = work  # until the next exchange; see _held_exchange
-    return [o.tolist() for o in out], dist.get_rank() == 0
-
-
-# The last exchange's gloo work, kept referenced from Python. Otherwise a gloo worker thread may drop
-# the last reference after wait() returns; freeing the work frees tensors that Python has seen, which
-# takes the GIL, and if the trainer is already exiting (the final exchange is at close, often just
-# before exit) the thread is unwound through a noexcept frame and the process aborts with
-# "terminate called without an active exception". Held here, the work is freed by the main thread.
-# benchmarks/gloo_exit_race.py (loaded 2-core machine, 3 all_gathers then exit): 6 of 20 runs aborted
-# with plain dist.all_gather, 0 of 20 with this function.
-_held_exchange: Any = None
-_gloo_group: Any = None
-
-
-def _cpu_group() -> Any:
-    """A gloo group over all ranks (the default group when it is gloo): CPU tensors, no GPU sync."""
-    global _gloo_group
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
-        return None
-    if _gloo_group is None:
-        _gloo_group = dist.new_group(backend="gloo")  # collective: every rank reaches the first publish
-    return _gloo_group

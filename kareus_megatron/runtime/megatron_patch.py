@@ -122,6 +122,10 @@ class LiveRun:
     unsupported: list[str] = field(default_factory=list)
     modules: list[Any] = field(default_factory=list, repr=False, compare=False)  # the model chunks
 
+    def layout(self) -> dict[str, int | None]:
+        """Parallel sizes for the run log's header (None: not known)."""
+        return {"pp": self.pp, "tp": self.tp, "cp": self.cp, "dp": self.dp}
+
 
 def _group_size(group: Any) -> int | None:
     try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -27,11 +29,27 @@ from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import hooks, megatron_patch
 from kareus_megatron.runtime.clock.client import ClockClient
-from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.runtime.measurement import LOG_MODES, IterationMeter, open_rank_log
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
 Controller = Literal["process", "thread"]
+
+
+def _global_rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the world size: torch.distributed's when initialised, else RANK, WORLD_SIZE."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover - the runtime always has torch
+        pass
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                          "are not integers") from None
 
 
 def local_rank_from_env() -> int:
@@ -73,6 +91,8 @@ def _cuda_event_factory() -> Any:
 class _Reading:
     """A measurement point read at once on the training thread (measurement-only sessions)."""
 
+    done = True
+
     def __init__(self, t: float, energy_j: float) -> None:
         self.t, self.energy_j = t, energy_j
 
@@ -86,8 +106,12 @@ class RuntimeSession:
     def __init__(self, plan: Plan | None, *, source: str = "the plan", backend: str | None = None,
                  gpu: str | None = None, local_rank: int | None = None, log_path: str | None = None,
                  on_error: OnError = "fail", controller: Controller = "process",
-                 clock_log: str | None = None, framework_patch: ModuleType = megatron_patch) -> None:
-        """Configure; nothing starts until `start()`."""
+                 clock_log: str | None = None, framework_patch: ModuleType = megatron_patch,
+                 log_mode: str = "new") -> None:
+        """Configure; nothing starts until `start()`. `log_path` is a directory of per-rank logs;
+        `log_mode` (new, append, overwrite) says what to do when this rank's log exists there."""
+        if log_mode not in LOG_MODES:
+            raise ConfigError(f"--kareus-log-mode {log_mode!r} is not allowed; use {', '.join(LOG_MODES)}")
         if on_error not in ("fail", "warn"):
             raise ConfigError(f"on_error (--kareus-on-error) {on_error!r} is not allowed; use fail or warn")
         if controller not in ("process", "thread"):
@@ -100,6 +124,8 @@ class RuntimeSession:
         self.gpu = gpu
         self.local_rank = local_rank_from_env() if local_rank is None else local_rank
         self.log_path = log_path
+        self.log_mode = log_mode
+        self._old_handlers: dict[int, Any] = {}
         self.on_error = on_error
         self.controller = controller
         self.clock_log = clock_log if clock_log is not None else os.environ.get("KAREUS_CLOCK_LOG")
@@ -116,21 +142,46 @@ class RuntimeSession:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> RuntimeSession:
         """Start the clock controller (measure only: open the device), check permission, install the patch."""
-        from kareus_megatron.hardware.device import backend_from_env, open_gpu, simulation_of
+        from kareus_megatron.hardware.device import backend_from_env
 
         self.framework_patch.check_version()
         backend = backend_from_env(self.backend)
         gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
             self.plan.gpu if backend == "simulated" and self.plan is not None else None)
         index = physical_gpu_index(self.local_rank)
-        header: dict[str, Any] = {"plan": None if self.plan is None else self.source, "backend": backend}
+        rank, world = _global_rank_and_world()
+        log = open_rank_log(self.log_path, rank, self.log_mode) if self.log_path else None  # before training
+        header: dict[str, Any] = {"rank": rank, "world": world,
+                                  "plan": None if self.plan is None else self.source, "backend": backend}
+        if self.plan is not None:
+            par = self.plan.parallel
+            header.update(pp=par.pp, tp=par.tp, cp=par.cp, dp=par.dp)
         if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
+        try:
+            self._start_measuring(index, backend, gpu, header, log)
+        except BaseException:
+            if log is not None:
+                log.close()
+            raise
+        try:
+            self.patch = self.framework_patch.install(self.plan, self, self.source)
+        except BaseException:
+            self._release()
+            raise
+        atexit.register(self._atexit)
+        self._install_signal_handlers()
+        return self
+
+    def _start_measuring(self, index: int, backend: str, gpu: str | None, header: dict[str, Any],
+                         log: Any) -> None:
+        from kareus_megatron.hardware.device import open_gpu, simulation_of
+
         if self.plan is None:
             self.device = open_gpu(index, backend=backend, gpu=gpu)
             self.simulation = simulation_of(self.device)
             header.update(gpu=self.device.spec.name, clock_control=False)
-            self.meter = IterationMeter(self.log_path, mark=self._read_now, header=header)
+            self.meter = IterationMeter(log, mark=self._read_now, header=header)
         else:
             client = ClockClient(event_factory=_cuda_event_factory())
             if self.controller == "thread":
@@ -146,38 +197,66 @@ class RuntimeSession:
                 warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
             header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
                           clock_control=client.clock_control, predicted=self.plan.predicted.model_dump())
-            self.meter = IterationMeter(self.log_path, mark=client.mark, header=header)
-        try:
-            self.patch = self.framework_patch.install(self.plan, self, self.source)
-        except BaseException:
-            self._release()
-            raise
-        atexit.register(self._atexit)
-        return self
+            self.meter = IterationMeter(log, mark=client.mark, header=header)
 
     def close(self) -> None:
-        """Publish the last iteration (collective: call on every rank), uninstall, reset clocks."""
+        """Write the last iterations (this rank only; no collective), uninstall, reset clocks."""
         if self.closed:
             return
         self.closed = True
         try:
-            if self.meter is not None:
-                try:
-                    self.meter.flush()
-                finally:
-                    self.meter.close()
+            self._close_meter(wait_s=5.0)
         finally:
             self._release(close_overlap=True)
 
     def abort(self) -> None:
-        """Stop without the final collective (after an error): uninstall, reset clocks, stop."""
+        """Stop after an error: write what is measured, uninstall, reset clocks, stop."""
         self._atexit()
 
     def _atexit(self) -> None:
-        # At exit the process group may be gone: no collective, just reset clocks and stop.
+        # At exit (the process group may be gone; nothing here needs it): write, reset clocks, stop.
         if not self.closed:
             self.closed = True
-            self._release()
+            try:
+                self._close_meter(wait_s=2.0)
+            finally:
+                self._release()
+
+    def _close_meter(self, wait_s: float) -> None:
+        self._restore_signal_handlers()
+        if self.meter is not None:
+            self.meter.close(wait_s)
+
+    # -- signals: write what is resolved, then what was there before ---------------------------
+    def _install_signal_handlers(self) -> None:
+        if self.meter is None or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        old, self._old_handlers = self._old_handlers, {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in old.items():
+            if signal.getsignal(signum) == self._on_signal:
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """SIGTERM/SIGINT: reset clocks, write the resolved iterations (up to 0.5 s for the newest), then
+        chain to what was installed before (SIGINT: KeyboardInterrupt; SIGTERM: the process ends)."""
+        if self.client is not None:
+            self.client.reset(timeout_s=0.2)  # first: the GPU must not stay locked however the rest goes
+        if self.meter is not None:
+            self.meter.drain(wait_s=0.5)
+        previous = self._old_handlers.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
+            return
+        if previous == signal.SIG_IGN:
+            return
+        signal.signal(signum, signal.SIG_DFL)  # the default action: end the process as the signal does
+        os.kill(os.getpid(), signum)
 
     def _release(self, close_overlap: bool = False) -> None:
         if self.patch is not None and self.framework_patch.installed_state() is self.patch:
@@ -225,7 +304,7 @@ class RuntimeSession:
                     self.client.reset(timeout_s=2.0)
                 raise
         if self.meter is not None:
-            self.meter.pp_rank = live.pp_rank
+            self.meter.set_stage(live.pp_rank, **live.layout())
         if plan is not None and self.framework_patch is megatron_patch:
             self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
 
@@ -304,7 +383,7 @@ class SessionSlot(Generic[S]):
         return self.session
 
     def uninstall(self) -> None:
-        """Close the installed session (collective: call on every rank); no-op when none is installed."""
+        """Close the installed session (writes this rank's last iterations); no-op when none is installed."""
         session, self.session = self.session, None
         if session is not None:
             session.close()

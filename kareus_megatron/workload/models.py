@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, UnknownPresetError
+from kareus_megatron.errors import ConfigError, UnknownPresetError, read_input_text
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
@@ -62,6 +62,7 @@ class ModelSpec:
 
 _INT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
 _KEYS = {f.name for f in fields(ModelSpec)}
+MAX_SIZE = 2**24  # the largest layer count, width or vocabulary a model file may give (far above any model)
 
 
 def model_from_dict(data: Mapping[str, Any], name: str = "custom") -> ModelSpec:
@@ -83,8 +84,8 @@ def model_from_dict(data: Mapping[str, Any], name: str = "custom") -> ModelSpec:
             continue
         v = d[key]
         lo = 0 if key == "head_dim" else 1
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"model {name!r}: {key} = {v!r} must be an integer >= {lo}.")
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo or v > MAX_SIZE:
+            raise ConfigError(f"model {name!r}: {key} = {v!r} must be an integer from {lo} to {MAX_SIZE}.")
     for key, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
         if key in d and d[key] not in allowed:
             raise ConfigError(f"model {name!r}: {key} = {d[key]!r}; allowed: {', '.join(allowed)}.")
@@ -125,7 +126,7 @@ def model_spec(name_or_path: str) -> ModelSpec:
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         if not path.is_file():
             raise ConfigError(f"model file {name_or_path!r} does not exist; give a preset or an existing file.")
-        text = path.read_text(encoding="utf-8")
+        text = read_input_text(path, ConfigError, "model file", not_text_fix="give a YAML or JSON text file")
         try:
             if path.suffix.lower() == ".json":
                 data = json.loads(text)
@@ -137,7 +138,10 @@ def model_spec(name_or_path: str) -> ModelSpec:
             raise ConfigError(f"model file {name_or_path!r} is not valid {path.suffix[1:]}: {e}".splitlines()[0]) from e
         except Exception as e:  # yaml.YAMLError does not derive from ValueError
             raise ConfigError(f"model file {name_or_path!r} is not valid YAML: {e}".splitlines()[0]) from e
-        return model_from_dict(data, path.stem)
+        try:
+            return model_from_dict(data, path.stem)
+        except ConfigError as e:  # name the file, not only the model
+            raise ConfigError(f"model file {name_or_path!r}: {e}") from None
     raise UnknownPresetError(
         f"unknown model {name_or_path!r}; known: {', '.join(sorted(presets))}, or a .yaml/.json file "
         "with the keys of workload/models.toml."

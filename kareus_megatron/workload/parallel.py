@@ -8,6 +8,7 @@ of them per pipeline. Ranks are ordered TP innermost, then CP, DP, PP (Megatron'
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ from kareus_megatron.workload.models import ModelSpec
 
 RECOMPUTE = ("none", "full", "selective")
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "tf32": 4, "fp32": 4}
+# Upper bounds of the sizes (far above any real run; beyond them the cost model's numbers overflow).
+MAX_SIZE = {"--seq": 2**20, "--mbs": 2**14, "--microbatches": 2**14, "--tp": 2**12, "--cp": 2**12, "--pp": 2**12,
+            "--vp": 2**12, "--dp": 2**20, "--nodes": 2**20, "--gpus-per-node": 2**12}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +72,8 @@ class ParallelConfig:
 def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} = {value!r} must be a positive integer.")
+    if value > MAX_SIZE.get(name, value):
+        raise ConfigError(f"{name} = {value!r} is too large; the most this planner models is {MAX_SIZE[name]}.")
     return value
 
 
@@ -156,15 +162,16 @@ def make_parallel(
         raise ConfigError(f"--recompute {recompute!r}; allowed: {', '.join(RECOMPUTE)}.")
     if precision not in PRECISION_BYTES:
         raise ConfigError(f"--precision {precision!r}; allowed: {', '.join(PRECISION_BYTES)}.")
+    valid_tp = _divisors(math.gcd(model.num_attention_heads, model.num_query_groups))  # both checks pass
     if model.num_attention_heads % tp:
         raise InfeasibleConfigError(
             f"--tp {tp} does not divide {model.name}'s {model.num_attention_heads} attention heads; "
-            f"use --tp one of {_divisors(model.num_attention_heads)}."
+            f"use --tp one of {valid_tp}."
         )
     if model.num_query_groups % tp:
         raise InfeasibleConfigError(
             f"--tp {tp} does not divide {model.name}'s {model.num_query_groups} KV heads (query groups); "
-            f"use --tp one of {_divisors(model.num_query_groups)}."
+            f"use --tp one of {valid_tp}."
         )
     if sequence_parallel and tp == 1:
         raise InfeasibleConfigError("--sequence-parallel needs --tp > 1; drop --sp or raise --tp.")

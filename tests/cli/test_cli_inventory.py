@@ -11,43 +11,51 @@ import sys
 from kareus_megatron.cli.main import build_parser, main
 
 EXPECTED = {
-    "env": ['--check-permission', '--gpu-index', '--json'],
+    "env": ['--check-permission', '--debug', '--device', '--gpu-index', '--json'],
     "predict": [
-        '--calibration', '--cp', '--dp', '--first-stage-layers', '--format', '--freqs', '--gpu', '--gpus-per-node',
+        '--calibration', '--cp', '--debug', '--distributed-optimizer',
+        '--dp', '--first-stage-layers', '--format', '--freqs', '--gpu',
+        '--gpus-per-node',
         '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--pp', '--precision', '--recompute',
         '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "calibrate": [
-        '--calibration', '--cp', '--device', '--dp', '--first-stage-layers', '--gpu', '--gpus-per-node',
-        '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--output', '--pp', '--precision',
+        '--calibration', '--cp', '--debug', '--device', '--dp', '--first-stage-layers', '--gpu', '--gpu-index',
+        '--gpus-per-node', '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--out', '--output',
+        '--pp', '--precision',
         '--profile', '--ratios-only', '--recompute', '--run', '--seconds', '--seq', '--sequence-parallel', '--sp',
         '--tp', '--vp', '-o'
     ],
     "partitions": [
-        '--calibration', '--cp', '--dp', '--first-stage-layers', '--format', '--freq', '--gpu', '--gpus-per-node',
+        '--calibration', '--cp', '--debug', '--dp', '--first-stage-layers', '--format', '--freq', '--gpu',
+        '--gpus-per-node',
         '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nanobatches', '--nodes', '--overlap', '--pp',
         '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "plan": [
-        '--calibration', '--cp', '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu', '--gpus-per-node',
-        '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--nodes', '--out',
+        '--calibration', '--cp', '--debug', '--distributed-optimizer',
+        '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
+        '--gpus-per-node',
+        '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
+        '--nodes', '--out',
         '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
         '--vp'
     ],
     "solve": [
-        '--cp', '--dp', '--gpu', '--layers-per-stage', '--max-time', '--micro-batch-size', '--microbatches', '--out',
-        '--p-blocked', '--p2p-time', '--points', '--pp', '--profile', '--schedule', '--seq-length', '--tp',
+        '--cp', '--debug', '--dp', '--gpu', '--layers-per-stage', '--max-time', '--mbs', '--micro-batch-size',
+        '--microbatches', '--out', '--p-blocked', '--p2p-time', '--points', '--pp', '--profile', '--schedule', '--seq',
+        '--seq-length', '--tp',
         '--zeus-format'
     ],
-    "report": ['--no-plot', '--plan', '--plot', '--skip-iterations'],
-    "compare": ['--no-plot', '--out', '--skip-iterations'],
+    "report": ['--debug', '--format', '--no-plot', '--plan', '--plot', '--skip', '--skip-iterations'],
+    "compare": ['--debug', '--no-plot', '--out', '--skip', '--skip-iterations'],
     "launch run": [
-        '--container-image', '--container-mounts', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
+        '--container-image', '--container-mounts', '--debug', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
         '--master-addr', '--master-port', '--method', '--node-rank', '--nodes', '--overwrite', '--plan-dir', '--point',
         '--rdzv-id', '--script', '--train-iters'
     ],
     "launch comparison": [
-        '--container-image', '--container-mounts', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
+        '--container-image', '--container-mounts', '--debug', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
         '--master-addr', '--master-port', '--methods', '--node-rank', '--nodes', '--overwrite', '--plan-arg',
         '--plan-dir', '--point', '--rdzv-id', '--script', '--skip-iterations', '--train-iters'
     ],

@@ -116,9 +116,9 @@ WORKLOAD_FLAGS = {"--gpu", "--model", "--tp", "--cp", "--pp", "--vp", "--dp", "-
 
 
 def test_cli_flags_are_deliberate():
-    assert _flags("predict") == WORKLOAD_FLAGS | {"--freqs", "--format"}
-    assert _flags("calibrate") == WORKLOAD_FLAGS | {"--profile", "--run", "--device", "--seconds", "--ratios-only",
-                                                    "-o", "--output"}
+    assert _flags("predict") == WORKLOAD_FLAGS | {"--freqs", "--format", "--distributed-optimizer", "--debug"}
+    assert _flags("calibrate") == WORKLOAD_FLAGS | {"--profile", "--run", "--device", "--gpu-index", "--seconds",
+                                                    "--ratios-only", "-o", "--out", "--output", "--debug"}
 
 
 def test_predict_and_plan_default_to_the_same_clock_grid(capsys):

@@ -111,7 +111,7 @@ def test_torchrun_dry_run_prints_the_exact_command(plan_dir):
                "--log-dir", "runs", "--dry-run", "--", "--data-path", "/data/x")
     assert r.returncode == 0, r.stderr
     want = (f"+ {torchrun('kareus-00')} {LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
-            f"--kareus-plan {plan_dir}/plans/kareus-00.json --kareus-log runs/kareus-00/measurement.jsonl "
+            f"--kareus-plan {plan_dir}/plans/kareus-00.json --kareus-log runs/kareus-00/measurement "
             "--data-path /data/x\n")
     assert r.stdout == want
     assert not (ROOT / "runs").exists()  # dry run: nothing written
@@ -123,7 +123,7 @@ def test_megatron_baseline_tolerates_missing_clock_permission(plan_dir):
     assert r.returncode == 0, r.stderr
     assert r.stdout == (f"+ {torchrun('megatron-00')} {LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
                         f"--kareus-plan {plan_dir}/plans/megatron-00.json --kareus-on-error warn "
-                        "--kareus-log /logs/megatron-00/measurement.jsonl\n")
+                        "--kareus-log /logs/megatron-00/measurement\n")
 
 
 @pytest.mark.parametrize("point, want", [("fastest", [0]), ("min-energy", [1]), ("all", [0, 1]), ("1", [1])])
@@ -146,7 +146,7 @@ def test_slurm_inside_an_allocation_runs_srun_torchrun(plan_dir):
         f"--container-image kareus-megatron.sqsh --container-mounts {ROOT}:{ROOT} --container-workdir {ROOT} "
         f"{torchrun('perseus-00', 'gpu-a01', '4242')} /opt/kareus/src/launch/pretrain_gpt.py {LLAMA_ARGS} "
         f"--kareus-plan {plan_dir}/plans/perseus-00.json "
-        "--kareus-log runs/perseus-00/measurement.jsonl\n")
+        "--kareus-log runs/perseus-00/measurement\n")
 
 
 def test_slurm_outside_an_allocation_submits_itself_with_sbatch(plan_dir):
@@ -224,7 +224,7 @@ def test_comparison_dry_run_lists_every_point_then_compare(plan_dir):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     runs = [line.split("--kareus-log ")[1].split()[0] for line in lines[:-1]]
-    assert runs == [f"L/{n}/measurement.jsonl" for n in
+    assert runs == [f"L/{n}/measurement" for n in
                     ("megatron-00", "perseus-00", "perseus-01", "nanobatch_perseus-00", "kareus-00")]
     assert lines[-1] == "+ kareus compare L --skip-iterations 2"
 
@@ -244,13 +244,13 @@ def test_deepspeed_plans_need_a_script_and_get_the_plan_through_the_environment(
                "--script", "train_ds.py", "--dry-run", "--", "--deepspeed_config", "ds.json")
     assert r.returncode == 0, r.stderr
     assert r.stdout == (
-        f"+ KAREUS_LOG=runs/kareus-00/measurement.jsonl KAREUS_PLAN={d}/plans/kareus-00.json "
+        f"+ KAREUS_LOG=runs/kareus-00/measurement KAREUS_PLAN={d}/plans/kareus-00.json "
         "torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:29500 "
         "--rdzv-id kareus-kareus-00 train_ds.py --deepspeed_config ds.json\n")
     r = launch("run", "--method", "megatron", "--plan-dir", str(d), "--nodes", "1", "--gpus-per-node", "2",
                "--script", "train_ds.py", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("+ KAREUS_LOG=runs/megatron-00/measurement.jsonl torchrun ")  # measured, no plan
+    assert r.stdout.startswith("+ KAREUS_LOG=runs/megatron-00/measurement torchrun ")  # measured, no plan
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -287,7 +287,7 @@ def test_megatron_args_reject_layouts_megatron_cannot_express(plan_dir):
 
 
 def test_earlier_logs_are_not_appended_to(plan_dir, tmp_path):
-    old = tmp_path / "L" / "kareus-00" / "measurement.jsonl"
+    old = tmp_path / "L" / "kareus-00" / "measurement" / "rank-00000.jsonl"  # a run's log directory
     old.parent.mkdir(parents=True)
     old.write_text('{"kind": "header"}\n')
     r = launch("run", "--method", "kareus", "--plan-dir", str(plan_dir), "--log-dir", str(tmp_path / "L"))

@@ -79,7 +79,7 @@ def _launcher_plan(capsys, plan_dir: Path, point: str | None) -> str:
 
 @pytest.mark.parametrize("point", list(SYNTAX))
 def test_every_point_names_the_same_plan_everywhere(plan_dir, capsys, monkeypatch, point):
-    monkeypatch.setattr(cli_main, "COMMANDS", {"launch": "launch"})  # others' subcommands may be mid-edit
+    monkeypatch.setattr(cli_main, "COMMANDS", {"launch": "launch"})
     want = str(plan_dir / "plans" / f"{SYNTAX[point]}.json")
     plan, entry = resolve_plan(str(plan_dir), point)  # --kareus-plan DIR --kareus-point POINT
     ds_plan, ds = kds._resolve_plan(plan_dir, point)  # kareus_megatron.deepspeed.install(DIR, point=POINT)

@@ -17,7 +17,7 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
 from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT3 = ROOT / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
@@ -26,7 +26,7 @@ ROWS = [(0.9, 90.0), (0.8, 80.0), (0.5, 50.0), (0.75, 75.0), (0.5, 50.0), (4.0, 
 
 @pytest.fixture(autouse=True)
 def only_these(monkeypatch):
-    """The real `kareus` dispatcher with just these subcommands (others' modules may be mid-edit)."""
+    """The real `kareus` dispatcher with just these subcommands."""
     monkeypatch.setattr(cli_main, "COMMANDS", {"report": "report", "solve": "solve", "plan": "plan"})
 
 
@@ -50,7 +50,7 @@ def test_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out
     assert "iteration time" in out and "stage 0 energy" in out and "stage 1 time" in out
-    assert "6 iterations (2 warm-up left out; median of 4)" in out and "blocked power 80 W" in out
+    assert "6 complete iterations (0 partial; 2 warm-up left out; median of 4)" in out and "blocked power 80 W" in out
     assert (tmp_path / "run.png").stat().st_size > 1000
     cmp = compare(summarize(read_run_log(log)), tiny_plan(p_blocked_w=80.0))
     assert cmp.used == 4 and cmp.skipped == 2 and cmp.notes == [] and cmp.p_blocked_w == 80.0
@@ -64,6 +64,8 @@ def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
     clock = iter([x for k, d in enumerate(durations) for x in (10.0 * k, 10.0 * k + d)])
 
     class Ticket:  # a clock-client mark: time (s) and the energy counter (J) at 100 W
+        done = True
+
         def __init__(self) -> None:
             self.t = next(clock)
             self.energy_j = 100.0 * self.t
@@ -71,14 +73,15 @@ def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
         def wait(self, timeout_s: float) -> bool:
             return True
 
-    meter = IterationMeter(tmp_path / "m.jsonl", mark=Ticket, header={"backend": "simulated"}, publish_every=2)
+    meter = IterationMeter(open_rank_log(tmp_path / "m", 0), mark=Ticket,
+                           header={"backend": "simulated", "rank": 0, "world": 1}, flush_interval_s=None)
     for it in range(len(durations)):
         meter.begin(it)
         meter.end(it)
-    meter.flush()
     meter.close()
-    s = summarize(read_run_log(tmp_path / "m.jsonl"))
-    assert s.time_s == pytest.approx(statistics.median(r["time_s"] for r in meter.records[2:])) == pytest.approx(0.625)
+    s = summarize(read_run_log(tmp_path / "m"))
+    written = list(meter.records)[2:]
+    assert s.time_s == pytest.approx(statistics.median(r["time_s"] for r in written)) == pytest.approx(0.625)
     assert s.energy_j == pytest.approx(62.5) and s.stage_energy_j == {0: pytest.approx(62.5)}
 
 

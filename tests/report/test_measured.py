@@ -31,7 +31,7 @@ RUNS = {
 
 @pytest.fixture(autouse=True)
 def only_compare(monkeypatch):
-    """The real `kareus` dispatcher with just this subcommand (others' modules may be mid-edit)."""
+    """The real `kareus` dispatcher with just this subcommand."""
     monkeypatch.setattr(cli_main, "COMMANDS", {"compare": "compare"})
 
 

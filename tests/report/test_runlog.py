@@ -25,7 +25,7 @@ CUT = '{"kind": "iteration", "iteration": 6, "time_s": 0.1'  # what a job killed
 
 @pytest.fixture(autouse=True)
 def only_these(monkeypatch):
-    """The real `kareus` dispatcher with just these subcommands (others' modules may be mid-edit)."""
+    """The real `kareus` dispatcher with just these subcommands."""
     monkeypatch.setattr(cli_main, "COMMANDS", {"report": "report", "compare": "compare"})
 
 

@@ -21,7 +21,7 @@ def _train_pair(pp: int, vp: int | None, plan: Any, log_dir: str, tag: str) -> d
     import tiny_gpt
 
     import kareus_megatron.megatron as kareus
-    from kareus_megatron.runtime import hooks, measurement
+    from kareus_megatron.runtime import hooks
 
     tiny_gpt.init_parallel(pp, vp)
     losses_a, grads_a = tiny_gpt.train(tiny_gpt.build_chunks(pp, vp), M, ITERATIONS)
@@ -49,7 +49,6 @@ def _train_pair(pp: int, vp: int | None, plan: Any, log_dir: str, tag: str) -> d
         "events": events,
         "order_deviations": session.patch.order_deviations if session.patch else None,
         "counts": session.client.counts if session.client else None,
-        "exchange_held": bool(measurement._held_exchange is not None and measurement._held_exchange.is_completed()),
     }
 
 

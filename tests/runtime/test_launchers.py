@@ -17,6 +17,7 @@ from _dist import free_port
 from kareus_megatron import launch
 from kareus_megatron.cli.main import main
 from kareus_megatron.plan.io import save_plan, write_json_atomic
+from kareus_megatron.report.runlog import read_run_log
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -90,9 +91,10 @@ def _check_run(tmp: Path, plan, results) -> None:
         seq = [x["mhz"] for x in recs if x["gpu"] == rank and x["event"] in ("set", "skip")]
         assert seq == plan.clock_sequence(rank) * ITERS
         assert [x["event"] for x in recs if x["gpu"] == rank][-2:] == ["reset", "close"]
-    run = [json.loads(line) for line in (tmp / "run.jsonl").read_text().splitlines()]
-    assert run[0]["kind"] == "header" and run[0]["world"] == 2
-    assert [x["iteration"] for x in run[1:]] == list(range(ITERS))
+    run = read_run_log(tmp / "run.jsonl")  # the --kareus-log directory: one file per rank, merged here
+    assert run.header["world"] == 2 and not run.partial
+    assert [x["iteration"] for x in run.iterations] == list(range(ITERS))
+    assert {s["pp_rank"] for x in run.iterations for s in x["stages"]} == {0, 1}
     losses = json.loads((tmp / "losses1.json").read_text())
     assert len(losses) == ITERS and all(3.0 < x < 6.0 for x in losses)
 

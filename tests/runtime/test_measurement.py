@@ -1,6 +1,6 @@
 """runtime/measurement.py: the iteration meter's log (single process, simulated GPU), `kareus report` on
-that log, and how the meter sizes its exchanges. (report/ itself: tests/report/; `kareus env`:
-tests/cli/test_cli_env.py.)"""
+that log. (Rank files, exit paths and merging: tests/runtime/test_durable_log.py; report/ itself:
+tests/report/; `kareus env`: tests/cli/test_cli_env.py.)"""
 
 from __future__ import annotations
 
@@ -17,18 +17,17 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256, save_plan
 from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime import measurement
 from kareus_megatron.runtime.clock.client import ClockClient
-from kareus_megatron.runtime.measurement import IterationMeter
+from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
 
 
 def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
     client = ClockClient()
     gpu = SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0)
     client.start_thread(gpu, simulation=gpu)
-    log = tmp_path / "run.jsonl"
-    meter = IterationMeter(log, mark=client.mark, header={"plan_sha256": plan_sha256(plan), "backend": "simulated"},
-                           publish_every=2)
+    log = tmp_path / "run"
+    meter = IterationMeter(open_rank_log(log, 0), mark=client.mark,
+                           header={"plan_sha256": plan_sha256(plan), "backend": "simulated", "rank": 0, "world": 1})
     for it in range(iterations):
         meter.begin(it)
         for k, ins in enumerate(plan.stages[0].instructions[:4]):
@@ -36,9 +35,6 @@ def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
             time.sleep(busy_s / 4)
             client.instruction_ends()
         meter.end(it)
-        if it == 2:  # publishing lags: iterations 0 and 1 are out once 3 are pending
-            assert [r["iteration"] for r in meter.records] == [0, 1]
-    meter.flush()
     meter.close()
     client.close()
     return log, meter
@@ -47,7 +43,7 @@ def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
 def test_meter_writes_every_iteration(tmp_path):
     plan = plans.tiny_plan()
     log, meter = _record_run(tmp_path, plan)
-    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    recs = [json.loads(line) for line in (log / "rank-00000.jsonl").read_text().splitlines()]
     assert recs[0]["kind"] == "header" and recs[0]["world"] == 1
     its = recs[1:]
     assert [r["iteration"] for r in its] == list(range(5))
@@ -55,7 +51,7 @@ def test_meter_writes_every_iteration(tmp_path):
         assert 0.01 <= r["time_s"] < 0.5
         # busy at >= blocked power for the whole window
         assert r["energy_j"] >= gpu_spec(plan.gpu).p_blocked_w * r["time_s"] * 0.99
-        assert r["stages"] == [{"pp_rank": 0, "time_s": r["time_s"], "energy_j": r["energy_j"], "gpus": 1}]
+        assert r["t_end"] - r["t_start"] == pytest.approx(r["time_s"])
 
 
 def test_report_cli_prints_table_and_plot(tmp_path, capsys):
@@ -65,32 +61,9 @@ def test_report_cli_prints_table_and_plot(tmp_path, capsys):
     assert main(["report", str(log), "--plan", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out
     assert "iteration time" in out and "stage 0 energy" in out and "2 warm-up left out; median of 3" in out
-    assert (tmp_path / "run.png").stat().st_size > 1000
+    assert (tmp_path / "run.png").stat().st_size > 1000  # LOG.png beside the log directory
     cmp = compare(summarize(read_run_log(log)), plan)  # report/ (tests/report/ has its own tests)
     assert cmp.used == 3 and cmp.notes == [] and cmp.p_blocked_w == gpu_spec(plan.gpu).p_blocked_w
-    assert cmp.rows[0].measured == pytest.approx(statistics.median(r["time_s"] for r in meter.records[2:]))
-    assert cmp.rows[1].measured == pytest.approx(statistics.median(r["energy_j"] for r in meter.records[2:]))
+    assert cmp.rows[0].measured == pytest.approx(statistics.median(r["time_s"] for r in list(meter.records)[2:]))
+    assert cmp.rows[1].measured == pytest.approx(statistics.median(r["energy_j"] for r in list(meter.records)[2:]))
     assert cmp.rows[0].predicted == plan.predicted.iteration_time_s
-
-
-def test_meter_sizes_exchanges_by_time_and_every_rank_agrees():
-    """After an exchange every rank sizes the next group from the same gathered figures."""
-    def rows(times_s):
-        return [[float(i), 0.0, t, 1.0] for i, t in enumerate(times_s)]
-
-    gathered = [rows([0.02, 0.5, 0.01]), rows([0.03, 0.02, 0.04])]  # per rank; per iteration max 0.03, 0.5, 0.04
-    sizes = []
-    for _ in range(2):  # two ranks, same gathered figures
-        meter = IterationMeter(None, publish_every=10, publish_interval_s=1.0)
-        meter._size_next_group(gathered)
-        sizes.append(meter._publish_every)
-    assert sizes == [25, 25]  # 1 s over the median iteration time, 0.04 s
-    fixed = IterationMeter(None, publish_every=3, publish_interval_s=None)
-    fixed._size_next_group(gathered)
-    assert fixed._publish_every == 3
-    slow = IterationMeter(None, publish_interval_s=1.0)
-    slow._size_next_group([rows([5.0, float("nan")])])
-    assert slow._publish_every == 1  # iterations longer than the interval: every iteration
-    fast = IterationMeter(None, publish_interval_s=60.0)
-    fast._size_next_group([rows([1e-4])])
-    assert fast._publish_every == measurement.MAX_GROUP

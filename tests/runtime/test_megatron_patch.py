@@ -67,12 +67,12 @@ def test_hooks_see_every_planned_instruction_in_order(spawned, tag, vp, seed):
 
 def test_measurement_log(spawned):
     out, _ = spawned
-    recs = [json.loads(line) for line in (out / "1f1b.run.jsonl").read_text().splitlines()]
-    assert recs[0]["kind"] == "header" and recs[0]["world"] == 2 and recs[0]["backend"] == "simulated"
-    its = [r for r in recs if r["kind"] == "iteration"]
+    from kareus_megatron.report.runlog import read_run_log  # the log is a directory of rank files
+
+    log = read_run_log(out / "1f1b.run.jsonl")
+    assert log.header["world"] == 2 and log.header["backend"] == "simulated" and log.partial == {}
+    its = log.iterations
     assert [r["iteration"] for r in its] == [0, 1]
-    # the final exchange's gloo work stays referenced from Python (not freed by a gloo thread at exit)
-    assert all(spawned[1][r][tag]["exchange_held"] for r in range(2) for tag in ("1f1b", "vp"))
     for r in its:
         assert [s["pp_rank"] for s in r["stages"]] == [0, 1]
         assert r["time_s"] == max(s["time_s"] for s in r["stages"]) > 0

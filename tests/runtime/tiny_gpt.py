@@ -25,9 +25,9 @@ def setup(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    import _mcore_cpu_shim
+    from kareus_megatron.runtime import cpu_shim
 
-    _mcore_cpu_shim.apply()
+    cpu_shim.apply()
 
 
 def init_parallel(pp: int, vp: int | None) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from _dist import free_port
 
+from kareus_megatron.report.runlog import MEASUREMENT_FILE, read_run_log
+
 ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
@@ -21,7 +23,6 @@ HERE = Path(__file__).resolve().parent
 def test_plan_launch_compare(tmp_path, monkeypatch):
     from kareus_megatron.cli import main as cli_main
 
-    monkeypatch.setattr(cli_main, "COMMANDS", {"plan": "plan"})  # others' subcommands may be mid-edit
     plans, logs = tmp_path / "plans", tmp_path / "logs"
     assert cli_main.main(["plan", "--framework", "deepspeed", "--model", "qwen3-1.7b", "--tp", "1", "--pp", "2",
                           "--dp", "1", "--mbs", "2", "--seq", "512", "--microbatches", "4", "--nodes", "1",
@@ -44,7 +45,7 @@ def test_plan_launch_compare(tmp_path, monkeypatch):
         manifest = json.loads((logs / name / "run.json").read_text())
         assert manifest["format"] == "kareus-run/1" and manifest["command"][0] == "torchrun"
         assert ("KAREUS_PLAN" in manifest["env"]) == (name != "megatron-00")
-        its = [json.loads(x) for x in (logs / name / "measurement.jsonl").read_text().splitlines()][1:]
+        its = read_run_log(logs / name / MEASUREMENT_FILE).iterations
         assert [x["iteration"] for x in its] == [0, 1, 2]
         (pt,) = doc["methods"][name.split("-")[0]]["points"]
         assert pt["energy_j"] == statistics.median(x["energy_j"] for x in its[1:])  # report/runlog.py's statistic

@@ -25,6 +25,7 @@ from _dist import read_ranks, spawn  # noqa: E402
 from kareus_megatron.errors import ConfigError, UnsupportedVersionError  # noqa: E402
 from kareus_megatron.plan.io import save_plan, write_json_atomic  # noqa: E402
 from kareus_megatron.plan.schema import Plan  # noqa: E402
+from kareus_megatron.report.runlog import MEASUREMENT_FILE, read_run_log  # noqa: E402
 from kareus_megatron.runtime import deepspeed_patch  # noqa: E402
 from kareus_megatron.search.schedules import instruction_order  # noqa: E402
 
@@ -64,11 +65,11 @@ def runs(tmp_path_factory):
         save_plan(plan, d / f"{name}.json")
     scenarios = [
         {"name": "reference", "mode": "reference"},
-        {"name": "megatron-00", "mode": "measure", "log": str(logs / "megatron-00" / "measurement.jsonl")},
+        {"name": "megatron-00", "mode": "measure", "log": str(logs / "megatron-00" / MEASUREMENT_FILE)},
         {"name": "perseus-00", "mode": "plan", "plan": str(d / "perseus-00.json"),
-         "log": str(logs / "perseus-00" / "measurement.jsonl"), "controller": "thread"},
+         "log": str(logs / "perseus-00" / MEASUREMENT_FILE), "controller": "thread"},
         {"name": "kareus-00", "mode": "plan", "plan": str(d / "kareus-00.json"),
-         "log": str(logs / "kareus-00" / "measurement.jsonl"), "controller": "process"},
+         "log": str(logs / "kareus-00" / MEASUREMENT_FILE), "controller": "process"},
         {"name": "mismatch", "mode": "plan", "plan": str(d / "mismatch.json"), "controller": "thread"},
     ]
     for sc in scenarios[1:4]:  # what `kareus launch` writes beside each run's log
@@ -135,9 +136,9 @@ def test_wrong_micro_batch_count_rejected_before_the_first_step(runs):
 def test_measured_logs_are_written_per_step(runs):
     _, _, _, logs = runs
     for name in ("megatron-00", "perseus-00", "kareus-00"):
-        lines = [json.loads(x) for x in (logs / name / "measurement.jsonl").read_text().splitlines()]
-        assert lines[0]["kind"] == "header" and lines[0]["framework"] == "deepspeed"
-        its = [x for x in lines if x["kind"] == "iteration"]
+        run = read_run_log(logs / name / MEASUREMENT_FILE)  # one file per rank, merged
+        assert run.header["framework"] == "deepspeed" and not run.partial
+        its = run.iterations
         assert [x["iteration"] for x in its] == list(range(ds_worker.STEPS))
         assert all(x["time_s"] > 0 and x["energy_j"] > 0 for x in its)
         assert [s["pp_rank"] for s in its[0]["stages"]] == [0, 1]
@@ -146,7 +147,6 @@ def test_measured_logs_are_written_per_step(runs):
 def test_kareus_compare_on_the_cpu_runs(runs, tmp_path, monkeypatch):
     from kareus_megatron.cli import main as cli_main
 
-    monkeypatch.setattr(cli_main, "COMMANDS", {"compare": "compare"})  # others' subcommands may be mid-edit
     main = cli_main.main
     _, _, _, logs = runs
     out = tmp_path / "cmp"
@@ -154,8 +154,7 @@ def test_kareus_compare_on_the_cpu_runs(runs, tmp_path, monkeypatch):
     doc = json.loads((out / "frontier.json").read_text())
     assert set(doc["methods"]) == {"megatron", "perseus", "kareus"}
     for method in doc["methods"]:
-        its = [json.loads(x) for x in (logs / f"{method}-00" / "measurement.jsonl").read_text().splitlines()]
-        its = [x for x in its if x["kind"] == "iteration"][1:]
+        its = read_run_log(logs / f"{method}-00" / MEASUREMENT_FILE).iterations[1:]
         (pt,) = doc["methods"][method]["points"]
         assert pt["time_s"] == pytest.approx(statistics.median(x["time_s"] for x in its), rel=1e-12)
         assert pt["energy_j"] == pytest.approx(statistics.median(x["energy_j"] for x in its), rel=1e-12)

@@ -28,17 +28,15 @@ def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
 
 
 def _setup(rank: int, world: int, port: int, pp: int = 1) -> None:
-    import sys
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # tests/: _mcore_cpu_shim
-    import _mcore_cpu_shim
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    _mcore_cpu_shim.apply()
+    from kareus_megatron.runtime import cpu_shim
+
+    cpu_shim.apply()
     # Full recompute saves/restores the CUDA RNG state (torch.cuda.get_rng_state): none on CPU.
     mrandom._get_cuda_rng_state = lambda *a, **k: None
     mrandom._set_cuda_rng_state = lambda *a, **k: None
