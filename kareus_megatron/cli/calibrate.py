@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, DeviceUnavailableError, check_writable_location
+from kareus_megatron.errors import ConfigError, DeviceUnavailableError
+from kareus_megatron.files import check_writable_location
 
 MAX_SECONDS = 600.0  # longest --seconds per measurement (s)
 HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to microbenchmarks on this GPU (--run)"

@@ -16,7 +16,8 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kareus_megatron.cost.params import GPU_PARAM_NAMES, KERNEL_PARAM_NAMES, PARAM_NAMES, with_gpu_params
-from kareus_megatron.errors import CalibrationError, describe_validation_error, read_input_text
+from kareus_megatron.errors import CalibrationError, describe_validation_error
+from kareus_megatron.files import read_input_text
 from kareus_megatron.hardware.gpus import GPUSpec
 
 FORMAT: Final = "kareus-calibration/1"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus_megatron.errors import ProfileError, read_input_text
+from kareus_megatron.errors import ProfileError
+from kareus_megatron.files import read_input_text
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 INSTRUCTIONS = ("forward", "backward")

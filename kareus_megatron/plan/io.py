@@ -14,14 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kareus_megatron.errors import (
-    ConfigError,
-    PlanError,
-    PlanVersionError,
-    check_writable_location,
-    describe_validation_error,
-    read_input_text,
-)
+from kareus_megatron.errors import ConfigError, PlanError, PlanVersionError, describe_validation_error
+from kareus_megatron.files import check_writable_location, read_input_text
 from kareus_megatron.plan.schema import PLAN_FORMAT, Plan
 
 SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus_megatron.errors import ConfigError, PlanError
+from kareus_megatron.files import read_input_text
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import FRONTIER_FORMAT, Plan
 from kareus_megatron.vocab import DEFAULT_METHOD, PLAN_METHODS
@@ -99,14 +100,11 @@ def _number(v: Any) -> bool:
 def read_frontier(plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and check DIR/frontier.json (kareus-frontier/1); PlanError naming what is wrong."""
     path = Path(plan_dir) / FRONTIER_FILE
+    if not path.exists():
+        raise PlanError(f"{path} does not exist; give a `kareus plan --out DIR` directory")
+    text = read_input_text(path, PlanError, "frontier file", not_text_fix="regenerate it with kareus plan")
     try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"{path} does not exist; give a `kareus plan --out DIR` directory") from None
-    except OSError as e:
-        raise PlanError(f"cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise PlanError(f"{path} is not UTF-8 text; regenerate it with kareus plan") from None
+        doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}") from None
     if not isinstance(doc, dict) or doc.get("format") != FRONTIER_FORMAT:

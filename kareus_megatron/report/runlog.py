@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus_megatron.errors import ConfigError
+from kareus_megatron.files import read_input_text
 
 RUN_FORMAT = "kareus-run/1"
 MEASUREMENT_FILE = "measurement"  # a directory of rank-NNNNN.jsonl files (runtime/measurement.py)
@@ -141,12 +142,7 @@ def read_jsonl_run(p: Path, merged: bool,
     """(header, iterations by index, truncated) of one JSONL file; `last_run`: several headers are runs
     appended one after another, keep the last (else a second header is a ConfigError). The header gets
     ``_runs``, the number of runs seen, when `last_run`."""
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read run log {p}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p} is not a text file; {_HINT}") from None
+    text = read_input_text(p, ConfigError, "run log", not_text_fix="give the --kareus-log directory of a run")
     lines = text.splitlines()
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
     header: dict[str, Any] = {}

@@ -17,6 +17,7 @@ from typing import Any
 from kareus_megatron.errors import KareusError, print_error
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.runtime.measurement import LOG_MODES
 
 
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kareus-log", default=None, metavar="DIR",
                    help="log directory: each rank appends its per-iteration time and energy to "
                         "DIR/rank-NNNNN.jsonl; read it with `kareus report DIR`")
-    g.add_argument("--kareus-log-mode", default="new", choices=("new", "append", "overwrite"),
+    g.add_argument("--kareus-log-mode", default="new", choices=LOG_MODES,
                    help="when DIR already holds this run's rank logs: refuse (new, default), append a run, "
                         "or overwrite them")
     g.add_argument("--kareus-on-error", default="fail", choices=("fail", "warn"),

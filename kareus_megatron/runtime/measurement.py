@@ -84,7 +84,7 @@ def open_rank_log(log_dir: str | os.PathLike[str], rank: int, mode: str = "new")
 
 
 def _done(point: Any) -> bool:
-    return isinstance(point, float) or bool(getattr(point, "done", True))
+    return isinstance(point, float) or point.done
 
 
 def _wait(point: Any, deadline: float) -> bool:

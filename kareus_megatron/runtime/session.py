@@ -29,7 +29,7 @@ from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import hooks, megatron_patch
 from kareus_megatron.runtime.clock.client import ClockClient
-from kareus_megatron.runtime.measurement import LOG_MODES, IterationMeter, open_rank_log
+from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
@@ -110,8 +110,6 @@ class RuntimeSession:
                  log_mode: str = "new") -> None:
         """Configure; nothing starts until `start()`. `log_path` is a directory of per-rank logs;
         `log_mode` (new, append, overwrite) says what to do when this rank's log exists there."""
-        if log_mode not in LOG_MODES:
-            raise ConfigError(f"--kareus-log-mode {log_mode!r} is not allowed; use {', '.join(LOG_MODES)}")
         if on_error not in ("fail", "warn"):
             raise ConfigError(f"on_error (--kareus-on-error) {on_error!r} is not allowed; use fail or warn")
         if controller not in ("process", "thread"):

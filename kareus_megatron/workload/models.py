@@ -16,7 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.errors import ConfigError, UnknownPresetError, read_input_text
+from kareus_megatron.errors import ConfigError, UnknownPresetError
+from kareus_megatron.files import read_input_text
 
 ACTIVATIONS = ("swiglu", "gelu")
 NORMS = ("rmsnorm", "layernorm")
