@@ -18,6 +18,10 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 $(VENV)/.test: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# The older supported series (kareus_megatron/versions.py), each in its own directory: a test puts it
+	# first on PYTHONPATH to run the runtime against it (tests/runtime/test_framework_versions.py).
+	$(BIN)/pip install -q --no-deps --target $(VENV)/alt/megatron-core-0.15.3 megatron-core==0.15.3
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-deps --target $(VENV)/alt/deepspeed-0.18.9 deepspeed==0.18.9
 	touch $(VENV)/.core $@
 
 install: $(VENV)/.core

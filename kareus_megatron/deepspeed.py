@@ -1,6 +1,14 @@
-"""Run a kareus plan in a DeepSpeed pipeline-parallel script (PipelineModule + PipelineEngine, 0.19.x).
+"""Run a kareus plan in a DeepSpeed pipeline-parallel script (PipelineModule + PipelineEngine, 0.18.x, 0.19.x).
 
-One line, before ``deepspeed.initialize``, in one of three forms:
+Without touching the script, launch it through this module (as ``kareus_megatron.launch`` does for
+megatron-core): the plan is installed before the script runs as ``__main__``, and closed when it returns
+(the last step is logged); a kareus error (e.g. a plan that does not fit the engine, refused before step 1)
+prints one line and exits with status 2:
+
+    torchrun --nproc-per-node 2 -m kareus_megatron.deepspeed --kareus-plan DIR --kareus-point kareus-01 \
+        --kareus-log runs/kareus-01 -- train.py --deepspeed_config ds_config.json -p 2
+
+Or one line in the script, before ``deepspeed.initialize``, in one of three forms:
 
     import kareus_megatron.deepspeed as kareus
     kareus.install("plans/kareus-03.json", log_path="runs/kareus-03/measurement")
@@ -18,12 +26,19 @@ Each step (``train_batch``) is one measured iteration; every rank appends it to 
 directory (``runtime.measurement``), which ``kareus report`` and ``kareus compare`` read. Call
 ``uninstall()`` (or ``session.close()``) on every rank at the end: it writes the last step and resets
 clocks; at interpreter exit clocks are reset anyway.
+
+``kareus plan --framework deepspeed`` plans 1 nanobatch per instruction (DeepSpeed has no nanobatch
+overlap engine, so ``kareus`` plans clocks only); DeepSpeed's DualPipeV engine is refused (see
+runtime/deepspeed_patch.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +133,47 @@ def install_from_env(**kwargs: Any) -> DeepSpeedSession | None:
         return None
     return install(plan, log_path=log_path, on_error=os.environ.get("KAREUS_ON_ERROR", "fail"),  # type: ignore[arg-type]
                    log_mode=os.environ.get("KAREUS_LOG_MODE", "new"), **kwargs)  # type: ignore[arg-type]
+
+
+PROG = "python -m kareus_megatron.deepspeed"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``-m kareus_megatron.deepspeed --kareus-plan PLAN [--kareus-* ...] -- train.py ARGS``: run an unmodified
+    DeepSpeed script under `PLAN` (the --kareus-* flags of runtime/entry.py); return the exit status."""
+    from kareus_megatron.runtime import entry
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, target = entry.split_at_double_dash(argv)
+    if entry.help_requested(ours):
+        return entry.print_kareus_help(PROG, f"{PROG} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS",
+                                       (__doc__ or "").split("\n\n")[1])
+
+    def body() -> int:
+        ns, unknown = entry.kareus_parser(PROG).parse_known_args(ours)
+        if unknown:
+            raise ConfigError(f"unknown launcher argument(s) {' '.join(unknown)}; put the training script and "
+                              f"its arguments after '--': {PROG} --kareus-plan PLAN -- train.py ARGS")
+        if not target or not os.path.isfile(target[0]):
+            raise ConfigError(f"training script {target[0] if target else '(none given)'} does not exist; usage: "
+                              f"{PROG} --kareus-plan PLAN -- train.py ARGS")
+        plan, source = entry.resolve_plan(ns.kareus_plan, ns.kareus_point)
+        session = _slot.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
+                                log_mode=ns.kareus_log_mode)
+
+        def run() -> None:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+            runpy.run_path(target[0], run_name="__main__")
+
+        try:
+            return entry.run_script_in_session(session, list(target), run)
+        finally:
+            _slot.session = None  # closed or aborted by run_script_in_session
+
+    return entry.run_guarded(PROG, entry.debug_requested(ours), body)
+
+
+if __name__ == "__main__":
+    from kareus_megatron.deepspeed import main as _main  # the importable module's session slot, not __main__'s
+
+    raise SystemExit(_main())

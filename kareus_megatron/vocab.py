@@ -83,11 +83,6 @@ FRAMEWORK_OF_SCHEDULE: Final[dict[ScheduleName, FrameworkName]] = {
 FLAT_SCHEDULES: Final[tuple[ScheduleName, ...]] = (SCHEDULE_1F1B, SCHEDULE_DEEPSPEED)
 
 
-# Framework releases the runtime patches support (their patch points were read in these versions);
-# `kareus env` reports against them without loading the runtime.
-SUPPORTED_MCORE_VERSIONS: Final[tuple[str, ...]] = ("0.16.1",)
-SUPPORTED_DEEPSPEED_SERIES: Final[tuple[str, ...]] = ("0.19",)  # major.minor; read in 0.19.8
-
 
 def schedule_for(framework: str, vp: int) -> ScheduleName:
     """The schedule a `framework` job runs with `vp` virtual stages per pipeline rank."""

@@ -42,14 +42,17 @@ def _versions() -> dict[str, str | None]:
 def environment(gpu_index: int = 0, check_permission: bool = False) -> dict[str, Any]:
     """The environment report as a dict (see module doc)."""
     from kareus_megatron.hardware.device.nvml import nvml_report
-    from kareus_megatron.vocab import SUPPORTED_MCORE_VERSIONS
+    from kareus_megatron.versions import is_supported, supported_series
 
     versions = _versions()
     backend = os.environ.get("KAREUS_GPU_BACKEND") or None
     report: dict[str, Any] = {
         "versions": versions,
-        "megatron_core_supported": versions["megatron-core"] in SUPPORTED_MCORE_VERSIONS,
-        "supported_megatron_core": list(SUPPORTED_MCORE_VERSIONS),
+        "megatron_core_supported": bool(versions["megatron-core"])
+        and is_supported("megatron-core", versions["megatron-core"] or ""),
+        "supported_megatron_core": [s.series + ".x" for s in supported_series("megatron-core")],
+        "deepspeed_supported": bool(versions["deepspeed"]) and is_supported("deepspeed", versions["deepspeed"] or ""),
+        "supported_deepspeed": [s.series + ".x" for s in supported_series("deepspeed")],
         "gpu_backend": backend or "(default: nvml when available)",
         "root": os.geteuid() == 0 if hasattr(os, "geteuid") else None,
         "nvml": nvml_report(gpu_index, check_permission),
@@ -84,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
     v = rep["versions"]
     for name in _PACKAGES:
         print(f"{name:16s} {v[name] or 'not installed'}")
-    mc = v["megatron-core"]
-    if mc is not None and not rep["megatron_core_supported"]:
-        print(f"{'':16s} runtime patch supports megatron-core {', '.join(rep['supported_megatron_core'])} only")
+    for name, key in (("megatron-core", "megatron_core"), ("deepspeed", "deepspeed")):
+        if v[name] is not None and not rep[f"{key}_supported"]:
+            print(f"{'':16s} the runtime supports {name} {', '.join(rep[f'supported_{key}'])} only")
     print(f"{'GPU backend':16s} {rep['gpu_backend']}")
     n = rep["nvml"]
     if not n.get("nvml"):

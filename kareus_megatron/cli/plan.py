@@ -18,6 +18,7 @@ from typing import Any
 
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
 from kareus_megatron.vocab import (
+    FRAMEWORK_DEEPSPEED,
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
@@ -112,12 +113,17 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     cal = load_calibration(args.calibration) if args.calibration else None
     kernel = KernelModel(gpu, cal)
     schedule = schedule_for(args.framework, par.vp)
-    if args.methods is None and par.micro_batch_size % 2:
+    from kareus_megatron.search.schedules import overlap_blocker
+
+    no_overlap = overlap_blocker(schedule)  # e.g. DeepSpeed: no nanobatch overlap engine (yet)
+    notes = []  # printed once planning succeeded (bad input: one line only)
+    if args.methods is None and (no_overlap or par.micro_batch_size % 2):
         methods.remove(NANOBATCH_PERSEUS)  # asked for by default only: skip it, say why
-        _progress_console().print(
-            f"note: {NANOBATCH_PERSEUS} skipped: 2 nanobatches do not divide --mbs {par.micro_batch_size}; "
-            "kareus plans 1 nanobatch only."
-        )
+        why = no_overlap or f"2 nanobatches do not divide --mbs {par.micro_batch_size}"
+        notes.append(f"note: {NANOBATCH_PERSEUS} skipped: {why}; kareus plans 1 nanobatch only.")
+    if no_overlap and KAREUS in methods:
+        notes.append(f"note: kareus plans SM clocks only (1 nanobatch) for {args.framework} until it has an "
+                     "overlap engine.")
     console = _progress_console()
     with Progress(
         TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
@@ -135,6 +141,8 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         )
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory)
+    for note in notes:
+        console.print(note)
     return result, doc, built
 
 
@@ -230,8 +238,9 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
         f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, timeline.png and "
         f"timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
     )
+    runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
     console.print(
-        f"run a plan: torchrun ... -m kareus_megatron.launch --kareus-plan {out} --kareus-point {chosen.name} "
+        f"run a plan: torchrun ... -m {runner} --kareus-plan {out} --kareus-point {chosen.name} "
         "-- your_training_script.py ...", highlight=False, soft_wrap=True,
     )
 

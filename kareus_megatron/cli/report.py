@@ -4,7 +4,9 @@ LOG is the run log written with --kareus-log (read by report/runlog.py, as `kare
 PLAN is the plan file the run used. Prints the median of the iterations after ``--skip-iterations``
 warm-up iterations (default 2), per stage and in total, and writes a PNG (default: LOG with the suffix
 .png). The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU
-preset's).
+preset's). Per GPU (report/per_gpu.py): every rank's median energy per iteration, its share of the job's
+and its predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise
+one line names the GPUs that drew least and most); ``--format json`` always lists them under "gpus".
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTIC
 
 HELP = "compare a run's measured iteration time and energy (--kareus-log) with its plan's prediction"
+PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table without --per-gpu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text table (default) or one JSON object on stdout (no plot unless --plot)")
     parser.add_argument("--plot", default=None, help="PNG file to write (default: LOG.png beside LOG)")
     parser.add_argument("--no-plot", action="store_true", help="do not write a plot")
+    parser.add_argument("--per-gpu", action="store_true",
+                        help=f"list every GPU's energy (default: only for jobs of at most {PER_GPU_ROWS} GPUs)")
 
 
 def _fmt(x: float | None, unit: str) -> str:
@@ -71,7 +76,33 @@ def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
             "used": cmp.used, "skipped": cmp.skipped, "partial": len(log.partial),
             "measured_time_s": it.measured, "measured_energy_j": en.measured,
             "predicted_time_s": it.predicted, "predicted_energy_j": en.predicted,
-            "stages": stages, "notes": cmp.notes}
+            "stages": stages, "gpus": [g.as_json() for g in cmp.gpus], "notes": cmp.notes}
+
+
+def _print_gpus(cmp: object, every: bool) -> None:
+    """The per-GPU section of the text report: a table, or one line for a large job without --per-gpu."""
+    from kareus_megatron.report.against_plan import Comparison
+
+    assert isinstance(cmp, Comparison)
+    gpus = cmp.gpus
+    if not gpus:
+        return
+    if not every and len(gpus) > PER_GPU_ROWS:
+        lo = min(gpus, key=lambda g: g.energy_j or 0.0)
+        hi = max(gpus, key=lambda g: g.energy_j or 0.0)
+        print(f"per GPU energy ({STATISTIC} per iteration): least {_fmt(lo.energy_j, 'J')} (rank {lo.rank}, GPU "
+              f"{lo.label}), most {_fmt(hi.energy_j, 'J')} (rank {hi.rank}, GPU {hi.label}) of {len(gpus)} GPUs; "
+              "--per-gpu lists them all")
+        return
+    print(f"per GPU ({STATISTIC} per iteration; share of the job's energy):")
+    print(f"{'rank':>5s} {'stage':>5s} {'GPU':16s} {'energy':>10s} {'predicted':>10s} {'error':>8s} "
+          f"{'time':>10s} {'share':>7s}")
+    for g in gpus:
+        err = f"{g.error * 100:+.1f}%" if g.error is not None else "n/a"
+        share = f"{g.share * 100:.1f}%" if g.share is not None else "n/a"
+        stage = str(g.pp_rank) if g.pp_rank is not None else "?"
+        print(f"{g.rank:>5d} {stage:>5s} {g.label:16.16s} {_fmt(g.energy_j, 'J'):>10s} "
+              f"{_fmt(g.predicted_energy_j, 'J'):>10s} {err:>8s} {_fmt(g.time_s, 's'):>10s} {share:>7s}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"
             print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} "
                   f"{err:>8s}")
+        _print_gpus(cmp, args.per_gpu)
         for note in cmp.notes:
             print(f"note: {note}")
     if out is not None:

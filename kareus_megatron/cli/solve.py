@@ -26,7 +26,7 @@ from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SOLVE
 
 # Upper bounds of the sizes (far above any real run; beyond them the DAG or the numbers blow up).
 SOLVE_MAX = {"--pp": 2**12, "--microbatches": 2**14, "--points": 2**12, "--tp": 2**12, "--cp": 2**12, "--dp": 2**20,
-             "--mbs": 2**14, "--seq": 2**20}
+             "--mbs": 2**14, "--seq": 2**20, "--nodes": 2**16}
 HELP = "solve the pipeline time-energy frontier of a measured Perseus-format profile (CSV)"
 
 
@@ -50,16 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P2P send/recv time (s) between stages (default 0, as in Perseus)")
     parser.add_argument("--max-time", type=float, default=None, metavar="S",
                         help="drop plans slower than this iteration time (s)")
-    g = parser.add_argument_group("job recorded in the plans (the runtime checks them against the live job)")
-    g.add_argument("--gpu", default="measured", help="GPU name recorded in the plans (default 'measured')")
+    g = parser.add_argument_group("the job the plans run (required: the runtime checks each against the live job)")
+    g.add_argument("--gpu", required=True, metavar="PRESET",
+                   help="GPU the profile was measured on, a preset name (kareus env lists them; e.g. a100-sxm4-40gb); "
+                        "its lockable clocks must include every profiled frequency")
+    g.add_argument("--mbs", "--micro-batch-size", dest="micro_batch_size", type=int, required=True,
+                   help="micro-batch size of the profiled job")
+    g.add_argument("--seq", "--seq-length", dest="seq_length", type=int, required=True,
+                   help="sequence length of the profiled job")
+    g.add_argument("--layers-per-stage", required=True, metavar="L0,L1,...",
+                   help="transformer layers of each pipeline stage (one integer per stage)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    g.add_argument("--mbs", "--micro-batch-size", dest="micro_batch_size", type=int, default=1,
-                   help="micro-batch size (default 1)")
-    g.add_argument("--seq", "--seq-length", dest="seq_length", type=int, default=1, help="sequence length (default 1)")
-    g.add_argument("--layers-per-stage", default=None, metavar="L0,L1,...",
-                   help="transformer layers of each stage (default 1 each)")
+    g.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1; GPUs split evenly over them)")
 
 
 def _check_args(args: argparse.Namespace) -> list[int]:
@@ -67,7 +71,7 @@ def _check_args(args: argparse.Namespace) -> list[int]:
 
     for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--points", args.points),
                     ("--tp", args.tp), ("--cp", args.cp), ("--dp", args.dp),
-                    ("--mbs", args.micro_batch_size), ("--seq", args.seq_length)):
+                    ("--mbs", args.micro_batch_size), ("--seq", args.seq_length), ("--nodes", args.nodes)):
         if v < 1:
             raise ConfigError(f"{flag} {v} must be a positive integer")
         if v > SOLVE_MAX[flag]:
@@ -78,8 +82,12 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise ConfigError(f"--max-time {args.max_time} must be a finite time > 0 s")
     if not (args.p2p_time >= 0 and args.p2p_time < float("inf")):
         raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
-    if args.layers_per_stage is None:
-        return [1] * args.pp
+    world = args.tp * args.cp * args.dp * args.pp
+    if world % args.nodes:
+        raise ConfigError(f"--nodes {args.nodes} does not divide the job's {world} GPUs (tp x cp x dp x pp)")
+    from kareus_megatron.hardware.gpus import gpu_spec
+
+    gpu_spec(args.gpu)  # an unknown preset: one line naming the known ones
     try:
         layers = [int(x) for x in args.layers_per_stage.split(",")]
     except ValueError:
@@ -132,6 +140,8 @@ def solve_profile(
     import numpy as np
 
     from kareus_megatron.cost.profile import read_perseus_profile
+    from kareus_megatron.errors import ProfileError
+    from kareus_megatron.hardware.gpus import gpu_spec
     from kareus_megatron.plan.build import solved_plan
     from kareus_megatron.plan.points import plan_relpath
     from kareus_megatron.plan.schema import FRONTIER_FORMAT, ParallelLayout
@@ -142,6 +152,12 @@ def solve_profile(
 
     profile = read_perseus_profile(args.profile)
     opts = stage_options(profile, args.pp)
+    spec = gpu_spec(args.gpu)
+    bad = sorted({int(f) for o in opts.values() for f in o.clock_mhz} - set(spec.sm_clocks_mhz))
+    if bad:
+        raise ProfileError(f"{args.profile} has frequencies {', '.join(map(str, bad[:5]))}"
+                           f"{' ...' if len(bad) > 5 else ''} MHz that {spec.name} cannot lock "
+                           f"({spec.min_sm_clock_mhz}..{spec.max_sm_clock_mhz} MHz); was it measured on another GPU?")
     dag = build_dag(instruction_order(args.schedule, args.pp, args.microbatches), args.p2p_time)
     node_opts = [opts[(s, kind)] for s, kind, _, _ in dag.keys]
     gpus = args.tp * args.cp * args.dp
@@ -151,7 +167,7 @@ def solve_profile(
     layout = ParallelLayout(
         tp=args.tp, cp=args.cp, pp=args.pp, vp=1, dp=args.dp, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, num_microbatches=args.microbatches, layers_per_stage=tuple(layers),
-        nodes=1, gpus_per_node=world, schedule=args.schedule,
+        nodes=args.nodes, gpus_per_node=world // args.nodes, schedule=args.schedule,
     )
     out_plans = [solved_plan(dag, node_opts, sp, method=SOLVE, gpu=args.gpu, parallel=layout,
                              p_blocked_w=args.p_blocked) for sp in plans]

@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
+from kareus_megatron.plan.environment import required_environment
 from kareus_megatron.plan.io import load_plan
+from kareus_megatron.plan.megatron_model import ACTIVATION_FLAGS, NORMALIZATION, POSITION_EMBEDDING, PRECISION_FLAGS
 from kareus_megatron.plan.points import FrontierPoint
-from kareus_megatron.plan.schema import Plan
+from kareus_megatron.plan.schema import ModelShape, Plan
 from kareus_megatron.report.runlog import MEASUREMENT_FILE, RUN_FORMAT
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, MEGATRON
 
@@ -83,18 +85,54 @@ def _pipeline_layer_args(layers_per_stage: tuple[int, ...], num_layers: int) -> 
     return args
 
 
+def model_args(m: ModelShape) -> list[str]:
+    """Megatron-LM flags that build the plan's model and set its precision, all from the plan's record.
+
+    Every model flag is written out, defaults included (megatron_model.py has the spellings). A record
+    with unknown fields (a plan from before they were recorded) is a PlanError; a model Megatron-LM cannot
+    build (ALiBi, an activation without a flag, TF32) an InfeasibleConfigError.
+    """
+    missing = m.unknown_fields()
+    if missing:
+        raise PlanError(f"the plan does not record the model's {', '.join(missing)} (written by an older kareus); "
+                        "regenerate it with kareus plan")
+    assert m.activation and m.normalization and m.position_embedding and m.precision and m.kv_channels  # known
+    if m.activation not in ACTIVATION_FLAGS:
+        raise InfeasibleConfigError(f"model {m.name}: Megatron-LM has no flag for the {m.activation} activation; "
+                                    f"use one of {', '.join(ACTIVATION_FLAGS)}")
+    if m.position_embedding not in POSITION_EMBEDDING:
+        raise InfeasibleConfigError(f"model {m.name}: megatron-core has no {m.position_embedding} position "
+                                    f"embedding; use one of {', '.join(POSITION_EMBEDDING)}")
+    if m.precision not in PRECISION_FLAGS:
+        raise InfeasibleConfigError(f"precision {m.precision}: Megatron-LM has no switch for it; plan with "
+                                    f"--precision one of {', '.join(PRECISION_FLAGS)}")
+    a = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+         "--num-attention-heads", str(m.num_attention_heads), "--ffn-hidden-size", str(m.ffn_hidden_size)]
+    if m.num_query_groups != m.num_attention_heads:
+        a += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+    a += ["--kv-channels", str(m.kv_channels), *ACTIVATION_FLAGS[m.activation]]
+    if not m.bias_linear:
+        a += ["--disable-bias-linear", *(["--add-qkv-bias"] if m.qkv_bias else [])]
+    if not m.tied_embeddings:
+        a += ["--untie-embeddings-and-output-weights"]
+    a += ["--normalization", NORMALIZATION[m.normalization],
+          "--position-embedding-type", POSITION_EMBEDDING[m.position_embedding]]
+    if m.qk_norm:
+        a += ["--qk-layernorm"]
+    return a + list(PRECISION_FLAGS[m.precision])
+
+
 def megatron_args(plan: Plan, *, train_iters: int) -> list[str]:
-    """Megatron-LM pretrain_gpt.py arguments reproducing the plan's model, parallel layout and batch.
+    """Megatron-LM pretrain_gpt.py arguments reproducing the plan's model, precision, parallel layout and
+    batch (model_args: from the plan's record only, never from a preset of the same name).
 
     Data is Megatron's mock dataset with the NullTokenizer (vocab = the plan's, exactly: NullTokenizer
     adds one EOD token, and padding is turned off); append your own data flags to override it.
     """
-    from kareus_megatron.workload.models import model_names, model_spec
-
     if plan.model is None:
         raise PlanError("the plan has no model shape; regenerate it with kareus plan --model")
     m, par = plan.model, plan.parallel
-    family = model_spec(m.name) if m.name in model_names() else None
+    model = model_args(m)
     a = ["--tensor-model-parallel-size", str(par.tp), "--context-parallel-size", str(par.cp),
          "--pipeline-model-parallel-size", str(par.pp)]
     if par.vp > 1:
@@ -102,23 +140,7 @@ def megatron_args(plan: Plan, *, train_iters: int) -> list[str]:
     a += _pipeline_layer_args(par.layers_per_stage, m.num_layers)
     if par.sequence_parallel:
         a += ["--sequence-parallel"]
-    a += ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-          "--num-attention-heads", str(m.num_attention_heads), "--ffn-hidden-size", str(m.ffn_hidden_size)]
-    if m.num_query_groups != m.num_attention_heads:
-        a += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
-    if family is not None and family.head_dim:
-        a += ["--kv-channels", str(family.head_dim)]
-    activation, norm, position = ((family.activation, family.norm, family.position) if family
-                                  else ("swiglu", "rmsnorm", "rope"))
-    if position == "alibi":
-        raise InfeasibleConfigError(f"model {m.name}: megatron-core has no ALiBi; use a rope or learned-position model")
-    if activation == "swiglu":
-        a += ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
-    if norm == "rmsnorm":
-        a += ["--normalization", "RMSNorm"]
-    a += ["--position-embedding-type", "rope" if position == "rope" else "learned_absolute"]
-    if family is not None and family.qk_norm:
-        a += ["--qk-layernorm"]
+    a += model
     a += ["--seq-length", str(par.seq_length), "--max-position-embeddings", str(par.seq_length),
           "--micro-batch-size", str(par.micro_batch_size),
           "--global-batch-size", str(par.micro_batch_size * par.num_microbatches * par.dp)]
@@ -126,7 +148,7 @@ def megatron_args(plan: Plan, *, train_iters: int) -> list[str]:
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif par.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
-    a += ["--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size - 1),
+    a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size - 1),
           "--make-vocab-size-divisible-by", "1", "--train-iters", str(train_iters),
           "--lr", "1.0e-5", "--lr-decay-style", "constant", "--log-interval", "1",
           "--eval-iters", "0", "--eval-interval", str(train_iters + 1)]
@@ -209,6 +231,7 @@ def run_command(
     else:
         # The megatron plan holds the max clock everywhere; with --kareus-on-error warn a job without clock
         # permission still runs (at the driver's default clocks) and is measured.
+        env.update(required_environment(plan))  # CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP (plan/environment.py)
         kareus = ["--kareus-plan", str(point.plan_path), *([] if controlled else ["--kareus-on-error", "warn"]),
                   "--kareus-log", str(log_file)]
         in_container = launcher == "slurm" and job.container_image

@@ -49,12 +49,16 @@ class BuiltPlan:
         return f"plans/{self.name}.json"
 
 
-def model_shape(model: Any) -> ModelShape:
-    """The plan's record of the model shape."""
+def model_shape(model: Any, precision: str | None = None) -> ModelShape:
+    """The plan's record of the model (a workload ModelSpec): shape, architecture and training `precision`
+    (None: not recorded)."""
     return ModelShape(
         name=model.name, num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
+        activation=model.activation, normalization=model.norm, position_embedding=model.position,
+        kv_channels=model.kv_channels, bias_linear=model.bias_linear, qkv_bias=model.has_qkv_bias,
+        tied_embeddings=model.tied_embeddings, qk_norm=model.qk_norm, precision=precision,
     )
 
 
@@ -171,7 +175,8 @@ def build_plan(
         ))
     plan = assemble_plan(method=method, gpu=result.gpu.name, parallel=parallel_layout(result.par, result.schedule),
                          time_s=sim.time_s, energy_j=sim.energy_j, p_blocked_w=result.p_blocked_w, ranks=ranks,
-                         model=model_shape(result.model), calibration_sha256=result.calibration_sha256)
+                         model=model_shape(result.model, result.par.precision),
+                         calibration_sha256=result.calibration_sha256)
     return plan, timed
 
 

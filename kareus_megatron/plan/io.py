@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from kareus_megatron.errors import ConfigError, PlanError, PlanVersionError, describe_validation_error
 from kareus_megatron.files import check_writable_location, read_input_text
-from kareus_megatron.plan.schema import PLAN_FORMAT, Plan
+from kareus_megatron.plan.schema import MODEL_RECORD_FIELDS, PLAN_FORMAT, Plan
 
 SCHEMA_PATH = Path(__file__).with_name("plan.schema.json")
 
@@ -54,6 +54,10 @@ def plan_sha256(plan: Plan) -> str:
     data = plan.model_dump(mode="json")
     if data.get("p_blocked_w") is None:  # a plan without it hashes as before the field existed
         data.pop("p_blocked_w", None)
+    model = data.get("model") or {}
+    for key in MODEL_RECORD_FIELDS:  # likewise the model architecture fields
+        if model.get(key, 0) is None:
+            del model[key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,10 +1,11 @@
 """The plan file, ``kareus-plan/1``: what the planner writes and the runtime executes.
 
-A plan is data, never code. It records the workload and parallel configuration it was made for, the
-GPU preset and calibration it was predicted with and the blocked power (W) the prediction used, the
-predicted iteration time (s) and energy (J, all GPUs of the job), and for every pipeline rank its
-instructions in execution order, each with its SM clock (MHz), nanobatch count and, with 2 nanobatches,
-the overlap knobs of every partition (comm SMs and launch slot; names from ``kareus_megatron.vocab``).
+A plan is data, never code. It records the workload (the model's shape, architecture and training
+precision) and parallel configuration it was made for, the GPU preset and calibration it was predicted
+with and the blocked power (W) the prediction used, the predicted iteration time (s) and energy (J, all
+GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM clock
+(MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition (comm SMs and launch
+slot; names from ``kareus_megatron.vocab``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from kareus_megatron.vocab import (
     MethodName,
     ScheduleName,
 )
+from kareus_megatron.workload.models import ACTIVATIONS, NORMS, POSITIONS
+from kareus_megatron.workload.parallel import PRECISION_BYTES
 
 PLAN_FORMAT: Final = "kareus-plan/1"
 FRONTIER_FORMAT = "kareus-frontier/1"
@@ -33,7 +36,13 @@ class _Frozen(BaseModel):
 
 
 class ModelShape(_Frozen):
-    """Transformer shape the plan was made for (checked against the live model when known)."""
+    """Transformer shape, architecture and training precision the plan was made for.
+
+    Checked against the live model where the runtime can read it; the launch commands are derived from
+    it. The architecture fields (activation .. precision) were added after the first plans: absent (None)
+    means unknown, not checked at run time, and ``kareus launch`` refuses to guess them. Spellings are
+    workload/models.py's (activation, norm, position) and workload/parallel.py's precisions.
+    """
 
     name: str
     num_layers: int = Field(gt=0)
@@ -42,6 +51,36 @@ class ModelShape(_Frozen):
     num_query_groups: int = Field(gt=0)
     ffn_hidden_size: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
+    activation: str | None = Field(default=None, description=f"MLP activation: {', '.join(ACTIVATIONS)}")
+    normalization: str | None = Field(default=None, description=f"layer norm: {', '.join(NORMS)}")
+    position_embedding: str | None = Field(default=None, description=f"positions: {', '.join(POSITIONS)}")
+    kv_channels: int | None = Field(default=None, gt=0, description="width of one attention head (elements)")
+    bias_linear: bool | None = Field(default=None, description="every linear layer has a bias")
+    qkv_bias: bool | None = Field(default=None, description="the QKV projection has a bias (true with bias_linear)")
+    tied_embeddings: bool | None = Field(default=None, description="output layer shares the input embedding")
+    qk_norm: bool | None = Field(default=None, description="query and key are normalised before attention")
+    precision: str | None = Field(default=None, description=f"training precision: {', '.join(PRECISION_BYTES)}")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelShape:
+        for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMS),
+                              ("position_embedding", POSITIONS), ("precision", tuple(PRECISION_BYTES))):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} {value!r} is not one of {', '.join(allowed)}")
+        if self.bias_linear and self.qkv_bias is False:
+            raise ValueError("qkv_bias is false but bias_linear is true (a bias on every linear layer "
+                             "includes QKV)")
+        return self
+
+    def unknown_fields(self) -> list[str]:
+        """The architecture fields this record leaves unknown (plans from before they were recorded)."""
+        return [name for name in MODEL_RECORD_FIELDS if getattr(self, name) is None]
+
+
+# The architecture fields of ModelShape that older plans lack (None there = unknown).
+MODEL_RECORD_FIELDS: Final = ("activation", "normalization", "position_embedding", "kv_channels", "bias_linear",
+                              "qkv_bias", "tied_embeddings", "qk_norm", "precision")
 
 
 class ParallelLayout(_Frozen):

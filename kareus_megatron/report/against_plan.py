@@ -6,7 +6,8 @@ p_blocked_w * (T - sum(t_i)) J blocked, with T the predicted iteration time (s),
 instruction's predicted time (s) and energy (J, one GPU), and p_blocked_w the blocked power (W, one GPU)
 the prediction used: the plan's ``p_blocked_w``, or for a plan written before plans recorded it, its GPU
 preset's. Measured per stage: energy summed over the stage's ranks, time the slowest of its ranks; every
-measured figure is the median of runlog.summarize.
+measured figure is the median of runlog.summarize. Per GPU (report/per_gpu.py): each rank's median energy,
+its share of the job's, and its stage's predicted energy divided by the stage's GPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kareus_megatron.errors import ConfigError, KareusError, PlanError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.report.per_gpu import GpuFigures, per_gpu
 from kareus_megatron.report.runlog import RunSummary, log_notes
 
 
@@ -51,6 +53,7 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     stage_energy_j: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
     stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, every rank of the stage
+    gpus: list[GpuFigures] = field(default_factory=list)  # per rank ([] for a log without per-rank lines)
 
 
 def blocked_power_w(plan: Plan, source: str = "the plan") -> float:
@@ -111,4 +114,5 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     return Comparison(rows=rows, iteration_time_s=[r.get("time_s") for r in its],
                       iteration_energy_j=[r.get("energy_j") for r in its], used=run.used, skipped=run.skipped,
                       p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy,
-                      stage_iterations=dict(run.stage_iterations))
+                      stage_iterations=dict(run.stage_iterations),
+                      gpus=per_gpu(run, pred_stage, plan.parallel.tp * plan.parallel.cp * plan.parallel.dp))

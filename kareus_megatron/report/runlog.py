@@ -4,8 +4,10 @@ A *run log* is a directory of per-rank files (runtime/measurement.py; ``--kareus
 ``rank-NNNNN.jsonl``, each a header (rank, world, pp_rank, pp, tp/cp/dp, plan_sha256, gpu, backend,
 clock_control) and one line per iteration with that rank's time_s and energy_j. The reader merges them
 into one record per iteration: time = the slowest rank, energy = the sum over ranks, per stage the same
-over the ranks of that pp_rank; an iteration is *complete* when every rank of the world logged both
-figures, otherwise *partial* (``RunLog.partial`` names what is missing). A rank file holding several runs
+over the ranks of that pp_rank, and under ``ranks`` each reporting rank's own line (with its ``rank`` and
+``pp_rank``: the per-GPU figures); ``RunLog.gpus`` says which GPU each rank measured (its header's
+gpu_index, gpu_uuid, gpu_name where present). An iteration is *complete* when every rank of the world
+logged both figures, otherwise *partial* (``RunLog.partial`` names what is missing). A rank file holding several runs
 (``--kareus-log-mode append``) counts its last run. A single merged JSONL file (the layout before rank
 files) is still read: a header line ``{"kind": "header", "world": N, "plan": ..., "plan_sha256": ..., "gpu": ...}``,
 then one line per iteration ``{"kind": "iteration", "iteration": i, "time_s": T, "energy_j": E,
@@ -57,6 +59,7 @@ class RunLog:
     truncated: bool = False  # the last line was cut by a killed job and left out
     partial: dict[int, str] = field(default_factory=dict)  # iteration -> what is missing ("rank 1", "stage 1")
     earlier_runs: int = 0  # runs before the last one in appended rank files (left out)
+    gpus: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> which GPU (GPU_KEYS of its header)
 
     @property
     def simulated(self) -> bool:
@@ -77,6 +80,7 @@ class RunSummary:
     stage_energy_j: dict[int, float | None]
     partial: int  # iterations after warm-up left out because a rank or stage is missing
     stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, with every rank of the stage
+    records: tuple[dict[str, Any], ...] = ()  # the iterations the medians are taken over
 
 
 def _figure(v: Any) -> bool:
@@ -93,6 +97,20 @@ def _is_index(v: Any) -> bool:
 MAX_RANKS = 1 << 20  # bound on world, pp and ranks read from a header (a job has far fewer)
 _HEADER_COUNTS = ("world", "pp", "tp", "cp", "dp")  # at least 1 when present
 _HEADER_INDICES = ("rank", "pp_rank")  # at least 0 when present
+GPU_KEYS = ("local_rank", "gpu_index", "gpu_uuid", "gpu_name")  # optional header keys naming a rank's GPU
+_GPU_TEXT_MAX = 200  # characters kept of a header's gpu_uuid / gpu_name
+
+
+def gpu_identity(header: dict[str, Any]) -> dict[str, Any]:
+    """The GPU_KEYS of a rank header that are well formed (an index >= 0, a short string); others are left out."""
+    out: dict[str, Any] = {}
+    for key in GPU_KEYS:
+        v = header.get(key)
+        if key in ("local_rank", "gpu_index") and isinstance(v, int) and _is_index(v) and v <= MAX_RANKS:
+            out[key] = v
+        elif key in ("gpu_uuid", "gpu_name") and isinstance(v, str) and v:
+            out[key] = v[:_GPU_TEXT_MAX]
+    return out
 
 
 def _header_problem(rec: dict[str, Any]) -> str | None:
@@ -130,6 +148,8 @@ def read_run_log(path: str | Path) -> RunLog:
     if p.is_dir():
         return merge_rank_dir(p)
     header, its, truncated = read_jsonl_run(p, merged=True)
+    for r in its.values():
+        r.pop("ranks", None)  # per-rank lines exist only in a directory of rank files
     world = header.get("world")
     partial = {i: f"{world - r['ranks_reporting']} of {world} ranks missing" for i, r in its.items()
                if _is_index(world) and _is_index(r.get("ranks_reporting")) and r["ranks_reporting"] != world}
@@ -210,7 +230,7 @@ def merge_rank_dir(d: Path) -> RunLog:
     pp = max(pp_sizes) if pp_sizes else (max(stage_of.values(), default=0) + 1)
     stage_ranks = {s: sorted(r for r, st in stage_of.items() if st == s) for s in range(pp)}
     base = next((h for r, (h, _) in sorted(ranks.items()) if h), {})
-    header = {k: v for k, v in base.items() if k not in ("rank", "pp_rank", "t_start")}
+    header = {k: v for k, v in base.items() if k not in ("rank", "pp_rank", "t_start", *GPU_KEYS)}
     header["world"], header["pp"] = world, pp
     indices = sorted({i for _, its in ranks.values() for i in its})
     merged, partial = [], {}
@@ -228,11 +248,15 @@ def merge_rank_dir(d: Path) -> RunLog:
         if missing:
             what = [f"stage {s}" for s in empty] or [f"rank {r}" for r in missing[:3]]
             partial[i] = ", ".join(what) + " missing"
+        for r, g in got.items():  # the rank's own line, told which rank and stage it is
+            g["rank"], g["pp_rank"] = r, stage_of.get(r)
         merged.append({"kind": "iteration", "iteration": i, "ranks_reporting": len(got),
                        "time_s": max((g["time_s"] for g in got.values()), default=None),
-                       "energy_j": sum(g["energy_j"] for g in got.values()) if got else None, "stages": stages})
+                       "energy_j": sum(g["energy_j"] for g in got.values()) if got else None, "stages": stages,
+                       "ranks": [got[r] for r in sorted(got)]})
+    gpus = {r: {"rank": r, "pp_rank": stage_of.get(r), **gpu_identity(h)} for r, (h, _) in sorted(ranks.items())}
     return RunLog(path=d, header=header, iterations=merged, truncated=truncated, partial=partial,
-                  earlier_runs=earlier)
+                  earlier_runs=earlier, gpus=gpus)
 
 
 def _rank_iteration_problem(rec: dict[str, Any]) -> str | None:
@@ -283,7 +307,7 @@ def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> Ru
                       energy_j=_median([r["energy_j"] for r in used]),  # type: ignore[arg-type]
                       stage_time_s={r: stage(r, "time_s") for r in ranks},
                       stage_energy_j={r: stage(r, "energy_j") for r in ranks}, partial=partial,
-                      stage_iterations=stage_its)
+                      stage_iterations=stage_its, records=tuple(used))
 
 
 def partial_names(log: RunLog, limit: int = 5) -> str:

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 pipeline schedules on a CPU-only torch with gloo (no NVIDIA GPU needed).
+"""Run megatron-core pipeline schedules (0.15, 0.16, 0.19) on a CPU-only torch with gloo (no NVIDIA GPU needed).
 
     import torch.distributed as dist
     from kareus_megatron.runtime import cpu_shim
@@ -10,7 +10,11 @@ on ``torch.cuda.current_device()`` in p2p_communication.py, ``torch.cuda.synchro
 p2p) and attention forks the CUDA RNG tracker. ``apply()`` redirects each of them to the CPU; it does
 nothing when CUDA is available. Apply it in each rank after ``init_process_group("gloo")``. Build models
 with ``TransformerConfig(use_cpu_initialization=True)``, and with interleaved schedules (VP > 1) pass
-``batch_p2p_comm=False``. torch and megatron-core are imported only when ``apply()`` runs.
+``batch_p2p_comm=False``. torch and megatron-core are imported only when ``apply()`` runs; call it before
+anything imports megatron: megatron-core 0.19 imports Triton unguarded at import time
+(``megatron/core/transformer/moe/ops/paged_stash.py``, reached from the schedules), and the CPU build of
+torch comes without Triton, so ``apply()`` first puts an inert stand-in for ``triton`` in ``sys.modules``
+(``stub_missing_triton``; only where Triton is not installed). Its kernels are never launched on a CPU.
 
 Sources: NVIDIA/Megatron-LM at tag ``core_v0.16.1`` (the megatron-core 0.16.1 wheel), under
 ``megatron/core/``: ``pipeline_parallel/schedules.py`` (``total_num_tokens = torch.zeros([], ...,
@@ -29,7 +33,7 @@ from typing import Any
 _applied = False
 
 
-def _is_cuda_device(device: object) -> bool:
+def is_cuda_device(device: object) -> bool:
     """Whether `device` (an int, a string or a torch.device) names a CUDA device."""
     if isinstance(device, bool):
         return False
@@ -49,9 +53,61 @@ def _cpu_torch(torch: Any) -> types.ModuleType:
 
         @staticmethod
         def zeros(*args: object, device: object = None, **kwargs: object) -> Any:
-            return torch.zeros(*args, device="cpu" if _is_cuda_device(device) else device, **kwargs)
+            return torch.zeros(*args, device="cpu" if is_cuda_device(device) else device, **kwargs)
 
     return _CpuTorch("torch")
+
+
+class _Inert:
+    """Anything Triton-shaped: decorators return their function, everything else another _Inert."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]  # @triton.jit, @triton.autotune(...)(fn)
+        return _Inert()
+
+    def __getattr__(self, name: str) -> Any:
+        return _Inert()
+
+    def __getitem__(self, key: object) -> Any:
+        return _Inert()
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert()
+
+
+def stub_missing_triton(version: str = "3.4.0") -> bool:
+    """Put an inert ``triton`` (and ``triton.language``) into sys.modules when Triton is not installed.
+
+    torch probes for Triton once, when its compiler stack is first imported; that probe is run here
+    first, so torch keeps seeing no Triton and only code that imports it by name gets the stand-in.
+    Returns whether the stand-in was installed.
+    """
+    import importlib.util
+    import sys
+
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return False
+    # torch's compiler stack probes for Triton at import: import it now, before the stand-in exists.
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.output_code  # noqa: F401
+    import torch._inductor.runtime.triton_compat  # noqa: F401
+    import torch._inductor.utils  # noqa: F401
+
+    triton, language = _InertModule("triton"), _InertModule("triton.language")
+    triton.language = language  # type: ignore[attr-defined]
+    triton.__version__ = version  # type: ignore[attr-defined]  # megatron-core 0.19 compares it
+    triton.__path__ = []  # type: ignore[attr-defined]
+    language.__path__ = []  # type: ignore[attr-defined]
+    sys.modules["triton"], sys.modules["triton.language"] = triton, language
+    return True
 
 
 def apply() -> None:
@@ -61,6 +117,7 @@ def apply() -> None:
 
     if _applied or torch.cuda.is_available():
         return
+    stub_missing_triton()
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 

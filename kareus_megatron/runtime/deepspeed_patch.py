@@ -1,4 +1,4 @@
-"""The DeepSpeed 0.19.x patch: every planned PipelineEngine compute instruction is announced before it runs.
+"""The DeepSpeed 0.18.x/0.19.x patch: every planned PipelineEngine compute instruction is announced before it runs.
 
 DeepSpeed's ``PipelineEngine._exec_schedule`` dispatches each ``PipeInstruction`` through the class dict
 ``PipelineEngine._INSTRUCTION_MAP`` (instruction class -> the original ``_exec_*`` function), so
@@ -12,6 +12,15 @@ the wrappers check). ``eval_batch`` (InferenceSchedule) runs outside a step and 
 Before the first step the plan is checked against the engine (stages, this stage, micro-batches per
 step, micro-batch size, data-parallel size, and each stage's instruction order against DeepSpeed's own
 TrainSchedule); every mismatch is listed in one PlanMismatchError, raised before any instruction runs.
+
+Only engines that dispatch through ``PipelineEngine._INSTRUCTION_MAP`` and run ``TrainSchedule`` are
+followed. DeepSpeed 0.19's ``DualPipeVEngine`` (``deepspeed/runtime/pipe/dualpipev.py``, chosen by
+``deepspeed.initialize`` for a ``DualPipeVModule``) builds its own ``_INSTRUCTION_MAP`` at import
+(phase-aware ``_exec_forward_pass(buffer_id, phase)``, ``CommitP2P``) and runs ``DualPipeVSchedule``
+(``_train_schedule``): its first ``train_batch`` is refused with one InfeasibleConfigError, in every
+mode, before any instruction runs. DeepSpeed 0.18.9 has the same ten-entry map and the same
+TrainSchedule as 0.19.8 (it builds TrainSchedule inside ``train_batch``; no ``_train_schedule`` hook, no
+DualPipeV), so one patch serves both series.
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.errors import UnsupportedVersionError
+from kareus_megatron.errors import InfeasibleConfigError, UnsupportedVersionError
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.patch_common import BasePatchState, PatchSlot, compare, device_mismatches, raise_mismatches
-from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, SUPPORTED_DEEPSPEED_SERIES
+from kareus_megatron.versions import is_supported, supported_series, unsupported_message
+from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +48,15 @@ def deepspeed_version() -> str:
 
         return version("deepspeed")
     except Exception:
-        raise UnsupportedVersionError("DeepSpeed is not installed; pip install deepspeed==0.19.8") from None
+        raise UnsupportedVersionError(
+            f"DeepSpeed is not installed; pip install deepspeed=={supported_series('deepspeed')[-1].tested}") from None
 
 
 def check_deepspeed_version(v: str | None = None) -> str:
     """Return the DeepSpeed version, or raise UnsupportedVersionError naming the supported series."""
     v = deepspeed_version() if v is None else v
-    if ".".join(v.split(".")[:2]) not in SUPPORTED_DEEPSPEED_SERIES:
-        raise UnsupportedVersionError(
-            f"DeepSpeed {v} is not supported by the kareus pipeline patch; supported: "
-            f"{', '.join(s + '.x' for s in SUPPORTED_DEEPSPEED_SERIES)}. Install deepspeed==0.19.8"
-        )
+    if not is_supported("deepspeed", v):
+        raise UnsupportedVersionError(unsupported_message("deepspeed", v, "the kareus pipeline patch"))
     return v
 
 
@@ -80,8 +88,37 @@ class LiveEngine:
         return {"pp": self.stages, "tp": None, "cp": None, "dp": self.dp}
 
 
+def engine_problem(engine_class: type) -> str | None:
+    """Why the patch cannot follow an engine of `engine_class` (None: it runs PipelineEngine's TrainSchedule)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    name = engine_class.__name__
+    try:  # DeepSpeed 0.19+; 0.18 has no DualPipeV
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    except ImportError:
+        DualPipeVEngine = None  # noqa: N806
+    if DualPipeVEngine is not None and issubclass(engine_class, DualPipeVEngine):
+        return (f"{name} runs DeepSpeed's DualPipeV schedule (DualPipeVSchedule, with its own instruction map), "
+                "which kareus does not plan; kareus runs PipelineEngine's TrainSchedule: build the model as a "
+                "deepspeed.pipe.PipelineModule, not a DualPipeVModule")
+    own_map = getattr(engine_class, "_INSTRUCTION_MAP", None) is not PipelineEngine._INSTRUCTION_MAP
+    hook = "_train_schedule"  # 0.19: the schedule a train_batch runs (0.18: none, TrainSchedule built inline)
+    own_schedule = getattr(engine_class, hook, None) is not getattr(PipelineEngine, hook, None)
+    if own_map or own_schedule:
+        what = "its own instruction map" if own_map else "its own train schedule"
+        return (f"{name} overrides PipelineEngine with {what}, so kareus cannot follow its instructions; "
+                "kareus runs PipelineEngine's TrainSchedule only")
+    return None
+
+
 def live_engine(engine: Any) -> LiveEngine:
-    """Read stages, stage id, micro-batches per step, micro-batch size and DP size from `engine`."""
+    """Read stages, stage id, micro-batches per step, micro-batch size and DP size from `engine`.
+
+    An engine the patch cannot follow (``engine_problem``) raises InfeasibleConfigError.
+    """
+    problem = engine_problem(type(engine))
+    if problem is not None:
+        raise InfeasibleConfigError(problem)
     grid = getattr(engine, "grid", None)
     dp = getattr(grid, "data_parallel_size", None)
     try:

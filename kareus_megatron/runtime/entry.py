@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kareus_megatron.errors import KareusError, print_error
+from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_environment
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.measurement import LOG_MODES
@@ -76,8 +77,29 @@ def start_session(ns: argparse.Namespace) -> Any:
     from kareus_megatron.runtime.session import MEGATRON_SESSIONS
 
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
+    apply_required_environment(plan)
     return MEGATRON_SESSIONS.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
                                      log_mode=ns.kareus_log_mode)
+
+
+def apply_required_environment(plan: Plan) -> dict[str, str]:
+    """Set what `plan`'s framework needs in this process's environment (plan/environment.py) where unset.
+
+    Runs before the training script, so before its first CUDA call. A value the user set stays; rank 0
+    says on stderr what it set, or that a different value was kept. Returns what it set.
+    """
+    done: dict[str, str] = {}
+    speak = os.environ.get("RANK", "0") == "0"
+    for name, value in required_environment(plan).items():
+        have = os.environ.get(name)
+        if have is None:
+            os.environ[name] = done[name] = value
+            if speak:
+                sys.stderr.write(f"kareus: set {name}={value} ({MAX_CONNECTIONS_WHY})\n")
+        elif have != value and speak:
+            sys.stderr.write(f"kareus: keeping {name}={have} as set; {MAX_CONNECTIONS_WHY} unless FSDP or "
+                             "MoE overlap is on, so Megatron-LM may refuse it\n")
+    return done
 
 
 def debug_requested(argv: Sequence[str]) -> bool:
@@ -145,7 +167,14 @@ def install_from_megatron_args(args: Any) -> Any:
 
 
 def megatron_lm_hook(args: Any) -> Any:
-    """For patches/megatron-lm: install when --kareus-plan is set; a kareus error exits 2 with one line."""
+    """For patches/megatron-lm: install when --kareus-plan is set; a kareus error exits 2 with one line.
+
+    The session closes on every rank when Megatron-LM's ``train()`` returns (or exits through
+    ``--exit-interval``/``--exit-duration-in-mins``: a SystemExit), so the run log holds every iteration;
+    an exception out of ``train()`` aborts it (no collective: the other ranks may be elsewhere). A kareus
+    error inside ``train()`` (the plan checked against the live run at the first step) is one line on
+    stderr and exit status 2, as at install.
+    """
     if not getattr(args, "kareus_plan", None):
         return None
     code_or_session: list[Any] = []
@@ -156,4 +185,44 @@ def megatron_lm_hook(args: Any) -> Any:
 
     if run_guarded("megatron-lm (kareus)", bool(getattr(args, "kareus_debug", False)), body) != 0:
         raise SystemExit(2)
-    return code_or_session[0]
+    session = code_or_session[0]
+    _close_after_train(session, bool(getattr(args, "kareus_debug", False)))
+    return session
+
+
+def _close_after_train(session: Any, debug: bool = False) -> None:
+    """Wrap ``megatron.training.training.train`` (looked up by name in pretrain()) to end `session` after it.
+
+    Without Megatron-LM's training package (megatron-core alone) there is no train() to wrap: the caller
+    closes the session itself, as with the Python API.
+    """
+    try:
+        from megatron.training import training
+    except ImportError:
+        return
+
+    train = training.train
+    if getattr(train, "_kareus_wrapped", False):
+        train = train.__wrapped__
+
+    def train_then_close(*a: Any, **kw: Any) -> Any:
+        try:
+            out = train(*a, **kw)
+        except SystemExit as e:
+            (session.close if e.code in (None, 0) else session.abort)()
+            raise
+        except KareusError as e:
+            session.abort()
+            if debug:
+                raise
+            print_error("megatron-lm (kareus)", e)
+            raise SystemExit(2) from None
+        except BaseException:
+            session.abort()
+            raise
+        session.close()
+        return out
+
+    train_then_close.__wrapped__ = train  # type: ignore[attr-defined]
+    train_then_close._kareus_wrapped = True  # type: ignore[attr-defined]
+    training.train = train_then_close

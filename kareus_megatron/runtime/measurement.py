@@ -11,17 +11,27 @@ depends on any other rank and nothing needs a collective. The first line is a he
 
     {"kind": "header", "format": RANK_LOG_FORMAT, "rank": r, "world": N, "pp_rank": s, "pp": P, "tp": ...,
      "cp": ..., "dp": ..., "plan": ..., "plan_sha256": ..., "gpu": ..., "backend": "simulated"|"nvml",
-     "clock_control": bool, ...}
+     "clock_control": bool, "local_rank": l, "gpu_index": g, "gpu_uuid": ..., "gpu_name": ..., ...}
 
 written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
 with the first iteration), then one line per iteration::
 
     {"kind": "iteration", "iteration": i, "t_start": s, "t_end": s, "time_s": T, "energy_j": E}
 
+The GPU a rank measured: ``gpu_index`` is its NVML index (the simulated backend's index too),
+``gpu_uuid``/``gpu_name`` are written only where they are known (CUDA's device properties once CUDA is
+initialised at validation, or the clock controller's ready message); readers treat every one of these
+keys as optional, so logs from before them stay readable under the same RANK_LOG_FORMAT.
+
+A *sink* (IterationSink; runtime/megatron_writers.py) is the one hook for other consumers of the figures:
+``iteration_ended(i)`` on the training thread right after the end mark (must not wait), ``record(rec)``
+on whichever thread writes a line, once per iteration line, and ``close()`` after the last line.
+
 The training thread only takes the two marks and appends to a deque; a writer thread writes every
 iteration whose marks have resolved, every FLUSH_INTERVAL_S (0.25 s). ``drain()`` writes what has
 resolved now (signal handlers, atexit); ``close()`` waits (bounded) for the rest. report/runlog.py merges
-the rank files (time = max over ranks, energy = sum, stages by pp_rank).
+the rank files (time = max over ranks, energy = sum, stages by pp_rank, and each rank's own figures kept for
+the per-GPU view).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
@@ -108,6 +118,38 @@ def _num(x: float) -> float | None:
     return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
 
 
+class IterationSink(Protocol):
+    """Another consumer of each iteration's figures (see the module doc); none of its methods may raise."""
+
+    def iteration_ended(self, iteration: int) -> None: ...
+
+    def record(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def cuda_device_identity() -> dict[str, str]:
+    """``gpu_uuid`` and ``gpu_name`` of this process's current CUDA device, or {} when CUDA is not initialised.
+
+    Never initialises CUDA (that would make a context on device 0 of every rank); torch prints the UUID
+    without NVML's ``GPU-`` prefix, which is added so the header matches ``nvidia-smi -L``.
+    """
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return {}
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    except Exception:  # a CPU build, a broken driver: the header just lacks them
+        return {}
+    out = {"gpu_name": str(props.name)}
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid:
+        out["gpu_uuid"] = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    return out
+
+
 class IterationMeter:
     """Marks each iteration's start and end on the training thread; a writer thread appends resolved ones."""
 
@@ -125,6 +167,7 @@ class IterationMeter:
         self._lock = threading.RLock()  # reentrant: a signal handler may drain inside a drain
         self.pp_rank = 0
         self.records: deque[dict[str, Any]] = deque(maxlen=RECENT_RECORDS)  # the latest lines written
+        self.sink: IterationSink | None = None  # set by attach_sink (the training thread, at validation)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if log is not None and flush_interval_s is not None:
@@ -145,14 +188,25 @@ class IterationMeter:
         """Mark the end of `iteration` and queue it for the writer (training thread; does not wait)."""
         if self._start is None:
             return
-        self._queue.append((iteration, self._start, self._point()))
+        end = self._point()
+        sink = self.sink
+        if sink is not None:  # before the writer can see the iteration
+            sink.iteration_ended(iteration)
+        self._queue.append((iteration, self._start, end))
         self._start = None
+
+    def attach_sink(self, sink: IterationSink | None) -> None:
+        """Hand every later iteration to `sink` too (None: no sink); see the module doc."""
+        with self._lock:
+            self.sink = sink
 
     def set_stage(self, pp_rank: int, **fields: Any) -> None:
         """This rank's pipeline stage and parallel sizes (known at validation); writes the header now."""
         with self._lock:
             self.pp_rank = pp_rank
             self._header.update({k: v for k, v in fields.items() if v is not None})
+            for key, value in cuda_device_identity().items():
+                self._header.setdefault(key, value)
             self._write_header()
 
     def _write_header(self) -> None:
@@ -190,6 +244,9 @@ class IterationMeter:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+            sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.close()
 
     def _run(self, interval_s: float) -> None:
         # A CPU client's marks are answered lazily, when someone waits for them: waiting a little here
@@ -210,3 +267,5 @@ class IterationMeter:
         if self._log is not None:
             self._log.write(record)
         self.records.append(record)
+        if self.sink is not None:
+            self.sink.record(record)

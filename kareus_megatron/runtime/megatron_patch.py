@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kareus_megatron.errors import UnsupportedVersionError
+from kareus_megatron.plan.megatron_model import live_architecture
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.patch_common import BasePatchState, PatchSlot, compare, device_mismatches, raise_mismatches
-from kareus_megatron.vocab import FRAMEWORK_MEGATRON, SUPPORTED_MCORE_VERSIONS, schedule_for
+from kareus_megatron.versions import is_supported, supported_series, unsupported_message
+from kareus_megatron.vocab import FRAMEWORK_MEGATRON, schedule_for
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +81,16 @@ def megatron_core_version() -> str:
         return str(package_info.__version__)
     except ImportError:
         raise UnsupportedVersionError(
-            "megatron.core is not importable; install megatron-core==0.16.1 or put Megatron-LM on PYTHONPATH"
+            f"megatron.core is not importable; install megatron-core=={supported_series('megatron-core')[-1].tested} "
+            "or put Megatron-LM on PYTHONPATH"
         ) from None
 
 
 def check_megatron_core_version() -> str:
     """Return the megatron-core version, or raise UnsupportedVersionError naming the supported ones."""
     v = megatron_core_version()
-    if v not in SUPPORTED_MCORE_VERSIONS:
-        raise UnsupportedVersionError(
-            f"megatron-core {v} is not supported by the kareus runtime patch; supported: "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}. Install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]} "
-            "(or the matching Megatron-LM release)"
-        )
+    if not is_supported("megatron-core", v):
+        raise UnsupportedVersionError(unsupported_message("megatron-core", v, "the kareus runtime patch"))
     return v
 
 
@@ -118,7 +117,7 @@ class LiveRun:
     dp: int | None = None
     sequence_parallel: bool | None = None
     layers_on_rank: int | None = None
-    model: dict[str, int] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)  # ModelShape field -> live value (our spelling)
     unsupported: list[str] = field(default_factory=list)
     modules: list[Any] = field(default_factory=list, repr=False, compare=False)  # the model chunks
 
@@ -176,12 +175,20 @@ def live_run_from_call(kwargs: dict[str, Any]) -> LiveRun:
     vocab = getattr(_unwrap(chunks[0]), "vocab_size", None)
     if isinstance(vocab, int):
         live.model["vocab_size"] = vocab
+    import torch
+
+    live.model.update(live_architecture(config, _unwrap(chunks[0]), torch.get_float32_matmul_precision()))
     counts = [len(getattr(getattr(_unwrap(c), "decoder", None), "layers", None) or ()) for c in chunks]
     if all(hasattr(getattr(_unwrap(c), "decoder", None), "layers") for c in chunks):
         live.layers_on_rank = sum(counts)
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         live.unsupported.append("overlap_moe_expert_parallel_comm=True (combined 1F1B) is not supported")
     return live
+
+
+def _spelled(value: Any) -> Any:
+    """Booleans as a model file spells them (true/false); anything else unchanged."""
+    return str(value).lower() if isinstance(value, bool) else value
 
 
 def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
@@ -208,9 +215,11 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
     if plan.model is not None:
         for name, actual in live.model.items():
             planned = getattr(plan.model, name)
+            if planned is None:
+                continue  # a plan from before the field was recorded: unknown, not checked
             if name == "vocab_size" and planned <= actual < planned + VOCAB_PADDING * (live.tp or 1):
                 continue  # megatron pads the vocabulary (--make-vocab-size-divisible-by x TP)
-            cmp(f"model {name}", planned, actual)
+            cmp(f"model {name}", _spelled(planned), _spelled(actual))
     if live.pp_rank < len(par.layers_per_stage) and live.layers_on_rank is not None:
         cmp(f"transformer layers on pipeline rank {live.pp_rank}", par.layers_per_stage[live.pp_rank],
             live.layers_on_rank)

@@ -27,7 +27,7 @@ from kareus_megatron.errors import ClockControlError, ConfigError
 from kareus_megatron.hardware.device.base import SimulationHooks
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime import hooks, megatron_patch
+from kareus_megatron.runtime import hooks, megatron_patch, megatron_writers
 from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
@@ -149,7 +149,7 @@ class RuntimeSession:
         index = physical_gpu_index(self.local_rank)
         rank, world = _global_rank_and_world()
         log = open_rank_log(self.log_path, rank, self.log_mode) if self.log_path else None  # before training
-        header: dict[str, Any] = {"rank": rank, "world": world,
+        header: dict[str, Any] = {"rank": rank, "world": world, "local_rank": self.local_rank, "gpu_index": index,
                                   "plan": None if self.plan is None else self.source, "backend": backend}
         if self.plan is not None:
             par = self.plan.parallel
@@ -303,6 +303,8 @@ class RuntimeSession:
                 raise
         if self.meter is not None:
             self.meter.set_stage(live.pp_rank, **live.layout())
+            if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one
+                self.meter.attach_sink(megatron_writers.attach(plan, self.source))
         if plan is not None and self.framework_patch is megatron_patch:
             self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
 

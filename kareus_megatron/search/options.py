@@ -18,6 +18,10 @@ Methods (the same machinery):
 - ``nanobatch_perseus``: 2 nanobatches, every collective launched at the segment start on NCCL's
   default comm SMs (search/tables.py), any clock;
 - ``kareus``: union over clocks, nanobatch counts 1 and 2 and every knob setting.
+
+The schedule decides which nanobatch counts exist at all (search/schedules.py ``SCHEDULE_NANOBATCHES``):
+for a schedule whose runtime has no overlap engine (DeepSpeed's ``deepspeed-train``) the tables hold
+1 nanobatch only, so ``kareus`` plans clocks only and ``nanobatch_perseus`` is infeasible.
 """
 
 from __future__ import annotations
@@ -32,8 +36,17 @@ from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, KareusError
 from kareus_megatron.search.compose import pareto_compose, union_frontier
 from kareus_megatron.search.frontier import pareto_indices
+from kareus_megatron.search.schedules import overlap_blocker
 from kareus_megatron.search.tables import PhaseTable, phase_table
-from kareus_megatron.vocab import KAREUS, MEGATRON, METHODS, NANOBATCH_PERSEUS, PERSEUS, SUPPORTED_NANOBATCHES
+from kareus_megatron.vocab import (
+    KAREUS,
+    MEGATRON,
+    METHODS,
+    NANOBATCH_PERSEUS,
+    PERSEUS,
+    SCHEDULE_1F1B,
+    SUPPORTED_NANOBATCHES,
+)
 from kareus_megatron.workload.opgraph import stage_extra_ops
 
 OptionKey = tuple[int, int, str]  # (stage, chunk, kind)
@@ -80,16 +93,24 @@ def instruction_phases(par: Any, kind: str) -> tuple[str, ...]:
 
 
 class LayerTables:
-    """Phase tables of one (GPU, model, layout, cost model, clock grid): computed once, shared by methods."""
+    """Phase tables of one (GPU, model, layout, cost model, clock grid, schedule): shared by methods.
 
-    def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int]):
-        self.gpu, self.model, self.par, self.kernel = gpu, model, par, kernel
+    `schedule` names the pipeline schedule the plan runs on; without an overlap engine for it
+    (``overlap_blocker``) the tables hold 1 nanobatch only and ``overlap_error`` says why.
+    """
+
+    def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
+                 schedule: str = SCHEDULE_1F1B):
+        self.gpu, self.model, self.par, self.kernel, self.schedule = gpu, model, par, kernel, schedule
         self.clocks_mhz = np.asarray(clocks_mhz, dtype=np.int64)
         self.adapter = OverlapCost(kernel)
         self.overlap_error: KareusError | None = None  # why 2 nanobatches cannot run, if they cannot
         self.phases: dict[str, PhaseTable] = {}
         nb = 2
         try:
+            blocked = overlap_blocker(schedule)
+            if blocked is not None:
+                raise InfeasibleConfigError(f"{blocked}; plan it with 1 nanobatch")
             check_nanobatches(par, nb)
             for ph in ("forward", "backward", "recompute"):
                 self.phases[ph] = phase_table(self.adapter, model, par, ph, self.clocks_mhz, nb)
@@ -152,13 +173,14 @@ class LayerTables:
 _CACHE: list[tuple[tuple, LayerTables]] = []
 
 
-def layer_tables(gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int]) -> LayerTables:
+def layer_tables(gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
+                 schedule: str = SCHEDULE_1F1B) -> LayerTables:
     """LayerTables for these inputs, reused across methods of one planning run (small identity cache)."""
-    key = (id(gpu), id(kernel), model, par, tuple(int(c) for c in clocks_mhz))
+    key = (id(gpu), id(kernel), model, par, tuple(int(c) for c in clocks_mhz), schedule)
     for k, v in _CACHE:
         if k == key and v.gpu is gpu and v.kernel is kernel:
             return v
-    tables = LayerTables(gpu, model, par, kernel, clocks_mhz)
+    tables = LayerTables(gpu, model, par, kernel, clocks_mhz, schedule)
     _CACHE.append((key, tables))
     del _CACHE[:-4]
     return tables
@@ -206,8 +228,9 @@ def build_options(
     clocks_mhz: Sequence[int] | None = None,
     *,
     max_points: int | None = None,
+    schedule: str = SCHEDULE_1F1B,
 ) -> dict[OptionKey, InstructionOptions]:
-    """Options of every instruction (stage, chunk, kind) of the layout for `method`; one GPU each.
+    """Options of every instruction (stage, chunk, kind) of the layout for `method` on `schedule`; one GPU each.
 
     Exact Pareto sets by default; max_points keeps at most that many per instruction (evenly in time,
     both ends kept), after which a baseline option may no longer be matched exactly.
@@ -220,7 +243,7 @@ def build_options(
     clocks = tuple(sorted(set(clocks), reverse=True))
     if method == MEGATRON and gpu.max_sm_clock_mhz not in clocks:
         clocks = (gpu.max_sm_clock_mhz, *clocks)
-    tables = layer_tables(gpu, model, par, kernel, clocks)
+    tables = layer_tables(gpu, model, par, kernel, clocks, schedule)
     out: dict[OptionKey, InstructionOptions] = {}
     for stage in range(par.pp):
         for chunk in range(par.vp):

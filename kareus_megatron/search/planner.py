@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
-from kareus_megatron.search.schedules import InstrKey, instruction_order
+from kareus_megatron.search.schedules import InstrKey, instruction_order, overlap_blocker
 from kareus_megatron.vocab import (
     KAREUS,
     MEGATRON,
@@ -210,6 +210,12 @@ def plan_methods(
     todo = check_methods(methods)
     if points < 2:
         raise ConfigError(f"--points {points}: need at least 2 (the fastest and the lowest-energy plan)")
+    blocked = overlap_blocker(schedule)
+    if NANOBATCH_PERSEUS in todo and blocked is not None:
+        raise InfeasibleConfigError(
+            f"method {NANOBATCH_PERSEUS} splits each microbatch into 2 nanobatches, but {blocked}; "
+            f"leave {NANOBATCH_PERSEUS} out of --methods (kareus plans clocks only on this schedule)."
+        )
     if NANOBATCH_PERSEUS in todo and par.micro_batch_size % 2:
         raise InfeasibleConfigError(
             f"method {NANOBATCH_PERSEUS} splits each microbatch into 2 nanobatches, but --mbs is "
@@ -228,7 +234,7 @@ def plan_methods(
     for name in todo:
         w = weight[name] / total
         say(f"{name}: options", done)
-        opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz)
+        opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule)
         say(f"{name}: frontier", done + 0.1 * w)
 
         def frontier_progress(f: float, d: float = done, w: float = w, n: str = name) -> None:

@@ -18,14 +18,44 @@ Schedules (facts read from the frameworks' public sources; the code here is our 
 - ``deepspeed-train``: DeepSpeed ``TrainSchedule``: 2 (M + pp - 1) steps; at step t rank s runs a
   forward when t and s have the same parity, else a backward; forward microbatch ``t//2 - s//2``,
   backward microbatch ``t//2 - pp + (s + 2)//2``; ids outside 0..M-1 are idle steps.
+
+Nanobatches each schedule's runtime executes (``SCHEDULE_NANOBATCHES``): megatron-core's schedules run
+2 through the overlap engine (runtime/overlap); DeepSpeed's PipelineEngine has no overlap engine, so a
+``deepspeed-train`` plan keeps every microbatch whole (1 nanobatch: ``kareus`` then plans clocks only).
+The option builder (search/options.py) reads this; the DeepSpeed patch refuses any other plan.
 """
 
 from __future__ import annotations
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
-from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_INTERLEAVED, SCHEDULES, InstructionKind
+from kareus_megatron.vocab import (
+    SCHEDULE_1F1B,
+    SCHEDULE_DEEPSPEED,
+    SCHEDULE_INTERLEAVED,
+    SCHEDULES,
+    InstructionKind,
+)
 
 InstrKey = tuple[InstructionKind, int, int]  # (kind, microbatch, chunk)
+
+# Nanobatch counts the runtime of each schedule can execute (see the module docstring).
+SCHEDULE_NANOBATCHES: dict[str, tuple[int, ...]] = {
+    SCHEDULE_1F1B: (1, 2),
+    SCHEDULE_INTERLEAVED: (1, 2),
+    SCHEDULE_DEEPSPEED: (1,),
+}
+_NO_OVERLAP_WHY: dict[str, str] = {
+    SCHEDULE_DEEPSPEED: "DeepSpeed's PipelineEngine runs every microbatch whole (it has no nanobatch overlap engine)",
+}
+
+
+def overlap_blocker(schedule: str) -> str | None:
+    """Why `schedule`'s runtime cannot run 2 nanobatches (None: it can)."""
+    if schedule not in SCHEDULE_NANOBATCHES:
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if 2 in SCHEDULE_NANOBATCHES[schedule]:
+        return None
+    return _NO_OVERLAP_WHY.get(schedule, f"the {schedule} schedule runs every microbatch whole")
 
 
 def _check_counts(pp: int, num_microbatches: int, vp: int) -> None:

@@ -2,7 +2,11 @@
 
 Terms: *hidden size* h, *heads* (query heads), *query groups* (KV heads; = heads without GQA),
 *head_dim* (per-head width, h / heads unless given), *ffn_hidden_size* (MLP width; for SwiGLU the width
-of each of the gate and up projections).
+of each of the gate and up projections). *bias_linear*: every linear layer has a bias (GPT-2/3, BLOOM);
+*qkv_bias*: the QKV projection has one even without bias_linear (Qwen2), as megatron-core's
+``add_qkv_bias`` (bias_linear implies it); *tied_embeddings*: the output layer reuses the input
+embedding's weights. The op graph does not model bias adds (fused into the GEMM epilogue or the
+activation kernel); the parameter count includes biases and counts tied embeddings once per stage.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ class ModelSpec:
     position: str = "rope"
     qk_norm: bool = False
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    bias_linear: bool = False
+    qkv_bias: bool = False  # implied by bias_linear
+    tied_embeddings: bool = False
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """True when the QKV projection has a bias (qkv_bias, or bias_linear)."""
+        return self.bias_linear or self.qkv_bias
 
     @property
     def kv_channels(self) -> int:
@@ -48,12 +60,15 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (weights of QKV, proj, MLP and norms; no biases)."""
+        """Parameters of one transformer layer (QKV, proj, MLP and norms, with their biases)."""
         h, d = self.hidden_size, self.kv_channels
-        qkv = h * d * (self.num_attention_heads + 2 * self.num_query_groups)
+        qkv_out = d * (self.num_attention_heads + 2 * self.num_query_groups)
+        fc1_out = self.ffn_hidden_size * (2 if self.activation == "swiglu" else 1)
         proj = self.num_attention_heads * d * h
-        mlp = h * self.ffn_hidden_size * (3 if self.activation == "swiglu" else 2)
-        return qkv + proj + mlp + 2 * h
+        mlp = h * fc1_out + self.ffn_hidden_size * h
+        norms = 2 * h * (2 if self.norm == "layernorm" else 1)  # LayerNorm: weight and bias
+        biases = (qkv_out if self.has_qkv_bias else 0) + ((h + fc1_out + h) if self.bias_linear else 0)
+        return h * qkv_out + proj + mlp + norms + biases
 
     @property
     def embedding_params(self) -> int:
@@ -90,8 +105,9 @@ def model_from_dict(data: Mapping[str, Any], name: str = "custom") -> ModelSpec:
     for key, allowed in (("activation", ACTIVATIONS), ("norm", NORMS), ("position", POSITIONS)):
         if key in d and d[key] not in allowed:
             raise ConfigError(f"model {name!r}: {key} = {d[key]!r}; allowed: {', '.join(allowed)}.")
-    if "qk_norm" in d and not isinstance(d["qk_norm"], bool):
-        raise ConfigError(f"model {name!r}: qk_norm = {d['qk_norm']!r} must be true or false.")
+    for key in ("qk_norm", "bias_linear", "qkv_bias", "tied_embeddings"):
+        if key in d and not isinstance(d[key], bool):
+            raise ConfigError(f"model {name!r}: {key} = {d[key]!r} must be true or false.")
     if not isinstance(d["name"], str) or not d["name"]:
         raise ConfigError(f"model {name!r}: name = {d['name']!r} must be a non-empty string.")
     if d["num_attention_heads"] % d["num_query_groups"]:

@@ -244,12 +244,20 @@ def p2p_op(model: ModelSpec, par: ParallelConfig, stage: int | None = None) -> O
 
 
 def stage_params(model: ModelSpec, par: ParallelConfig, stage: int) -> float:
-    """Parameters held by one GPU of `stage` (TP-sharded)."""
+    """Parameters held by one GPU of `stage` (TP-sharded).
+
+    The first stage holds the input embedding, the last the final norm and the output layer; tied
+    embeddings share one matrix when both are on the same stage (PP=1), while with PP > 1 the last stage
+    keeps its own copy (megatron-core's word embeddings there). Learned position embeddings are left out,
+    as in Megatron-LM's theoretical_memory_usage.py (seq_length x hidden, small beside the vocabulary).
+    """
+    h = model.hidden_size
     n = par.layers_per_stage[stage] * model.layer_params
     if stage == 0:
         n += model.embedding_params
     if stage == par.pp - 1:
-        n += model.embedding_params + model.hidden_size
+        n += (0 if model.tied_embeddings and par.pp == 1 else model.embedding_params)
+        n += h * (2 if model.norm == "layernorm" else 1)
     return n / par.tp
 
 

@@ -98,7 +98,8 @@ def _argv(cmd: str, cls: str, d: Path, plan_dir: Path) -> tuple[list[str], str]:
         (d / "dir").mkdir()
         return [*base, "-o", str(d / "dir")], "dir"
     if cmd == "solve":
-        base = [cmd, "--pp", "8", "--microbatches", "4", "--out", str(d / "out")]
+        base = [cmd, "--pp", "8", "--microbatches", "4", "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048",
+                "--layers-per-stage", "12,12,12,12,12,12,12,12", "--out", str(d / "out")]
         if cls in content_classes:
             return [*base, "--profile", str(_file(d, "p.csv", _content(cls, "csv")))], "p.csv"
         if cls == "dir_for_file":
@@ -250,7 +251,8 @@ def test_solve_takes_the_workload_flag_names_and_the_old_ones(tmp_path, capsys):
     for mbs, seq in (("--mbs", "--seq"), ("--micro-batch-size", "--seq-length")):
         out = tmp_path / mbs.strip("-")
         assert main(["solve", "--profile", str(profile), "--pp", "2", "--microbatches", "4", "--points", "2",
-                     "--out", str(out), mbs, "2", seq, "512"]) == 0
+                     "--out", str(out), mbs, "2", seq, "512", "--gpu", "a100-sxm4-40gb",
+                     "--layers-per-stage", "14,14"]) == 0
         layout = json.loads((out / "plans" / "solve-00.json").read_text())["parallel"]
         assert (layout["micro_batch_size"], layout["seq_length"]) == (2, 512)
     capsys.readouterr()

@@ -43,11 +43,11 @@ EXPECTED = {
     ],
     "solve": [
         '--cp', '--debug', '--dp', '--gpu', '--layers-per-stage', '--max-time', '--mbs', '--micro-batch-size',
-        '--microbatches', '--out', '--p-blocked', '--p2p-time', '--points', '--pp', '--profile', '--schedule', '--seq',
-        '--seq-length', '--tp',
+        '--microbatches', '--nodes', '--out', '--p-blocked', '--p2p-time', '--points', '--pp', '--profile',
+        '--schedule', '--seq', '--seq-length', '--tp',
         '--zeus-format'
     ],
-    "report": ['--debug', '--format', '--no-plot', '--plan', '--plot', '--skip', '--skip-iterations'],
+    "report": ['--debug', '--format', '--no-plot', '--per-gpu', '--plan', '--plot', '--skip', '--skip-iterations'],
     "compare": ['--debug', '--no-plot', '--out', '--skip', '--skip-iterations'],
     "launch run": [
         '--container-image', '--container-mounts', '--debug', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',

@@ -34,9 +34,17 @@ def _write_csv(path, rows):
     return path
 
 
+JOB = {"--gpu": "a100-sxm4-80gb", "--mbs": 1, "--seq": 2048}  # what the GPT-3 profile was measured with
+
+
 def _kareus(monkeypatch, *argv):
+    """`kareus solve ARGV`, with the required job flags added where ARGV leaves them out."""
     monkeypatch.setattr(cli_main, "COMMANDS", {"solve": "solve"})
-    return cli_main.main(["solve", *map(str, argv)])
+    argv = [str(a) for a in argv]
+    extra = [x for flag, v in JOB.items() if flag not in argv for x in (flag, str(v))]
+    if "--layers-per-stage" not in argv and "--pp" in argv:
+        extra += ["--layers-per-stage", ",".join(["12"] * int(argv[argv.index("--pp") + 1]))]
+    return cli_main.main(["solve", *argv, *extra])
 
 
 @pytest.fixture
@@ -60,6 +68,8 @@ def test_solve_writes_frontier_plans_and_zeus_files(tmp_path, profile, monkeypat
     for nn, p in enumerate(pts):
         plan = load_plan(out / p["plan"])
         assert plan.method == "solve" and plan.parallel.pp == 2 and plan.parallel.tp == 4
+        assert plan.gpu == "a100-sxm4-80gb" and plan.parallel.layers_per_stage == (12, 12)
+        assert (plan.parallel.micro_batch_size, plan.parallel.seq_length) == (1, 2048)
         assert plan.predicted.iteration_time_s == pytest.approx(p["time_s"])
         zeus = eval((out / "zeus" / f"freqs_pipeline_{nn:02d}.py").read_text())  # a Python literal, as Zeus reads it
         assert zeus == [[(i.kind, i.sm_clock_mhz) for i in st.instructions] for st in plan.stages]
@@ -120,9 +130,12 @@ def test_bad_requests_exit_2_and_keep_previous_output(tmp_path, profile, monkeyp
         ("--points", 0),
         ("--p-blocked", math.nan),
         ("--layers-per-stage", "4,x"),
+        ("--layers-per-stage", "4"),  # one per stage
+        ("--gpu", "a100-pcie"),  # not a preset
+        ("--nodes", 3),  # does not divide 8 GPUs
     ]
     for flag, value in cases:
-        args = {"--pp": 2, "--microbatches": 4, "--out": out, "--profile": profile}
+        args = {"--pp": 2, "--microbatches": 4, "--out": out, "--profile": profile, "--tp": 4}
         args[flag] = value
         argv = [x for kv in args.items() for x in kv]
         assert _kareus(monkeypatch, *argv) == 2, flag
@@ -159,6 +172,33 @@ def test_out_current_directory_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "p.csv"
     path.write_text(open(GPT3).read())
-    assert main(["solve", "--profile", str(path), "--pp", "8", "--microbatches", "4", "--out", "."]) == 2
+    assert main(["solve", "--profile", str(path), "--pp", "8", "--microbatches", "4", "--out", ".", "--gpu",
+                 "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12,12,12,12,12,12,12"]) == 2
     assert "current directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"]
+
+
+def test_the_job_shape_is_required(tmp_path, profile, capsys):
+    from kareus_megatron.cli.main import main
+
+    base = ["solve", "--profile", str(profile), "--pp", "2", "--microbatches", "4", "--out", str(tmp_path / "o")]
+    job = ["--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12"]
+    for k in range(0, len(job), 2):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *job[:k], *job[k + 2:]])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and job[k] in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_frequencies_the_gpu_cannot_lock_are_refused(tmp_path, monkeypatch, capsys):
+    rows = _rows()
+    for r in rows:
+        if r["frequency"] == "1410":
+            r["frequency"] = "1412"  # not on the A100's 15 MHz grid
+    prof = _write_csv(tmp_path / "p.csv", rows)
+    assert _kareus(monkeypatch, "--profile", prof, "--pp", 2, "--microbatches", 4, "--out", tmp_path / "o") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "1412" in err and "cannot lock" in err
+    assert not (tmp_path / "o").exists()

@@ -34,14 +34,19 @@ LLAMA_ARGS = (
     "--tensor-model-parallel-size 8 --context-parallel-size 1 --pipeline-model-parallel-size 2 "
     "--decoder-first-pipeline-num-layers 15 --decoder-last-pipeline-num-layers 13 "
     "--num-layers 28 --hidden-size 3072 --num-attention-heads 24 --ffn-hidden-size 8192 "
-    "--group-query-attention --num-query-groups 8 "
-    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --normalization RMSNorm "
-    "--position-embedding-type rope --seq-length 4096 --max-position-embeddings 4096 "
-    "--micro-batch-size 8 --global-batch-size 64 "
+    "--group-query-attention --num-query-groups 8 --kv-channels 128 "
+    "--swiglu --disable-bias-linear --normalization RMSNorm --position-embedding-type rope --bf16 "
+    "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 8 --global-batch-size 64 "
     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-    "--bf16 --mock-data --tokenizer-type NullTokenizer --vocab-size 128255 --make-vocab-size-divisible-by 1 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 128255 --make-vocab-size-divisible-by 1 "
     "--train-iters 20 --lr 1.0e-5 --lr-decay-style constant --log-interval 1 --eval-iters 0 --eval-interval 21"
 )
+
+# The architecture records (plan ModelShape) of llama3.2-3b as `kareus plan` writes it, and of a GPT-2 style model.
+LLAMA_ARCH = dict(activation="swiglu", normalization="rmsnorm", position_embedding="rope", kv_channels=128,
+                  bias_linear=False, qkv_bias=False, tied_embeddings=True, qk_norm=False, precision="bf16")
+GPT_ARCH = dict(activation="gelu", normalization="layernorm", position_embedding="learned", bias_linear=True,
+                qkv_bias=True, tied_embeddings=True, qk_norm=False, precision="fp32")
 
 
 def make_plan(method: str, clock: int, *, framework: str = "megatron", nodes: int = 2, gpn: int = 8,
@@ -51,10 +56,10 @@ def make_plan(method: str, clock: int, *, framework: str = "megatron", nodes: in
     tp = nodes * gpn // pp
     layers = (15, 13) if pp == 2 and tp == 8 else tuple([2] * pp)
     model = (dict(name="llama3.2-3b", num_layers=28, hidden_size=3072, num_attention_heads=24,
-                  num_query_groups=8, ffn_hidden_size=8192, vocab_size=128256)
+                  num_query_groups=8, ffn_hidden_size=8192, vocab_size=128256, **LLAMA_ARCH)
              if layers == (15, 13) else
              dict(name="tiny", num_layers=2 * pp, hidden_size=8, num_attention_heads=1, num_query_groups=1,
-                  ffn_hidden_size=8, vocab_size=16))
+                  ffn_hidden_size=8, vocab_size=16, **GPT_ARCH, kv_channels=8))
     return Plan.model_validate({
         "format": "kareus-plan/1", "method": method, "framework": framework, "gpu": "a100-sxm4-40gb",
         "model": model,
@@ -110,7 +115,7 @@ def test_torchrun_dry_run_prints_the_exact_command(plan_dir):
     r = launch("run", "--method", "kareus", "--plan-dir", str(plan_dir), "--master-addr", "node0",
                "--log-dir", "runs", "--dry-run", "--", "--data-path", "/data/x")
     assert r.returncode == 0, r.stderr
-    want = (f"+ {torchrun('kareus-00')} {LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
+    want = (f"+ CUDA_DEVICE_MAX_CONNECTIONS=1 {torchrun('kareus-00')} {LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
             f"--kareus-plan {plan_dir}/plans/kareus-00.json --kareus-log runs/kareus-00/measurement "
             "--data-path /data/x\n")
     assert r.stdout == want
@@ -121,7 +126,8 @@ def test_megatron_baseline_tolerates_missing_clock_permission(plan_dir):
     r = launch("run", "--method", "megatron", "--plan-dir", str(plan_dir), "--master-addr", "node0",
                "--log-dir", "/logs", "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == (f"+ {torchrun('megatron-00')} {LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
+    assert r.stdout == (f"+ CUDA_DEVICE_MAX_CONNECTIONS=1 {torchrun('megatron-00')} "
+                        f"{LAUNCH}/pretrain_gpt.py {LLAMA_ARGS} "
                         f"--kareus-plan {plan_dir}/plans/megatron-00.json --kareus-on-error warn "
                         "--kareus-log /logs/megatron-00/measurement\n")
 
@@ -142,7 +148,7 @@ def test_slurm_inside_an_allocation_runs_srun_torchrun(plan_dir):
                "--container-image", "kareus-megatron.sqsh", "--dry-run", env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout == (
-        "+ srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 --kill-on-bad-exit=1 "
+        "+ CUDA_DEVICE_MAX_CONNECTIONS=1 srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 --kill-on-bad-exit=1 "
         f"--container-image kareus-megatron.sqsh --container-mounts {ROOT}:{ROOT} --container-workdir {ROOT} "
         f"{torchrun('perseus-00', 'gpu-a01', '4242')} /opt/kareus/src/launch/pretrain_gpt.py {LLAMA_ARGS} "
         f"--kareus-plan {plan_dir}/plans/perseus-00.json "
@@ -157,7 +163,8 @@ def test_slurm_outside_an_allocation_submits_itself_with_sbatch(plan_dir):
     passthrough = shlex.join([a for a in args if a != "--dry-run"])
     assert lines[0] == f"+ sbatch --nodes 2 --gpus-per-node 8 --job-name kareus-run {LAUNCH}/slurm.sbatch {passthrough}"
     assert lines[1] == "# inside the allocation, it runs:"
-    assert lines[2].startswith("+ srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 --kill-on-bad-exit=1 torchrun")
+    assert lines[2].startswith("+ CUDA_DEVICE_MAX_CONNECTIONS=1 srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 "
+                               "--kill-on-bad-exit=1 torchrun")
 
 
 def test_sbatch_script_reenters_the_launcher_with_srun(plan_dir, tmp_path):
@@ -171,7 +178,8 @@ def test_sbatch_script_reenters_the_launcher_with_srun(plan_dir, tmp_path):
     r = launch("run", "--launcher", "slurm", "--method", "kareus", "--plan-dir", str(plan_dir), "--dry-run",
                env=env, script="slurm.sbatch")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith(f"+ srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 --kill-on-bad-exit=1 "
+    assert r.stdout.startswith("+ CUDA_DEVICE_MAX_CONNECTIONS=1 "
+                               f"srun --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 --kill-on-bad-exit=1 "
                                f"{torchrun('kareus-00', 'gpu-b07', '77')} ")
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kareus_megatron.errors import PlanError, PlanVersionError
 from kareus_megatron.plan.io import load_plan, plan_from_dict, plan_sha256, save_plan
-from kareus_megatron.plan.schema import Plan
+from kareus_megatron.plan.schema import MODEL_RECORD_FIELDS, Plan
 
 
 def sample_plan_dict(pp: int = 2, m: int = 2) -> dict:
@@ -45,6 +45,32 @@ def sample_plan_dict(pp: int = 2, m: int = 2) -> dict:
     }
 
 
+TINY_MODEL = dict(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=1, num_query_groups=1,
+                  ffn_hidden_size=8, vocab_size=16)
+
+
+def test_plans_without_the_model_architecture_load_and_hash_as_before():
+    d = sample_plan_dict()
+    d["model"] = dict(TINY_MODEL)  # a plan written before the architecture fields existed
+    plan = plan_from_dict(d)
+    assert plan.model.unknown_fields() == list(MODEL_RECORD_FIELDS)
+    # the hash the build before the architecture fields gave this plan (run logs record it)
+    assert plan_sha256(plan) == "bc08a6f952787f971332b4e815bcf7d08d434326a9d3b1b01beae9ff58858986"
+    full = plan_from_dict({**d, "model": dict(TINY_MODEL, activation="gelu", precision="fp32")})
+    assert plan_sha256(full) != plan_sha256(plan)
+
+
+def test_kareus_plan_records_the_model_and_precision():
+    from kareus_megatron.plan.build import model_shape
+    from kareus_megatron.workload.models import model_spec
+
+    rec = model_shape(model_spec("qwen3-1.7b"), "fp16")
+    assert rec.unknown_fields() == []
+    assert (rec.activation, rec.normalization, rec.position_embedding, rec.kv_channels, rec.qk_norm,
+            rec.bias_linear, rec.qkv_bias, rec.tied_embeddings, rec.precision) == (
+        "swiglu", "rmsnorm", "rope", 128, True, False, False, True, "fp16")
+
+
 def test_roundtrip(tmp_path):
     plan = plan_from_dict(sample_plan_dict())
     save_plan(plan, tmp_path / "p.json")
@@ -67,6 +93,9 @@ def test_roundtrip(tmp_path):
         (lambda d: d["parallel"].update(gpus_per_node=3), "nodes"),
         (lambda d: d["stages"][0]["instructions"][0].update(sm_clock_mhz=-5), "sm_clock_mhz"),
         (lambda d: d.update(extra_key=1), "extra_key"),
+        (lambda d: d.update(model=dict(TINY_MODEL, activation="relu")), "activation 'relu' is not one of swiglu, gelu"),
+        (lambda d: d.update(model=dict(TINY_MODEL, precision="int4")), "precision 'int4'"),
+        (lambda d: d.update(model=dict(TINY_MODEL, bias_linear=True, qkv_bias=False)), "qkv_bias is false"),
     ],
 )
 def test_bad_fields_are_named(mutate, needle):

@@ -38,7 +38,9 @@ def tiny_plan(method: str, time_s: float, energy_j: float) -> Plan:
     return Plan.model_validate({
         "format": "kareus-plan/1", "method": method, "gpu": "a100-sxm4-40gb",
         "model": dict(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=1, num_query_groups=1,
-                      ffn_hidden_size=8, vocab_size=16),
+                      ffn_hidden_size=8, vocab_size=16, activation="gelu", normalization="layernorm",
+                      position_embedding="learned", kv_channels=8, bias_linear=True, qkv_bias=True,
+                      tied_embeddings=True, qk_norm=False, precision="fp32"),
         "parallel": dict(tp=1, cp=1, pp=2, vp=1, dp=1, micro_batch_size=1, seq_length=8, num_microbatches=2,
                          layers_per_stage=(1, 1), nodes=1, gpus_per_node=2),
         "predicted": {"iteration_time_s": time_s, "iteration_energy_j": energy_j},

@@ -127,16 +127,17 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
     out = tmp_path / "solved"
     assert cli_main.main(["solve", "--profile", str(_gpt3_profile(tmp_path / "p.csv")), "--pp", "2",
                           "--microbatches", "4", "--points", "2", "--tp", "2", "--p-blocked", "75",
+                          "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12",
                           "--out", str(out)]) == 0
     plan_file = out / "plans" / "solve-00.json"
     plan = load_plan(plan_file)
-    assert plan.gpu == "measured" and plan.p_blocked_w == 75.0  # not a preset: the plan must carry it
+    assert plan.gpu == "a100-sxm4-80gb" and plan.p_blocked_w == 75.0  # --p-blocked, not the preset's: carried
     assert (plan.parallel.nodes * plan.parallel.gpus_per_node, plan.parallel.tp) == (4, 2)
     log = write_log(tmp_path / "run.jsonl", ROWS, world=4)
     capsys.readouterr()
     assert cli_main.main(["report", str(log), "--plan", str(plan_file), "--no-plot"]) == 0
     text = capsys.readouterr().out
-    assert "(solve, measured, blocked power 75 W" in text and "stage 1 energy" in text
+    assert "(solve, a100-sxm4-80gb, blocked power 75 W" in text and "stage 1 energy" in text
     pred = compare(summarize(read_run_log(log)), plan).stage_energy_j
     for st in plan.stages:
         busy = sum(i.predicted_time_s for i in st.instructions)
@@ -144,7 +145,7 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
                     + 75.0 * max(0.0, plan.predicted.iteration_time_s - busy))
         assert pred[st.pp_rank][1] == pytest.approx(want)
     older = tmp_path / "older.json"  # the same plan as kareus solve wrote it before plans recorded p_blocked_w
-    save_plan(plan.model_copy(update={"p_blocked_w": None}), older)
+    save_plan(plan.model_copy(update={"p_blocked_w": None, "gpu": "measured"}), older)
     _one_line(capsys, cli_main.main(["report", str(log), "--plan", str(older), "--no-plot"]),
               f"plan {older} records no blocked power (p_blocked_w) and its GPU 'measured' is not a preset")
 

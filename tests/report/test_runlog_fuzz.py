@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kareus_megatron.errors import KareusError
+from kareus_megatron.report.per_gpu import per_gpu
 from kareus_megatron.report.runlog import read_run_log, summarize
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True),
@@ -20,11 +21,12 @@ _scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floa
 _values = st.recursive(_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
                                                                                       max_size=3), max_leaves=6)
 _keys = st.sampled_from(["kind", "iteration", "time_s", "energy_j", "t_start", "t_end", "rank", "world", "pp",
-                         "pp_rank", "format", "backend", "stages"])
+                         "pp_rank", "format", "backend", "stages", "ranks", "gpu_index", "gpu_uuid", "local_rank"])
 _records = st.one_of(
     st.fixed_dictionaries({"kind": st.sampled_from(["header", "iteration", "other"])},
                           optional={k: _values for k in ("iteration", "time_s", "energy_j", "rank", "world",
-                                                         "pp", "pp_rank", "backend")}),
+                                                         "pp", "pp_rank", "backend", "gpu_index", "gpu_uuid",
+                                                         "gpu_name", "local_rank")}),
     st.dictionaries(_keys, _values, max_size=5),
 )
 _lines = st.one_of(_records.map(lambda r: json.dumps(r).encode()), st.binary(max_size=40),
@@ -45,6 +47,6 @@ def test_any_rank_files_read_or_fail_with_one_kareus_error(tmp_path: Path, files
         (d / f"rank-{rank:05d}.jsonl").write_bytes(data)
     try:
         log = read_run_log(d)
-        summarize(log, 0)
+        per_gpu(summarize(log, 0), {0: 1.0}, 2)
     except KareusError as e:
         assert str(e) and "\n" not in str(e).strip()

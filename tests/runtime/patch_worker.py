@@ -73,6 +73,16 @@ def _rejected(pp: int, vp: int | None, plan: Any, log_dir: str) -> dict[str, Any
         kareus.uninstall()
 
 
+def _live_model(pp: int, vp: int | None) -> dict[str, Any]:
+    """What the patch reads of the tiny GPT's model (LiveRun.model) from a schedule call's arguments."""
+    import tiny_gpt
+
+    from kareus_megatron.runtime.megatron_patch import live_run_from_call
+
+    tiny_gpt.init_parallel(pp, vp)
+    return live_run_from_call({"model": tiny_gpt.build_chunks(pp, vp)[0], "num_microbatches": M}).model
+
+
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """Entry point for torch.multiprocessing.spawn."""
     import plans
@@ -84,6 +94,12 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     result["vp"] = _train_pair(2, 2, plans.tiny_plan(pp=2, vp=2, m=M, seed=5), out_dir, "vp")
     result["wrong_m"] = _rejected(2, None, plans.tiny_plan(pp=2, vp=1, m=M + 4), out_dir)
     result["wrong_pp_and_m"] = _rejected(2, None, plans.tiny_plan(pp=4, vp=1, m=M + 1), out_dir)
+    result["live_model"] = _live_model(2, None)
+    llama_like = dict(activation="swiglu", normalization="rmsnorm", position_embedding="rope", precision="bf16",
+                      bias_linear=False, qkv_bias=False, tied_embeddings=True)
+    plan = plans.tiny_plan(pp=2, vp=1, m=M)
+    result["wrong_arch"] = _rejected(2, None, plan.model_copy(update={"model": plan.model.model_copy(
+        update=llama_like)}), out_dir)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.barrier()

@@ -23,6 +23,11 @@ VOCAB = 128
 SEQ = 16
 MBS = 2
 GPU = "a100-sxm4-40gb"
+# tiny_gpt.py's model: megatron-core's defaults with the local layer spec (GELU, LayerNorm, learned
+# positions, biases; GPTModel unties the output layer unless asked), fp32.
+TINY_GPT_ARCH = dict(activation="gelu", normalization="layernorm", position_embedding="learned",
+                     kv_channels=HIDDEN // HEADS, bias_linear=True, qkv_bias=True, tied_embeddings=False,
+                     qk_norm=False, precision="fp32")
 # Lockable on the A100 preset (15 MHz grid); repeated values exercise "unchanged" skips.
 CLOCK_CYCLE = (1410, 1200, 1200, 1005, 1305, 990, 1095, 1410, 1155)
 
@@ -75,7 +80,7 @@ def tiny_plan(pp: int = 2, vp: int = 1, m: int = 4, *, layers_per_chunk: int = 1
     return Plan(
         format="kareus-plan/1", method="kareus", gpu=GPU,
         model=ModelShape(name="tiny-gpt", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
+                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB, **TINY_GPT_ARCH),
         parallel=ParallelLayout(**layout),
         predicted=Predicted(iteration_time_s=0.05, iteration_energy_j=40.0),
         stages=tuple(stages),

@@ -67,3 +67,61 @@ def test_report_cli_prints_table_and_plot(tmp_path, capsys):
     assert cmp.rows[0].measured == pytest.approx(statistics.median(r["time_s"] for r in list(meter.records)[2:]))
     assert cmp.rows[1].measured == pytest.approx(statistics.median(r["energy_j"] for r in list(meter.records)[2:]))
     assert cmp.rows[0].predicted == plan.predicted.iteration_time_s
+
+
+class _Sink:
+    def __init__(self, meter_box: list) -> None:
+        self.events: list[tuple] = []
+        self.meter_box = meter_box
+
+    def iteration_ended(self, iteration):
+        # the writer must not have the iteration yet: its step is noted first
+        self.events.append(("ended", iteration, any(q[0] == iteration for q in self.meter_box[0]._queue)))
+
+    def record(self, record):
+        self.events.append(("record", record["iteration"], record["energy_j"] is not None))
+
+    def close(self):
+        self.events.append(("close",))
+
+
+def test_the_sink_hears_each_iteration_end_before_its_line_and_the_close_last(tmp_path):
+    plan = plans.tiny_plan()
+    client = ClockClient()
+    gpu = SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0)
+    client.start_thread(gpu, simulation=gpu)
+    box: list = []
+    meter = IterationMeter(open_rank_log(tmp_path / "run", 0), mark=client.mark, header={"rank": 0, "world": 1})
+    box.append(meter)
+    sink = _Sink(box)
+    meter.attach_sink(sink)
+    for it in range(3):
+        meter.begin(it)
+        time.sleep(0.005)
+        meter.end(it)
+    meter.close()
+    client.close()
+    assert sink.events[-1] == ("close",) and meter.sink is None
+    ended = [e for e in sink.events if e[0] == "ended"]
+    assert ended == [("ended", i, False) for i in range(3)]
+    for i in range(3):
+        assert sink.events.index(("ended", i, False)) < sink.events.index(("record", i, True))
+
+
+def test_the_header_names_the_cuda_device_once_cuda_is_initialised(tmp_path, monkeypatch):
+    import torch
+
+    from kareus_megatron.runtime.measurement import cuda_device_identity
+
+    assert cuda_device_identity() == {}  # CPU: never initialises CUDA
+    props = type("Props", (), {"name": "NVIDIA H200", "uuid": "5a8b3c1d-0000-1111-2222-333344445555"})()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props if i == 3 else None)
+    meter = IterationMeter(open_rank_log(tmp_path / "run", 0), header={"rank": 0, "world": 1, "gpu_index": 3},
+                           flush_interval_s=None)
+    meter.set_stage(0, pp=1)
+    meter.close()
+    (header,) = [json.loads(x) for x in (tmp_path / "run" / "rank-00000.jsonl").read_text().splitlines()]
+    assert header["gpu_index"] == 3 and header["gpu_name"] == "NVIDIA H200"
+    assert header["gpu_uuid"] == "GPU-5a8b3c1d-0000-1111-2222-333344445555"  # as nvidia-smi -L names it

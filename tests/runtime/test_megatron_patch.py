@@ -1,14 +1,20 @@
-"""The megatron-core patch on real 0.16.1 schedules: 2 processes, gloo, tiny GPT, simulated GPUs."""
+"""The megatron-core patch on real schedules: 2 processes, gloo, tiny GPT, simulated GPUs.
+
+Run against the pinned megatron-core 0.16.1; test_framework_versions.py reruns it on 0.15 and 0.19."""
 
 from __future__ import annotations
 
 import json
+import os
+from types import SimpleNamespace
 
 import plans
 import pytest
 from _dist import read_ranks, spawn
 
 from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
+from kareus_megatron.plan.megatron_model import live_architecture
+from kareus_megatron.plan.schema import MODEL_RECORD_FIELDS
 from kareus_megatron.runtime import megatron_patch
 from kareus_megatron.runtime.megatron_patch import LiveRun, plan_mismatches, validate_plan
 
@@ -93,6 +99,26 @@ def test_wrong_plans_rejected_before_step_one(spawned):
         assert msg.count("does not match") == 1  # one error listing every mismatch
 
 
+def test_live_model_is_read_in_full(spawned):
+    _, ranks = spawned
+    for r in range(2):
+        live = ranks[r]["live_model"]
+        assert {k: live[k] for k in MODEL_RECORD_FIELDS} == plans.TINY_GPT_ARCH  # every field read, and right
+        assert live["hidden_size"] == plans.HIDDEN
+
+
+def test_a_plan_for_another_architecture_is_rejected_before_step_one(spawned):
+    _, ranks = spawned
+    for r in range(2):
+        wrong = ranks[r]["wrong_arch"]
+        assert wrong["forward_calls"] == 0
+        for part in ("model activation: plan swiglu, run gelu", "model normalization: plan rmsnorm, run layernorm",
+                     "model position_embedding: plan rope, run learned", "model precision: plan bf16, run fp32",
+                     "model bias_linear: plan false, run true", "model tied_embeddings: plan true, run false"):
+            assert part in wrong["raised"]
+        assert wrong["raised"].count("does not match") == 1
+
+
 # ---- validation without processes ----------------------------------------------------------
 
 
@@ -127,6 +153,41 @@ def test_every_mismatch_is_listed():
     assert "\n" not in msg
 
 
+def test_architecture_mismatches_are_listed_and_unknown_fields_skipped():
+    arch = dict(plans.TINY_GPT_ARCH, activation="swiglu", kv_channels=16, qk_norm=True, precision="tf32")
+    live = _live(model={**plans.TINY_GPT_ARCH, **{k: v for k, v in arch.items() if k != "precision"},
+                        "precision": "bf16"})
+    assert plan_mismatches(plans.tiny_plan(), live) == [
+        "model activation: plan gelu, run swiglu", "model kv_channels: plan 8, run 16",
+        "model qk_norm: plan false, run true", "model precision: plan fp32, run bf16"]
+    old = plans.tiny_plan()
+    old = old.model_copy(update={"model": old.model.model_copy(update=dict.fromkeys(MODEL_RECORD_FIELDS))})
+    assert plan_mismatches(old, live) == []  # a plan from before the record: unknown, not checked
+
+
+def test_live_architecture_names_what_megatron_runs():
+    import torch
+    import torch.nn.functional as F
+
+    from kareus_megatron.runtime.cpu_shim import stub_missing_triton
+
+    stub_missing_triton()  # megatron-core 0.19 imports Triton (test_framework_versions.py runs this file on it)
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=32, gated_linear_unit=True,
+                            activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+                            add_qkv_bias=True, qk_layernorm=True, bf16=True, params_dtype=torch.bfloat16)
+    gpt = SimpleNamespace(position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    assert live_architecture(cfg, gpt, "highest") == dict(
+        activation="swiglu", normalization="rmsnorm", kv_channels=32, bias_linear=False, qkv_bias=True, qk_norm=True,
+        precision="bf16", position_embedding="rope", tied_embeddings=False)
+    plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, activation_func=squared_relu)
+    got = live_architecture(plain, SimpleNamespace(position_embedding_type="none"), "high")
+    assert (got["activation"], got["position_embedding"], got["precision"]) == ("squared_relu", "none", "tf32")
+    assert got["kv_channels"] == 16 and got["bias_linear"] and got["qkv_bias"] and "tied_embeddings" not in got
+
+
 def test_padded_vocabulary_is_the_same_model():
     plan = plans.tiny_plan()
     live = _live(model=dict(vocab_size=128 + 64))
@@ -135,9 +196,14 @@ def test_padded_vocabulary_is_the_same_model():
 
 
 def test_unsupported_megatron_version(monkeypatch):
-    monkeypatch.setattr(megatron_patch, "megatron_core_version", lambda: "0.19.0")
-    with pytest.raises(UnsupportedVersionError, match="megatron-core 0.19.0 is not supported.*supported: 0.16.1"):
-        megatron_patch.check_megatron_core_version()
+    for v in ("0.17.0", "0.14.0", "0.18.2rc0"):
+        monkeypatch.setattr(megatron_patch, "megatron_core_version", lambda v=v: v)
+        with pytest.raises(UnsupportedVersionError,
+                           match=rf"megatron-core {v} is not supported.*supported: 0.15.x, 0.16.x, 0.19.x"):
+            megatron_patch.check_megatron_core_version()
+    for v in ("0.15.3", "0.16.0", "0.19.1"):
+        monkeypatch.setattr(megatron_patch, "megatron_core_version", lambda v=v: v)
+        assert megatron_patch.check_megatron_core_version() == v
 
 
 def test_version_read_without_importing_megatron():
@@ -146,4 +212,5 @@ def test_version_read_without_importing_megatron():
     assert _version_from_package_info("MAJOR = 0\nMINOR = 16\nPATCH = 1\nPRE_RELEASE = ''\n") == "0.16.1"
     assert _version_from_package_info("MAJOR = 0\nMINOR = 13\nPATCH = 0\nPRE_RELEASE = 'rc2'\n") == "0.13.0rc2"
     assert _version_from_package_info("MAJOR = 0\n") is None
-    assert megatron_patch.megatron_core_version() == "0.16.1"
+    # test_framework_versions.py reruns this file against each other supported series and names it here
+    assert megatron_patch.megatron_core_version() == os.environ.get("KAREUS_TEST_MEGATRON_CORE", "0.16.1")

@@ -38,6 +38,32 @@ def test_model_flavours():
     assert model_spec("llama3.2-3b").layer_params == 3072 * 5120 + 3072**2 + 3 * 3072 * 8192 + 2 * 3072
 
 
+@pytest.mark.parametrize("name, bias, tied", [("llama3.2-3b", False, True), ("qwen3-1.7b", False, True),
+                                             ("llama3.3-70b", False, False), ("gpt3-175b", True, True),
+                                             ("bloom-176b", True, True)])
+def test_presets_record_biases_and_tied_embeddings(name, bias, tied):
+    m = model_spec(name)
+    assert (m.bias_linear, m.has_qkv_bias, m.tied_embeddings) == (bias, bias, tied)
+
+
+def test_biases_layernorm_and_tied_embeddings_in_the_parameter_count():
+    from kareus_megatron.workload.opgraph import stage_params
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=100,
+                activation="gelu", norm="layernorm")
+    plain = model_from_dict(base)
+    # QKV 64x192, proj 64x64, MLP 2x64x256, two LayerNorms (weight and bias)
+    assert plain.layer_params == 64 * 192 + 64 * 64 + 2 * 64 * 256 + 4 * 64
+    biased = model_from_dict({**base, "bias_linear": True})
+    assert biased.layer_params - plain.layer_params == 192 + 64 + 256 + 64  # QKV, proj, fc1, fc2 biases
+    qkv_only = model_from_dict({**base, "qkv_bias": True})
+    assert qkv_only.has_qkv_bias and not qkv_only.bias_linear and qkv_only.layer_params - plain.layer_params == 192
+    tied = model_from_dict({**base, "tied_embeddings": True})
+    one, two = make_parallel(plain, pp=1), make_parallel(plain, pp=2)
+    assert stage_params(plain, one, 0) - stage_params(tied, one, 0) == 100 * 64  # PP=1: one shared matrix
+    assert stage_params(plain, two, 1) == stage_params(tied, two, 1)  # PP>1: the last stage keeps a copy
+
+
 def test_model_from_yaml_and_json(tmp_path):
     y = tmp_path / "tiny.yaml"
     y.write_text("num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nnum_query_groups: 2\n"
@@ -58,6 +84,8 @@ def test_model_from_yaml_and_json(tmp_path):
      "num_layers"),
     ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
      '"activation": "relu"}', "activation"),
+    ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
+     '"tied_embeddings": "yes"}', "tied_embeddings = 'yes' must be true or false"),
     ("[1, 2]", "mapping"),
     ("{not json", "not valid json"),
 ])

@@ -3,7 +3,9 @@
 Each scenario builds a fresh engine from the same seed and data, trains STEPS steps, runs one
 eval_batch, and records losses, instruction events and errors to OUT/r{rank}.json. Scenarios:
 ``reference`` (no kareus), ``measure`` (kareus without a plan: measurement only), ``plan`` (a plan
-file; thread or process clock controller), ``mismatch`` (a plan expected to be rejected).
+file; thread or process clock controller), ``mismatch`` (a plan expected to be rejected); with
+``"dualpipev": true`` the engine is DeepSpeed 0.19's DualPipeVEngine (a DualPipeVModule), which the
+patch refuses before step 1.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def _data(n: int):
     return [(torch.randn(MBS, HIDDEN, generator=g), torch.randn(MBS, HIDDEN, generator=g)) for _ in range(n)]
 
 
-def _engine():
+def _engine(dualpipev: bool = False):
     import deepspeed
     import torch
     from deepspeed.pipe import LayerSpec, PipelineModule
@@ -34,7 +36,11 @@ def _engine():
     torch.manual_seed(0)
     layers = [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.Tanh),
               LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.Tanh)]
-    module = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    if dualpipev:  # DeepSpeed 0.19: 2 stages per rank; deepspeed.initialize then builds a DualPipeVEngine
+        from deepspeed.pipe import DualPipeVModule as module_class
+    else:
+        module_class = PipelineModule
+    module = module_class(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": MICRO_BATCHES,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 10**6,
               "wall_clock_breakdown": False}
@@ -55,9 +61,10 @@ def run_scenario(rank: int, outdir: str, sc: dict) -> dict:
                        ev.instruction.sm_clock_mhz])
 
     os.environ["KAREUS_SIMULATED_LOG"] = os.path.join(outdir, f"{sc['name']}-clock-r{rank}.jsonl")
-    engine = _engine()
+    engine = _engine(sc.get("dualpipev", False))
+    out_engine = type(engine).__name__
     data = _data(STEPS * MICRO_BATCHES)
-    out: dict = {"losses": [], "error": None, "events": events}
+    out: dict = {"losses": [], "error": None, "events": events, "engine": out_engine}
     hooks.add_instruction_listener(listen)
     try:
         if sc["mode"] != "reference":

@@ -2,9 +2,9 @@
 
 One spawn of 2 ranks runs every scenario (see ds_worker.py): the simulated backend's clock log equals
 each stage's planned clock sequence, losses are identical with and without the patch, eval_batch is
-left alone, a plan for the wrong micro-batch count is rejected before the first step, and the measured
-logs feed `kareus compare`. Without a spawn: the planner's deepspeed-train order equals DeepSpeed's
-TrainSchedule, the config/env entry points, and the version check.
+left alone, a plan for the wrong micro-batch count and a real DualPipeVEngine are rejected before the
+first step, and the measured logs feed `kareus compare`. Without a spawn: the planner's deepspeed-train
+order equals DeepSpeed's TrainSchedule, the config/env entry points, and the version check.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def runs(tmp_path_factory):
         {"name": "kareus-00", "mode": "plan", "plan": str(d / "kareus-00.json"),
          "log": str(logs / "kareus-00" / MEASUREMENT_FILE), "controller": "process"},
         {"name": "mismatch", "mode": "plan", "plan": str(d / "mismatch.json"), "controller": "thread"},
+        {"name": "dualpipev", "mode": "plan", "plan": str(d / "kareus-00.json"), "controller": "thread",
+         "dualpipev": True},
     ]
     for sc in scenarios[1:4]:  # what `kareus launch` writes beside each run's log
         method = sc["name"].split("-")[0]
@@ -131,6 +133,30 @@ def test_wrong_micro_batch_count_rejected_before_the_first_step(runs):
         assert "micro-batches per step (gradient_accumulation_steps): plan 2, engine 4" in res["error"]
         assert res["losses"] == [] and res["events"] == []
         assert not [e for e in _clock_log(d, "mismatch", rank) if e["event"] in ("set", "skip")]
+
+
+def test_dualpipev_engine_refused_before_the_first_step(runs):
+    d, results, _, _ = runs
+    for rank in range(2):
+        res = results[rank]["dualpipev"]
+        assert res["engine"] == "DualPipeVEngine"  # the real engine deepspeed.initialize built
+        assert res["error"].startswith("InfeasibleConfigError: DualPipeVEngine runs DeepSpeed's DualPipeV schedule")
+        assert "\n" not in res["error"] and "PipelineModule, not a DualPipeVModule" in res["error"]
+        assert res["losses"] == [] and res["events"] == []
+        assert not [e for e in _clock_log(d, "dualpipev", rank) if e["event"] in ("set", "skip")]
+    for rank in range(2):  # the PipelineEngine scenarios were not refused
+        assert results[rank]["kareus-00"]["engine"] == "PipelineEngine"
+
+
+def test_engine_problem_names_engines_the_patch_cannot_follow():
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    assert deepspeed_patch.engine_problem(PipelineEngine) is None
+    assert deepspeed_patch.engine_problem(type("MyEngine", (PipelineEngine,), {})) is None  # inherits the map
+    assert deepspeed_patch.engine_problem(DualPipeVEngine).startswith("DualPipeVEngine runs DeepSpeed's DualPipeV")
+    own = type("OwnMap", (PipelineEngine,), {"_INSTRUCTION_MAP": dict(PipelineEngine._INSTRUCTION_MAP)})
+    assert "its own instruction map" in deepspeed_patch.engine_problem(own)
 
 
 def test_measured_logs_are_written_per_step(runs):
@@ -202,8 +228,9 @@ def test_plan_mismatches_lists_every_problem():
 
 def test_version_check():
     assert deepspeed_patch.check_deepspeed_version() == "0.19.8"
-    with pytest.raises(UnsupportedVersionError, match="0.18.5 is not supported.*0.19.x"):
-        deepspeed_patch.check_deepspeed_version("0.18.5")
+    assert deepspeed_patch.check_deepspeed_version("0.18.5") == "0.18.5"
+    with pytest.raises(UnsupportedVersionError, match=r"0.17.6 is not supported.*supported: 0.18.x, 0.19.x"):
+        deepspeed_patch.check_deepspeed_version("0.17.6")
 
 
 def test_config_section_is_read_and_removed(tmp_path, monkeypatch):
@@ -231,3 +258,17 @@ def test_config_section_is_read_and_removed(tmp_path, monkeypatch):
     monkeypatch.delenv("KAREUS_PLAN", raising=False)
     monkeypatch.delenv("KAREUS_LOG", raising=False)
     assert kds.install_from_env() is None
+
+
+def test_launcher_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    import kareus_megatron.deepspeed as kds
+
+    plan = tmp_path / "p.json"
+    save_plan(ds_plan("kareus", lambda r, i: 1410), plan)
+    assert kds.main(["--help"]) == 0 and "--kareus-plan" in capsys.readouterr().out
+    assert kds.main(["--kareus-plan", str(plan), "--", str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{kds.PROG}: error: training script ") and err.count("\n") == 1
+    assert kds.main(["--kareus-plan", str(plan), "--kareus-bogus", "--", "train.py"]) == 2
+    assert "unknown launcher argument(s) --kareus-bogus" in capsys.readouterr().err
+    assert kds.current_session() is None and deepspeed_patch.installed_state() is None
