@@ -31,6 +31,10 @@ from typing import Any
 
 import numpy as np
 
+# Measured window on a GPU (s): NVML's energy counter moves in steps of about 100 ms, so a 0.5 s window
+# carries up to ~20% quantisation and the backward row (a difference of two windows) twice that; 3 s keeps
+# each window's step error near 3%.
+GPU_WINDOW_S = 3.0
 BACKWARD_ATTEMPTS = 3  # re-measurements when a backward row's difference comes out <= 0
 PHASE_PARTITIONS = {"forward": ("fwd_attn", "fwd_mlp"), "backward": ("bwd_mlp", "bwd_attn")}
 OVERLAP_FREE = (  # (name, lo, hi, prior sigma): the kernel-model parameters of the overlap part
@@ -57,13 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--clock-mhz", type=int, default=None, help="lock the SM clock (needs permission)")
     ap.add_argument("--sms", default=None, help="comm SM counts, comma-separated (default: the planner's range)")
     ap.add_argument("--partitions", default="fwd_attn,fwd_mlp,bwd_mlp,bwd_attn")
-    ap.add_argument("--min-window-s", type=float, default=None, help="shortest measured window (s)")
+    ap.add_argument("--min-window-s", type=float, default=None,
+                    help=f"shortest measured window (s; default {GPU_WINDOW_S:g}: tens of energy-counter steps)")
     ap.add_argument("--out", default="kareus-out/overlap_measurements.json", help="measured and predicted rows (JSON)")
     ap.add_argument("--write-calibration", default=None, help="fit the overlap parameters; write this file")
     a = ap.parse_args(argv)
     a.mbs = a.mbs or (2 if a.dry_run else 8)
     a.seq = a.seq or (32 if a.dry_run else 4096)
-    a.min_window_s = a.min_window_s if a.min_window_s is not None else (0.0 if a.dry_run else 0.5)
+    a.min_window_s = a.min_window_s if a.min_window_s is not None else (0.0 if a.dry_run else GPU_WINDOW_S)
     if a.mbs % 2:
         ap.error(f"--mbs {a.mbs} must be even (2 nanobatches)")
     return a
@@ -207,7 +212,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    from kareus_megatron.hardware.device import open_gpu
+    from kareus_megatron.hardware.device import open_cuda_gpu, open_gpu
     from kareus_megatron.runtime.overlap import Knobs, LayerSettings, set_engine, setup_overlap
 
     cpu = args.dry_run
@@ -222,8 +227,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     layer, rope, dtype = _layer(model, world, args.seq, cpu)
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     layer.to(device)
-    dev = open_gpu(0 if cpu else torch.cuda.current_device(), backend="simulated" if cpu else None,
-                   gpu=args.gpu or ("a100-sxm4-40gb" if cpu else None))
+    gpu = args.gpu or ("a100-sxm4-40gb" if cpu else None)  # NVML: the GPU that is cuda:current (by UUID)
+    dev = open_gpu(0, backend="simulated", gpu=gpu) if cpu else open_cuda_gpu(torch.cuda.current_device(), gpu=gpu)
     if args.clock_mhz:
         dev.set_sm_clock_mhz(args.clock_mhz)
     g = torch.Generator(device="cpu").manual_seed(7)

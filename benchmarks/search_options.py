@@ -43,9 +43,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    _build(opt.METHODS)  # warm imports and caches of numpy itself
+    _build(opt.OPTION_METHODS)  # warm imports and caches of numpy itself
     runs = {}
-    for label, methods in (("all four methods", opt.METHODS), ("kareus only", ("kareus",))):
+    for label, methods in (("all four methods", opt.OPTION_METHODS), ("kareus only", ("kareus",))):
         times = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
@@ -53,7 +53,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         runs[label] = (times, result)
     tracemalloc.start()
-    result = _build(opt.METHODS)
+    result = _build(opt.OPTION_METHODS)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

@@ -10,6 +10,8 @@ Methods (how a plan is made; see search/planner.py for each one's search):
 - ``nanobatch_perseus``: 2 nanobatches with NCCL's default overlap (comm SMs, launch at segment start),
   then Perseus' clock frontier on top.
 - ``kareus``: Kareus (OSDI '26): clock, comm SMs and launch slot chosen jointly per partition.
+- ``powercap``: one board power limit (W) for every GPU of the job, no clock locks (``nvidia-smi -pl``,
+  Zeus's power-limit optimizer); search/powercap.py.
 - ``solve`` (plans only): a frontier point of ``kareus solve`` over a measured Perseus profile.
 
 Schedules (the instruction order of one pipeline rank; search/schedules.py builds them):
@@ -52,14 +54,17 @@ from __future__ import annotations
 from typing import Final, Literal
 
 # ---- methods ------------------------------------------------------------------------------------
-MethodName = Literal["megatron", "perseus", "nanobatch_perseus", "kareus", "solve"]
+MethodName = Literal["megatron", "perseus", "nanobatch_perseus", "kareus", "powercap", "solve"]
 MEGATRON: Final = "megatron"
 PERSEUS: Final = "perseus"
 NANOBATCH_PERSEUS: Final = "nanobatch_perseus"
 KAREUS: Final = "kareus"
+POWERCAP: Final = "powercap"
 SOLVE: Final = "solve"
-METHODS: Final[tuple[MethodName, ...]] = (MEGATRON, PERSEUS, NANOBATCH_PERSEUS, KAREUS)  # planned by kareus plan
+METHODS: Final[tuple[MethodName, ...]] = (MEGATRON, PERSEUS, NANOBATCH_PERSEUS, KAREUS, POWERCAP)  # kareus plan
 PLAN_METHODS: Final[tuple[MethodName, ...]] = (*METHODS, SOLVE)  # what a plan file may record
+# planned from per-instruction options (search/options.py); powercap is planned per power limit instead
+OPTION_METHODS: Final[tuple[MethodName, ...]] = (MEGATRON, PERSEUS, NANOBATCH_PERSEUS, KAREUS)
 REFERENCE_METHODS: Final[tuple[MethodName, ...]] = (MEGATRON, PERSEUS)  # the reductions are measured against these
 DEFAULT_METHOD: Final = KAREUS  # the method a plan directory's point refers to when none is named
 NANOBATCH_METHODS: Final[tuple[MethodName, ...]] = (NANOBATCH_PERSEUS, KAREUS)  # plan 2 nanobatches

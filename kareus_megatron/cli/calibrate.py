@@ -1,9 +1,12 @@
 """`kareus calibrate`: fit the kernel time/energy model to a measured profile, or to microbenchmarks.
 
 ``--profile FILE.csv``: a Perseus-format stage profile (stage,instruction,frequency,time,energy) of the
-workload given by the usual flags. ``--run``: on a GPU machine, a bf16 GEMM and a memory-bound copy
-are timed at a sweep of locked SM clocks (MHz) with energy (J) from the NVML counter, plus idle power;
-the same least-squares fit then runs on those series. torch is imported only for --run.
+workload given by the usual flags. ``--run``: on a GPU machine, a bf16 GEMM, a memory-bound copy and
+idle are measured at a sweep of locked SM clocks (MHz) with energy (J) from the NVML counter, after a
+warm-up to a steady temperature, in windows of >= --seconds and >= 10 counter updates, clocks in random
+order with interleaved repeats and cooldowns, temperature recorded per window (hardware/measure.py), in
+at most 5 minutes; the same least-squares fit then runs on those series (cost/microbench.py).
+``--run --dry-run`` does the same on the simulated GPU with tiny CPU kernels. torch is imported only for --run.
 """
 
 from __future__ import annotations
@@ -11,14 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
 from kareus_megatron.files import check_writable_location
 
-MAX_SECONDS = 600.0  # longest --seconds per measurement (s)
+MAX_SECONDS = 10.0  # longest --seconds per window (s): the sweep must fit in 5 minutes
 HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to microbenchmarks on this GPU (--run)"
 
 
@@ -33,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "permission to lock clocks)")
     parser.add_argument("--device", "--gpu-index", dest="device", type=int, default=0,
                         help="GPU index for --run (default 0)")
-    parser.add_argument("--seconds", type=float, default=1.5, help="seconds per measurement for --run (default 1.5)")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="shortest measurement window for --run (s; default 1; windows also span >= 10 energy "
+                        "counter updates)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --run: the simulated GPU and tiny CPU kernels (seconds; no GPU needed)")
     parser.add_argument("--ratios-only", action="store_true",
                         help="fit time ratios and power only, not absolute times (profiles in scaled units)")
     parser.add_argument("-o", "--out", "--output", dest="output", default=None, metavar="FILE",
@@ -45,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     """Fit and write the calibration; return the exit status."""
     from kareus_megatron.cost.calibration import save_calibration
 
+    if args.dry_run and not args.run:
+        raise ConfigError("--dry-run goes with --run (it simulates the GPU measurements).")
     if not args.profile and not args.run:
         raise ConfigError("give --profile FILE.csv (a measured Perseus profile) or --run (microbenchmarks on a GPU).")
     if not 0 <= args.device < 1024:
@@ -102,73 +110,28 @@ def _from_profile(args: argparse.Namespace):
 # ---- --run: microbenchmarks on a real GPU (the fit is cost.calibrate.fit_microbenchmarks) ----------
 
 
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as e:
-        raise DeviceUnavailableError(
-            "--run needs torch with CUDA; install the [megatron] extra on the GPU machine."
-        ) from e
-    if not torch.cuda.is_available():
-        raise DeviceUnavailableError(
-            "--run needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)."
-        )
-    return torch
-
-
-def _measure(torch: Any, dev: Any, fn: Any, seconds: float) -> tuple[float, float]:
-    """(time per call (s), energy per call (J)) of fn() run back to back for about `seconds`."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(3, int(seconds / max(time.perf_counter() - t0, 1e-6)))
-    e0 = dev.energy_j()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    return dt / n, (dev.energy_j() - e0) / n
-
-
 def _from_run(args: argparse.Namespace):
-    from rich.progress import Progress
+    """Measure on the GPU (or, with --dry-run, the simulated one) and fit: cost/microbench.py calibrate_run."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from kareus_megatron.cost import calibrate as cb
-    from kareus_megatron.hardware.device import open_gpu
-    from kareus_megatron.hardware.gpus import clock_grid_mhz
+    from kareus_megatron.cost.microbench import calibrate_run
+    from kareus_megatron.hardware.device import open_cuda_gpu, simulation_of
 
-    try:
-        dev = open_gpu(args.device, backend="nvml")
+    try:  # --device is the CUDA index the kernels run on; NVML finds that GPU by its UUID (cuda_map.py)
+        dev = open_cuda_gpu(args.device, backend="simulated" if args.dry_run else "nvml")
     except DeviceUnavailableError as e:  # also ClockControlError: one line, exit 2
         raise type(e)(f"kareus calibrate --run needs an NVIDIA GPU with NVML and clock-lock permission: {e}") from e
-    torch = _torch()
-    gpu = dev.spec
-    supported = dev.supported_sm_clocks_mhz() or gpu.sm_clocks_mhz  # the driver's list, highest first
-    clocks = list(clock_grid_mhz(supported, cb.MICROBENCH_CLOCK_STEP_MHZ, cb.MICROBENCH_LOWEST_FRACTION))
-    m, n, k = cb.MICROBENCH_GEMM_MNK
-    a = torch.randn(m, k, device=f"cuda:{args.device}", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device=a.device, dtype=torch.bfloat16)
-    src = torch.empty(cb.MICROBENCH_COPY_BYTES // 2, device=a.device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    meas: dict[str, list[tuple[float, float]]] = {"gemm": [], "copy": [], "idle": []}
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                   disable=not console.is_terminal)
+    task = bar.add_task("energy counter", total=None)
     try:
-        with Progress() as bar:
-            task = bar.add_task("microbenchmarks at locked clocks", total=len(clocks))
-            for f in clocks:
-                dev.set_sm_clock_mhz(f)  # ClockControlError (no permission): one line, exit 2
-                meas["gemm"].append(_measure(torch, dev, lambda: torch.matmul(a, b), args.seconds))
-                meas["copy"].append(_measure(torch, dev, lambda: dst.copy_(src), args.seconds))
-                e0, t0 = dev.energy_j(), time.perf_counter()
-                time.sleep(args.seconds)
-                meas["idle"].append((time.perf_counter() - t0, dev.energy_j() - e0))
-                bar.advance(task)
+        with bar:
+            cal, _ = calibrate_run(dev, dry_run=args.dry_run, sim=simulation_of(dev), seconds=args.seconds,
+                                   progress=lambda desc: bar.update(task, advance=1, description=desc),
+                                   on_plan=lambda n: bar.update(task, total=n, description="warm-up"))
     finally:
-        dev.reset_clocks()
-    source = (f"kareus calibrate --run on GPU {args.device} ({gpu.name}): bf16 GEMM {m}x{n}x{k}, "
-              f"{cb.MICROBENCH_COPY_BYTES >> 20} MiB copy, idle; clocks {clocks[0]}..{clocks[-1]} MHz")
-    with _fitting("fitting the time/energy model"):
-        return cb.fit_microbenchmarks(gpu, clocks, meas, source, verbose=False)
+        dev.close()
+    return cal

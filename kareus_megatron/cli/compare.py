@@ -1,13 +1,11 @@
 """`kareus compare LOG_DIR`: the reductions table and frontier plot of measured runs.
 
-LOG_DIR holds one sub-directory per run, NAME-NN/ (as `kareus launch` writes them), each with
-``measurement/`` (the runtime's per-rank logs, merged: time s = max over ranks, energy J = all GPUs)
-and optionally ``run.json`` (method, plan). A run's point is its median iteration time and energy after
-``--skip-iterations`` warm-up iterations (default 2), read and summarised by report/runlog.py exactly as
-`kareus report` does. The output, under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in
-kareus plan's layout (kareus-frontier/1, reductions by the same formulas, plan/frontier.py) and
-``frontier.png``.
-"""
+LOG_DIR holds one sub-directory per run, NAME-NN/ (as `kareus launch` writes them), each with ``measurement/`` (the
+runtime's per-rank logs, merged: time s = max over ranks, energy J = all GPUs) and optionally ``run.json`` (method,
+plan). A run's point is its median iteration time and mean energy (total over total) after ``--skip-iterations``
+warm-up iterations (default 2), read and summarised by report/runlog.py exactly as `kareus report` does. The output,
+under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in kareus plan's layout (kareus-frontier/1,
+reductions by the same formulas, plan/frontier.py) and ``frontier.png``."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTIC
+from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTICS_TEXT
 
 HELP = "reductions table and frontier plot from measured logs (same formulas and frontier.json layout as kareus plan)"
 
@@ -24,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus compare` flags."""
     parser.add_argument("log_dir", help="directory of measured runs, one NAME-NN/ sub-directory each")
     parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
-                        help=f"warm-up iterations left out of each run's {STATISTIC} "
+                        help=f"warm-up iterations left out of each run's figures ({STATISTICS_TEXT}) "
                         f"(default {DEFAULT_SKIP_ITERATIONS})")
     parser.add_argument("--out", default=None, help="output directory (default LOG_DIR/compare)")
     parser.add_argument("--no-plot", action="store_true", help="write frontier.json only")
@@ -42,7 +40,8 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
 
     console = Console(width=max(Console().width, 110))  # keep run names whole in logs and pipes
     sim = "simulated GPU: " if doc["config"].get("simulated") else ""
-    t = Table(title=f"{sim}measured runs ({STATISTIC} after {doc['config']['skip_iterations']} warm-up iterations; "
+    skip = doc["config"]["skip_iterations"]
+    t = Table(title=f"{sim}measured runs ({STATISTICS_TEXT} after {skip} warm-up iterations; "
                     "energy = all GPUs per iteration)", box=box.SIMPLE)
     for col, right in (("run", False), ("iters", True), ("time (s)", True), ("energy (J)", True),
                        ("predicted (s)", True), ("predicted (J)", True)):

@@ -1,8 +1,10 @@
 """`kareus env`: what this machine offers the runtime (driver, NVML, clocks, permissions, versions).
 
-Reads versions from package metadata (nothing heavy is imported) and asks NVML about one GPU. With
-``--check-permission`` it resets that GPU's locked clocks once to find out whether this user may lock
-clocks (the runtime needs root or CAP_SYS_ADMIN for that).
+Reads versions from package metadata (nothing heavy is imported) and asks NVML about one GPU (by NVML
+index; supported clocks at the highest memory clock, UUID, temperature). ``--check-permission`` finds
+out whether this user may lock clocks (root or CAP_SYS_ADMIN): without either the answer is no and
+nothing is touched; otherwise it locks the supported clock nearest the current one and resets that lock
+(which also ends a lock an administrator set; nvml.check_clock_permission).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-index", "--device", dest="gpu_index", type=int, default=0,
                         help="local GPU index to inspect (default 0)")
     parser.add_argument("--check-permission", action="store_true",
-                        help="test clock-lock permission by resetting the GPU's locked clocks once")
+                        help="test clock-lock permission: no change without root/CAP_SYS_ADMIN, else lock the "
+                        "current clock and reset that lock once")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

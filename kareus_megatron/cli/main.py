@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "report": "report",
     "compare": "compare",
     "launch": "launch",
+    "validate": "validate",
 }
 
 

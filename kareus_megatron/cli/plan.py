@@ -199,7 +199,8 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
 
 
 def _fmt_pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
+    """A fraction as a percentage with one decimal; rounding noise (|x| < 0.05%) prints as 0.0%."""
+    return "n/a" if x is None else f"{100 * x + 0.0:.1f}%" if abs(x) >= 5e-4 else "0.0%"
 
 
 def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:

@@ -1,20 +1,19 @@
 """`kareus report LOG --plan PLAN`: measured against predicted iteration time and energy, and a plot.
 
-LOG is the run log written with --kareus-log (read by report/runlog.py, as `kareus compare` reads it);
-PLAN is the plan file the run used. Prints the median of the iterations after ``--skip-iterations``
-warm-up iterations (default 2), per stage and in total, and writes a PNG (default: LOG with the suffix
-.png). The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU
-preset's). Per GPU (report/per_gpu.py): every rank's median energy per iteration, its share of the job's
-and its predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise
-one line names the GPUs that drew least and most); ``--format json`` always lists them under "gpus".
-"""
+LOG is the run log written with --kareus-log (read by report/runlog.py, as `kareus compare` reads it); PLAN is the
+plan file the run used. Prints, over the iterations after ``--skip-iterations`` warm-up iterations (default 2), the
+median time and the mean energy (total over total), per stage and in total, and writes a PNG (default: LOG with the
+suffix .png). The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU
+preset's). Per GPU (report/per_gpu.py): every rank's mean energy per iteration, its share of the job's and its
+predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise one line names the
+GPUs that drew least and most); ``--format json`` always lists them under "gpus"."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTIC
+from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, ENERGY_STATISTIC, STATISTICS_TEXT
 
 HELP = "compare a run's measured iteration time and energy (--kareus-log) with its plan's prediction"
 PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table without --per-gpu
@@ -25,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", help="run log directory written with --kareus-log (rank-NNNNN.jsonl files)")
     parser.add_argument("--plan", required=True, help="the plan file the run used")
     parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
-                        help=f"warm-up iterations left out of the {STATISTIC}s (default {DEFAULT_SKIP_ITERATIONS})")
+                        help=f"warm-up iterations left out of the figures ({STATISTICS_TEXT}; "
+                             f"default {DEFAULT_SKIP_ITERATIONS})")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text table (default) or one JSON object on stdout (no plot unless --plot)")
     parser.add_argument("--plot", default=None, help="PNG file to write (default: LOG.png beside LOG)")
@@ -90,11 +90,11 @@ def _print_gpus(cmp: object, every: bool) -> None:
     if not every and len(gpus) > PER_GPU_ROWS:
         lo = min(gpus, key=lambda g: g.energy_j or 0.0)
         hi = max(gpus, key=lambda g: g.energy_j or 0.0)
-        print(f"per GPU energy ({STATISTIC} per iteration): least {_fmt(lo.energy_j, 'J')} (rank {lo.rank}, GPU "
+        print(f"per GPU energy ({ENERGY_STATISTIC} per iteration): least {_fmt(lo.energy_j, 'J')} (rank {lo.rank}, GPU "
               f"{lo.label}), most {_fmt(hi.energy_j, 'J')} (rank {hi.rank}, GPU {hi.label}) of {len(gpus)} GPUs; "
               "--per-gpu lists them all")
         return
-    print(f"per GPU ({STATISTIC} per iteration; share of the job's energy):")
+    print(f"per GPU ({ENERGY_STATISTIC} energy, median time per iteration; share of the job's energy):")
     print(f"{'rank':>5s} {'stage':>5s} {'GPU':16s} {'energy':>10s} {'predicted':>10s} {'error':>8s} "
           f"{'time':>10s} {'share':>7s}")
     for g in gpus:
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_json(cmp, log, n_complete), indent=2))
     else:
         print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
-              f"{cmp.skipped} warm-up left out; {STATISTIC} of {cmp.used}); plan {args.plan} ({plan.method}, "
+              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {args.plan} ({plan.method}, "
               f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')})")
         print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
         for row in cmp.rows:

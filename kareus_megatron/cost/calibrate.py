@@ -287,11 +287,13 @@ def microbench_ops() -> dict[str, Op]:
     }
 
 
-def microbench_series(clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]]) -> list[Series]:
-    """Series from measured (time s, energy J) per clock of "gemm", "copy" (per call) and "idle" (a sleep)."""
+def microbench_series(clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]],
+                      ops: dict[str, Op] | None = None) -> list[Series]:
+    """Series from measured (time s, energy J) per clock of "gemm", "copy" (per call) and "idle" (a sleep);
+    `ops` the kernels that ran (default microbench_ops())."""
     fs = np.asarray(clocks_mhz, dtype=float)
     out = []
-    for label, op in microbench_ops().items():
+    for label, op in (ops or microbench_ops()).items():
         t, e = (np.asarray(x, dtype=float) for x in zip(*meas[label]))
 
         def predict(km: KernelModel, op: Op = op) -> tuple[np.ndarray, np.ndarray]:
@@ -320,10 +322,10 @@ def microbench_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
 
 def fit_microbenchmarks(
     gpu: GPUSpec, clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]], source: str,
-    verbose: bool = True,
+    verbose: bool = True, ops: dict[str, Op] | None = None,
 ) -> Calibration:
     """Fit the microbenchmark series (absolute times too); p_blocked_w = the measured idle power (W)."""
-    series = microbench_series(clocks_mhz, meas)
+    series = microbench_series(clocks_mhz, meas, ops)
     before = series_metrics(KernelModel(gpu), series)
     fitted_gpu, params, values = fit_series(series, gpu, microbench_free_params(gpu), prior_weight=0.3)
     after = series_metrics(KernelModel.from_params(fitted_gpu, params), series)

@@ -3,7 +3,8 @@
 Terms: the *compute roof* is peak FLOP/s × (f / f_max) × (sms / sm_count) × efficiency, where the
 GEMM efficiency includes tile and wave quantisation (a GEMM's output tiles are spread over the SMs in
 waves; a last, partial wave wastes SMs, so halving a GEMM for nanobatches can cost efficiency); the
-*memory roof* is the HBM bandwidth (independent of the SM clock) or what the SMs can issue (∝ f·sms).
+*memory roof* is the smooth minimum of the HBM bandwidth and of what the SMs can issue (∝ f·sms), so
+memory-bound kernels (norms, rope, activations, copies, the optimizer) slow down at low SM clocks.
 An op takes the smooth maximum of its compute and memory times plus a launch overhead per kernel.
 *compute_activity* (0..1) is the fraction of the GPU's SM capacity kept busy, *memory_activity* the
 fraction of HBM bandwidth used: they drive hardware/power.py. When the board power at the locked
@@ -14,6 +15,7 @@ of what the collective's SMs can drive (∝ comm SMs × f), so it saturates with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus_megatron.cost.collectives import algorithm_bandwidth, default_comm_ctas, node_algorithms
 from kareus_megatron.cost.params import KernelParams
 from kareus_megatron.hardware import power as _power
 from kareus_megatron.hardware.gpus import GPUSpec
@@ -57,6 +60,21 @@ _BUS_FACTOR = {  # bus bytes / message bytes for a ring over g GPUs (nccl-tests 
 _HBM_PER_BUS_BYTE = {"all_reduce": 3.0, "all_gather": 2.0, "reduce_scatter": 3.0, "send_recv": 1.0}
 
 
+def _node_defaults(gpu: GPUSpec, params: KernelParams) -> KernelParams:
+    """params with NCCL's default comm SMs of gpu's node (cost/collectives.py) unless they were set otherwise."""
+    ctas = default_comm_ctas(gpu)
+    if ctas is None or params.default_comm_sms != KernelParams().default_comm_sms:
+        return params
+    return dataclasses.replace(params, default_comm_sms=float(ctas))
+
+
+def _zero_shape(comm_sms: ArrayLike | None, sm_clock_mhz: ArrayLike | None) -> tuple[int, ...]:
+    """Broadcast shape of a collective's result for these arguments (None = scalar)."""
+    sms = () if comm_sms is None else np.shape(np.asarray(comm_sms, dtype=float))
+    clk = () if sm_clock_mhz is None else np.shape(np.asarray(sm_clock_mhz, dtype=float))
+    return np.broadcast_shapes(sms, clk)
+
+
 def _coll_family(op: Op) -> str:
     name = op.collective or "send_recv"
     for fam in _BUS_FACTOR:
@@ -88,13 +106,14 @@ class KernelModel:
     def __init__(self, gpu: GPUSpec, calibration: Calibration | None = None) -> None:
         self.calibration = calibration
         self.gpu = calibration.apply_to(gpu) if calibration else gpu
-        self.params = KernelParams(**calibration.kernel_params) if calibration else KernelParams()
+        params = KernelParams(**calibration.kernel_params) if calibration else KernelParams()
+        self.params = _node_defaults(self.gpu, params)
 
     @classmethod
     def from_params(cls, gpu: GPUSpec, params: KernelParams) -> KernelModel:
         """A model with explicit kernel parameters (gpu may already carry fitted power fields)."""
         km = cls(gpu)
-        km.params = params
+        km.params = _node_defaults(km.gpu, params)
         return km
 
     # ---- power ---------------------------------------------------------------------------------
@@ -146,8 +165,12 @@ class KernelModel:
         vector_peak = g.peak_flops("fp32") * clock_frac * sm_frac  # elementwise math: CUDA-core FP32
         t_c = flops / np.where(is_mem, vector_peak, peak * eff)
         t_m = hbm / (g.hbm_bytes_per_s * p.memory_efficiency)
+        # HBM traffic needs bytes in flight, and the SMs issue them at a rate ∝ the SM clock (Little's law): the
+        # achieved bandwidth approaches the HBM roof gradually as the SMs' issue rate grows (Volkov 2016, UC
+        # Berkeley EECS-2016-143, latency hiding), so memory-bound kernels slow down at low SM clocks.
         t_issue = hbm / (s * f * 1e6 * p.sm_load_bytes_per_cycle)
-        t_m = np.maximum(t_m, t_issue)
+        qm = p.memory_issue_sharpness
+        t_m = (t_m**qm + t_issue**qm) ** (1.0 / qm)
         q = p.roofline_sharpness
         with np.errstate(divide="ignore", invalid="ignore"):
             hi = np.maximum(t_c, t_m)
@@ -156,8 +179,12 @@ class KernelModel:
         t = busy + kernels * p.launch_overhead_s
         safe = np.where(t > 0, t, 1.0)
         act_scale = np.where(kind == "attention", p.attention_activity, 1.0).reshape(col)
+        # A GEMM's activity is its achieved FLOP rate against a large, wave-aligned GEMM's (the roof at
+        # gemm_efficiency): SMs idle in a partial last wave or waiting on a short reduction draw no tensor power.
+        eff_ref = np.where(is_gemm, p.gemm_efficiency, eff.reshape(len(ops), -1)[:, 0]).reshape(col)
+        t_ref = np.where(is_gemm.reshape(col), flops / (peak * eff_ref), t_c)
         ca = np.where(is_mem, np.maximum(p.memory_op_compute_activity, np.maximum(t_c, t_issue) / safe) * (busy / safe),
-                      act_scale * t_c / safe)
+                      act_scale * t_ref / safe)
         ca = np.clip(ca * sm_frac, 0.0, 1.0) * (t > 0)
         rate = hbm / safe
         return t, ca, np.clip(rate / g.hbm_bytes_per_s, 0.0, 1.0), rate
@@ -198,7 +225,7 @@ class KernelModel:
                 t, ca, ma, rate = self._times(work, f, s0, precision)
             out["t"][work_idx], out["ca"][work_idx], out["ma"][work_idx] = t, ca, ma
             out["rate"][work_idx], out["clk"][work_idx] = rate, f
-        csms = np.asarray(self.params.default_comm_sms if comm_sms is None else comm_sms, dtype=float)
+        csms = None if comm_sms is None else np.asarray(comm_sms, dtype=float)
         for i in comm_idx:
             op = ops[i]
             t = np.broadcast_to(self.collective_time_s(op, csms, f0), shape[1:])
@@ -213,55 +240,73 @@ class KernelModel:
         return OpProfile(out["t"], out["ca"], out["ma"], out["rate"], out["clk"], pw)
 
     # ---- collectives ---------------------------------------------------------------------------
-    def _comm_bandwidth(self, op: Op, comm_sms: ArrayLike, sm_clock_mhz: ArrayLike | None) -> np.ndarray:
+    def _collective(
+        self, op: Op, comm_sms: ArrayLike | None, sm_clock_mhz: ArrayLike | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(time s, bandwidth bytes/s, SM drive bytes/s, HBM bytes per bus byte, CTAs) of a collective, group > 1.
+
+        comm_sms=None: NCCL's default (each algorithm's own channel count on a node with an algorithm table).
+        On a node with an algorithm table (cost/collectives.py) the fastest algorithm serving the op is taken.
+        """
         p, g = self.params, self.gpu
         f = np.asarray(g.max_sm_clock_mhz if sm_clock_mhz is None else sm_clock_mhz, dtype=float)
-        sms = np.maximum(np.asarray(comm_sms, dtype=float), 1e-9)
-        if op.link == "network":
-            link = g.internode_bytes_per_s * p.network_efficiency
-        else:
-            link = g.nvlink_bytes_per_s * p.nvlink_efficiency
-        drive = sms * p.comm_sm_bytes_per_cycle * f * 1e6
-        q = p.comm_sharpness
-        return (link ** -q + drive ** -q) ** (-1.0 / q)
+        fam = _coll_family(op)
+        bus = op.comm_bytes * _BUS_FACTOR[fam](op.group_size)
+        algos = [a for a in node_algorithms(g) if fam in a.families] if op.link != "network" else []
+        if not algos:
+            sms = np.maximum(np.asarray(p.default_comm_sms if comm_sms is None else comm_sms, dtype=float), 1e-9)
+            link = g.internode_bytes_per_s * p.network_efficiency if op.link == "network" else (
+                g.nvlink_bytes_per_s * p.nvlink_efficiency)
+            drive = sms * p.comm_sm_bytes_per_cycle * f * 1e6
+            q = p.comm_sharpness
+            bw = (link**-q + drive**-q) ** (-1.0 / q)
+            lat = p.network_latency_s if op.link == "network" else p.nvlink_latency_s
+            t = op.kernels * lat + bus / bw
+            t, bw, drive, hbm, sms = np.broadcast_arrays(t, bw, drive, np.asarray(_HBM_PER_BUS_BYTE[fam]), sms)
+            return t, bw, drive, hbm, sms
+        scale = p.nvlink_efficiency / KernelParams().nvlink_efficiency  # a calibration scales every ceiling
+        best: tuple[np.ndarray, ...] | None = None
+        for a in algos:
+            ctas = np.maximum(np.asarray(a.default_ctas if comm_sms is None else comm_sms, dtype=float), 1e-9)
+            bw = algorithm_bandwidth(a, ctas, f, scale, group_size=op.group_size)
+            t = op.kernels * (p.nvlink_latency_s if a.latency_s is None else a.latency_s) + bus / bw
+            drive = ctas * a.cta_bytes_per_cycle * f * 1e6
+            per_bus = _HBM_PER_BUS_BYTE[fam] if a.hbm_per_bus_byte is None else a.hbm_per_bus_byte
+            cand = np.broadcast_arrays(t, bw, drive, np.asarray(per_bus), ctas)
+            best = cand if best is None else tuple(np.where(cand[0] < best[0], c, b) for c, b in zip(cand, best))
+        assert best is not None
+        return best[0], best[1], best[2], best[3], best[4]
 
     def collective_compute_activity(
-        self, op: Op, comm_sms: ArrayLike, sm_clock_mhz: ArrayLike | None = None
+        self, op: Op, comm_sms: ArrayLike | None, sm_clock_mhz: ArrayLike | None = None
     ) -> np.ndarray:
         """Compute activity (0..1) of a collective: its SMs' share, weighted by how busy they keep driving data.
 
         A link-bound collective (slow link, many SMs) leaves its SMs mostly waiting: the activity is
         comm_sms / sm_count × comm_compute_activity × (achieved bandwidth / what the SMs could drive).
         """
-        p, g = self.params, self.gpu
-        f = np.asarray(g.max_sm_clock_mhz if sm_clock_mhz is None else sm_clock_mhz, dtype=float)
-        sms = np.maximum(np.asarray(comm_sms, dtype=float), 1e-9)
-        drive = sms * p.comm_sm_bytes_per_cycle * f * 1e6
-        busy = np.clip(self._comm_bandwidth(op, sms, f) / drive, 0.0, 1.0)
-        return np.clip(sms / g.sm_count * p.comm_compute_activity * busy, 0.0, 1.0)
+        if op.group_size <= 1 or op.comm_bytes <= 0:
+            return np.zeros(_zero_shape(comm_sms, sm_clock_mhz))
+        _, bw, drive, _, ctas = self._collective(op, comm_sms, sm_clock_mhz)
+        busy = np.clip(bw / drive, 0.0, 1.0)
+        return np.clip(ctas / self.gpu.sm_count * self.params.comm_compute_activity * busy, 0.0, 1.0)
 
     def collective_time_s(
-        self, op: Op, comm_sms: ArrayLike, sm_clock_mhz: ArrayLike | None = None
+        self, op: Op, comm_sms: ArrayLike | None, sm_clock_mhz: ArrayLike | None = None
     ) -> np.ndarray:
-        """Time (s) of a collective/P2P op on comm_sms SMs at sm_clock_mhz (MHz; default: max clock)."""
+        """Time (s) of a collective/P2P op on comm_sms SMs (None: NCCL's default) at sm_clock_mhz (MHz; default max)."""
         if op.group_size <= 1 or op.comm_bytes <= 0:
-            clk_shape = np.shape(sm_clock_mhz) if sm_clock_mhz is not None else ()
-            return np.zeros(np.broadcast_shapes(np.shape(comm_sms), clk_shape))
-        fam = _coll_family(op)
-        bus = op.comm_bytes * _BUS_FACTOR[fam](op.group_size)
-        lat = self.params.network_latency_s if op.link == "network" else self.params.nvlink_latency_s
-        return op.kernels * lat + bus / self._comm_bandwidth(op, comm_sms, sm_clock_mhz)
+            return np.zeros(_zero_shape(comm_sms, sm_clock_mhz))
+        return self._collective(op, comm_sms, sm_clock_mhz)[0]
 
     def collective_hbm_bytes_per_s(
-        self, op: Op, comm_sms: ArrayLike, sm_clock_mhz: ArrayLike | None = None
+        self, op: Op, comm_sms: ArrayLike | None, sm_clock_mhz: ArrayLike | None = None
     ) -> np.ndarray:
         """HBM traffic (bytes/s) a collective generates while it runs (reads, writes, reductions)."""
-        t = self.collective_time_s(op, comm_sms, sm_clock_mhz)
         if op.group_size <= 1 or op.comm_bytes <= 0:
-            return np.zeros_like(t)
-        fam = _coll_family(op)
-        hbm = op.comm_bytes * _BUS_FACTOR[fam](op.group_size) * _HBM_PER_BUS_BYTE[fam]
-        return hbm / t
+            return np.zeros(_zero_shape(comm_sms, sm_clock_mhz))
+        t, _, _, per_bus, _ = self._collective(op, comm_sms, sm_clock_mhz)
+        return op.comm_bytes * _BUS_FACTOR[_coll_family(op)](op.group_size) * per_bus / t
 
     # ---- pipeline instructions -----------------------------------------------------------------
     def instruction_ops(

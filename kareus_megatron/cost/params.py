@@ -30,6 +30,9 @@ class KernelParams:
     memory_efficiency: float = 0.85  # streaming kernels, fraction of peak HBM bandwidth
     sm_load_bytes_per_cycle: float = 32.0  # bytes one SM moves per clock on a streaming kernel
     roofline_sharpness: float = 6.0  # p of the smooth maximum (t_c^p + t_m^p)^(1/p)
+    # p of the smooth maximum of HBM time and SM-issue time of a streaming kernel: 2 = the rounded knee of
+    # bandwidth against issue rate in Volkov's latency-hiding measurements (docs/sources.md#clock-sensitivity)
+    memory_issue_sharpness: float = 2.0
     launch_overhead_s: float = 4e-6  # per kernel launch (gap between back-to-back kernels)
     nvlink_efficiency: float = 0.80  # achieved fraction of the per-direction NVLink bandwidth
     network_efficiency: float = 0.80  # achieved fraction of the per-GPU network bandwidth
@@ -45,7 +48,7 @@ class KernelParams:
     default_comm_sms: float = 24.0
     # power of one comm SM driving data, relative to a busy compute SM, link I/O included; fitted with the A100 power
     # presets to the Perseus GPT-3 profile (benchmarks/calibration_fit.py --bake)
-    comm_compute_activity: float = 3.11
+    comm_compute_activity: float = 2.773
     attention_activity: float = 0.90  # compute activity of flash attention relative to a GEMM
     memory_op_compute_activity: float = 0.30  # compute activity floor of a streaming kernel
     time_scale: float = 1.0  # multiplies every predicted time (framework gaps; profile units)

@@ -60,6 +60,7 @@ class GPUSpec:
 
     name: str
     device_names: tuple[str, ...] = ()
+    architecture: str = ""  # "ampere", "hopper", ... (datasheet; selects NCCL's algorithms in cost/collectives.py)
     sm_count: int
     sm_clocks_mhz: tuple[int, ...]  # every lockable SM clock, descending
     # dense TFLOP/s per precision at the max SM clock: tensor cores, except "fp32" = CUDA-core FP32 (every
@@ -70,6 +71,9 @@ class GPUSpec:
     nvlink_bytes_per_s: float  # intra-node link, per direction
     internode_bytes_per_s: float  # network bandwidth per GPU, per direction
     power_limit_w: float
+    # NVML's minimum enforceable power limit (W; nvidia-smi -q -d POWER "Min Power Limit"); None: not in the
+    # preset, hardware/device/base.min_power_limit_w falls back to a quarter of power_limit_w
+    min_power_limit_w: float | None = None
     p_blocked_w: float  # power while blocked on P2P or idle in a pipeline bubble
     static_power_w: float
     idle_dynamic_w: float  # clock-tree/idle dynamic power at the max clock, no kernel activity
@@ -135,6 +139,17 @@ def _sources(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
+def _min_power_limit_w(name: str, t: Mapping[str, Any]) -> float | None:
+    """The preset's optional min_power_limit_w (W), checked to lie in (0, power_limit_w]."""
+    if "min_power_limit_w" not in t:
+        return None
+    lo, hi = float(t["min_power_limit_w"]), float(t["power_limit_w"])
+    if not 0.0 < lo <= hi:
+        raise ConfigError(f"GPU preset {name!r}: min_power_limit_w {lo:g} W must be > 0 and at most "
+                          f"power_limit_w {hi:g} W.")
+    return lo
+
+
 def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> GPUSpec:
     """Build a GPUSpec from one gpus.toml table (preset units: MHz, TFLOP/s, GB/s, W)."""
     try:
@@ -147,6 +162,7 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
         return GPUSpec(
             name=name,
             device_names=tuple(t.get("device_names", ())),
+            architecture=str(t.get("architecture", "")),
             sm_count=int(t["sm_count"]),
             sm_clocks_mhz=clocks,
             peak_tflops=peak,
@@ -155,6 +171,7 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
             nvlink_bytes_per_s=float(t["nvlink_gb_per_s"]) * _GB,
             internode_bytes_per_s=float(t["internode_gb_per_s"]) * _GB,
             power_limit_w=float(t["power_limit_w"]),
+            min_power_limit_w=_min_power_limit_w(name, t),
             p_blocked_w=float(t["p_blocked_w"]),
             static_power_w=float(t["static_power_w"]),
             idle_dynamic_w=float(t["idle_dynamic_w"]),
@@ -169,11 +186,21 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
 
 
 @functools.lru_cache(maxsize=1)
-def _presets() -> dict[str, GPUSpec]:
+def _tables() -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
     text = resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text(encoding="utf-8")
-    tables = tomllib.loads(text)
-    src = _sources(text)
+    return tomllib.loads(text), _sources(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _presets() -> dict[str, GPUSpec]:
+    tables, src = _tables()
     return {name: spec_from_table(name, t, src.get(name)) for name, t in tables.items()}
+
+
+def preset_table(name: str) -> dict[str, Any]:
+    """The raw gpus.toml table of preset `name` (preset units; datasheet facts included), a copy."""
+    gpu_spec(name)  # UnknownPresetError for unknown names
+    return dict(_tables()[0][name])
 
 
 def gpu_names() -> list[str]:

@@ -115,9 +115,11 @@ def assemble_plan(
     ranks: Sequence[Sequence[Instruction]],
     model: ModelShape | None = None,
     calibration_sha256: str | None = None,
+    power_limit_w: float | None = None,
 ) -> Plan:
     """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
-    (J, all GPUs), and the GPU and blocked power (W, one GPU) the prediction used."""
+    (J, all GPUs), the GPU and blocked power (W, one GPU) the prediction used, and for ``powercap`` the
+    power limit (W) of every GPU."""
     return Plan(
         format=PLAN_FORMAT,
         method=method,
@@ -125,6 +127,7 @@ def assemble_plan(
         gpu=gpu,
         calibration_sha256=calibration_sha256,
         p_blocked_w=float(p_blocked_w),
+        power_limit_w=None if power_limit_w is None else float(power_limit_w),
         model=model,
         parallel=parallel,
         predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j)),
@@ -176,7 +179,8 @@ def build_plan(
     plan = assemble_plan(method=method, gpu=result.gpu.name, parallel=parallel_layout(result.par, result.schedule),
                          time_s=sim.time_s, energy_j=sim.energy_j, p_blocked_w=result.p_blocked_w, ranks=ranks,
                          model=model_shape(result.model, result.par.precision),
-                         calibration_sha256=result.calibration_sha256)
+                         calibration_sha256=result.calibration_sha256,
+                         power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None))
     return plan, timed
 
 

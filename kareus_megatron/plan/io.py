@@ -52,8 +52,9 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 def plan_sha256(plan: Plan) -> str:
     """Content hash of a plan (hex), stable across key order."""
     data = plan.model_dump(mode="json")
-    if data.get("p_blocked_w") is None:  # a plan without it hashes as before the field existed
-        data.pop("p_blocked_w", None)
+    for key in ("p_blocked_w", "power_limit_w"):  # a plan without it hashes as before the field existed
+        if data.get(key) is None:
+            data.pop(key, None)
     model = data.get("model") or {}
     for key in MODEL_RECORD_FIELDS:  # likewise the model architecture fields
         if model.get(key, 0) is None:

@@ -5,7 +5,9 @@ precision) and parallel configuration it was made for, the GPU preset and calibr
 with and the blocked power (W) the prediction used, the predicted iteration time (s) and energy (J, all
 GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM clock
 (MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition (comm SMs and launch
-slot; names from ``kareus_megatron.vocab``).
+slot; names from ``kareus_megatron.vocab``). A ``powercap`` plan also records the one board power limit
+(W) of every GPU of the job: the runtime sets that limit and locks no clock, and its instructions carry
+the GPU's maximum SM clock, the clock the prediction requested (the driver lowers it under the cap).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kareus_megatron.vocab import (
     FRAMEWORK_MEGATRON,
     PARTITION_SLOTS,
+    POWERCAP,
     SCHEDULE_1F1B,
     SUPPORTED_NANOBATCHES,
     FrameworkName,
@@ -173,6 +176,11 @@ class Plan(_Frozen):
         description="power (W) of one GPU blocked in the pipeline that the prediction used (None: plans "
                     "written before it was recorded; reports then take the GPU preset's)",
     )
+    power_limit_w: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="board power limit (W) of every GPU of the job (method powercap only): the runtime sets "
+                    "it and locks no SM clock; every instruction then carries the maximum SM clock",
+    )
     model: ModelShape | None = None
     parallel: ParallelLayout
     predicted: Predicted
@@ -180,6 +188,15 @@ class Plan(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> Plan:
+        if (self.power_limit_w is not None) != (self.method == POWERCAP):
+            raise ValueError(f"power_limit_w is set exactly for method {POWERCAP} plans (method {self.method}, "
+                             f"power_limit_w {self.power_limit_w})")
+        if self.power_limit_w is not None:
+            clocks = {i.sm_clock_mhz for s in self.stages for i in s.instructions}
+            nbs = {i.nanobatches for s in self.stages for i in s.instructions}
+            if len(clocks) > 1 or nbs - {1}:
+                raise ValueError(f"a {POWERCAP} plan runs every instruction at one (the maximum) SM clock with 1 "
+                                 f"nanobatch; found clocks {sorted(clocks)} MHz, nanobatches {sorted(nbs)}")
         ranks = [s.pp_rank for s in self.stages]
         if ranks != list(range(self.parallel.pp)):
             raise ValueError(f"stages must list pp_rank 0..{self.parallel.pp - 1} in order, got {ranks}")

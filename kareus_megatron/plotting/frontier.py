@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kareus_megatron.plotting.units import energy_unit, time_unit
-from kareus_megatron.vocab import KAREUS, MEGATRON, NANOBATCH_PERSEUS, PERSEUS, SOLVE
+from kareus_megatron.vocab import KAREUS, MEGATRON, NANOBATCH_PERSEUS, PERSEUS, POWERCAP, SOLVE
 
 # Fixed colours and labels so every figure of the project reads the same way; a label starts with the
 # method's CLI name (vocab.py) so a legend reads like the `--methods` flag and the frontier.json keys.
@@ -26,6 +26,7 @@ METHOD_STYLE: dict[str, tuple[str, str, str]] = {
     PERSEUS: (PERSEUS, "#1f77b4", "o"),
     NANOBATCH_PERSEUS: (NANOBATCH_PERSEUS, "#ff7f0e", "^"),
     KAREUS: (f"{KAREUS} (joint)", "#d62728", "D"),
+    POWERCAP: (f"{POWERCAP} (one power limit)", "#9467bd", "P"),
     SOLVE: (SOLVE, "#2ca02c", "v"),
 }
 

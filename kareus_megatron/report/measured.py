@@ -1,12 +1,11 @@
 """The measured frontier of a log directory (``kareus compare``): one point per run, same layout as kareus plan.
 
-A *log directory* holds one run directory per run, NAME-NN/ (as ``kareus launch`` writes them), each with
-its run log directory (runlog.MEASUREMENT_FILE: rank-NNNNN.jsonl files) and optionally a manifest
-(runlog.MANIFEST_FILE: method, plan, predicted figures). A run's point is its median iteration time (s)
-and GPU energy (J, all GPUs) after the warm-up iterations (runlog.summarize, the same figures ``kareus report``
-prints); a run directory from before rank logs holds one merged LEGACY_MEASUREMENT_FILE instead. The reductions are
-computed by plan/frontier.py's formulas, against the measured megatron and perseus runs.
-"""
+A *log directory* holds one run directory per run, NAME-NN/ (as ``kareus launch`` writes them), each with its run
+log directory (runlog.MEASUREMENT_FILE: rank-NNNNN.jsonl files) and optionally a manifest (runlog.MANIFEST_FILE:
+method, plan, predicted figures). A run's point is its median iteration time (s) and mean GPU energy (J, all GPUs;
+total over total) after the warm-up iterations (runlog.summarize, the same figures ``kareus report`` prints); a run
+directory from before rank logs holds one merged LEGACY_MEASUREMENT_FILE instead. The reductions are computed by
+plan/frontier.py's formulas, against the measured megatron and perseus runs."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.frontier import frontier_document
 from kareus_megatron.report.runlog import (
     DEFAULT_SKIP_ITERATIONS,
+    ENERGY_STATISTIC,
     LEGACY_MEASUREMENT_FILE,
     MANIFEST_FILE,
     MEASUREMENT_FILE,
@@ -35,16 +35,16 @@ from kareus_megatron.vocab import METHODS, REFERENCE_METHODS
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeasuredRun:
-    """One run: its median iteration time (s) and GPU energy (J per iteration, all GPUs) after warm-up."""
+    """One run: its median iteration time (s) and mean GPU energy (J per iteration, all GPUs) after warm-up."""
 
     name: str
     method: str
     log: Path
     plan: str | None
     predicted: dict[str, float] | None
-    iterations: int  # iterations the medians are taken over
+    iterations: int  # iterations the figures are taken over
     time_s: float  # median iteration time (s)
-    energy_j: float  # median iteration energy (J, all GPUs)
+    energy_j: float  # mean iteration energy (J, all GPUs): total / iterations
     header: dict[str, Any]  # the run log's header ({} when it has none)
     summary: RunSummary
 
@@ -128,7 +128,7 @@ def measured_frontier(log_dir: str | os.PathLike[str],
         methods.setdefault(r.method, []).append(p)
     gpus = sorted({str(r.header["gpu"]) for r in runs if r.header.get("gpu")})
     config = {"source": "measured", "simulated": any(r.simulated for r in runs), "log_dir": str(log_dir),
-              "statistic": STATISTIC,
+              "statistic": STATISTIC, "energy_statistic": ENERGY_STATISTIC,
               "skip_iterations": skip_iterations, "runs": len(runs), "gpu": gpus[0] if len(gpus) == 1 else gpus}
     ordered: dict[str, list[dict[str, Any]]] = {m: methods[m] for m in METHODS if m in methods}
     return frontier_document(config, ordered), runs

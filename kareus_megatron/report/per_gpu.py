@@ -1,7 +1,7 @@
-"""Per-GPU energy of a run: each rank's median energy (J per iteration), time (s) and share of the job's energy.
+"""Per-GPU energy of a run: each rank's mean energy (J per iteration), median time (s) and share of the job's energy.
 
 A rank's figures come from its own lines in the merged records (``ranks`` of runlog.merge_rank_dir), over
-the iterations the run's medians use (RunSummary.records: complete ones after warm-up). Its *share* is
+the iterations the run's figures use (RunSummary.records: complete ones after warm-up). Its *share* is
 its energy summed over those iterations divided by the job's summed over them, so the shares add up to 1.
 Its predicted energy is its stage's (against_plan.predicted_stage_energy_j) divided by the stage's GPUs
 (tp * cp * dp). Which GPU a rank measured is RunLog.gpus (its header). A log in the single merged-file
@@ -19,7 +19,7 @@ from kareus_megatron.report.runlog import RunSummary
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuFigures:
-    """One rank's GPU over the run's used iterations: medians per iteration (J, s) and its energy share."""
+    """One rank's GPU over the run's used iterations: mean energy, median time per iteration (J, s), its share."""
 
     rank: int
     pp_rank: int | None
@@ -27,7 +27,7 @@ class GpuFigures:
     gpu_uuid: str | None = None
     gpu_name: str | None = None
     iterations: int  # used iterations this rank logged (all of them in a complete run)
-    energy_j: float | None  # median GPU energy per iteration (J)
+    energy_j: float | None  # mean GPU energy per iteration (J): total over the iterations / their number
     time_s: float | None  # median iteration time on this rank (s)
     share: float | None  # of the job's energy over the same iterations (0..1)
     predicted_energy_j: float | None = None  # the plan's, per GPU of its stage (J per iteration)
@@ -79,7 +79,7 @@ def per_gpu(summary: RunSummary, predicted_stage_energy_j: dict[int, float | Non
         es = energy[rank]
         out.append(GpuFigures(
             rank=rank, pp_rank=stage, gpu_index=ident.get("gpu_index"), gpu_uuid=ident.get("gpu_uuid"),
-            gpu_name=ident.get("gpu_name"), iterations=len(es), energy_j=float(statistics.median(es)),
+            gpu_name=ident.get("gpu_name"), iterations=len(es), energy_j=sum(es) / len(es),
             time_s=float(statistics.median(time[rank])), share=sum(es) / total_j if total_j > 0 else None,
             predicted_energy_j=None if pred is None else pred / max(1, gpus_per_stage)))
     return out

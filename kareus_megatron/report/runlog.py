@@ -22,9 +22,12 @@ the file and line; so is a second header (two runs appended to one log).
 
 Summary: the first ``skip_iterations`` iterations (default DEFAULT_SKIP_ITERATIONS = 2) are warm-up and
 left out; of the rest, the complete ones with both time and energy are used (partial ones are counted,
-never summed as if complete), and every figure is their median
-(STATISTIC; robust to the odd slow iteration). ``kareus report`` and ``kareus compare`` both summarise
-through this module, so a log gives the same figures in both.
+never summed as if complete). Time is their median (STATISTIC; robust to the odd slow iteration); energy
+is total over total, the energy of every used iteration summed and divided by their number
+(ENERGY_STATISTIC): NVML's energy counter moves in steps of about 100 ms, so a sub-second iteration's
+own reading is quantised and a median of them is biased, while the sum over many is not.
+``kareus report`` and ``kareus compare`` both summarise through this module, so a log gives the same
+figures in both.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ LEGACY_MEASUREMENT_FILE = "measurement.jsonl"  # one merged log: run directories
 RANK_FILE_RE = re.compile(r"rank-(\d+)\.jsonl")
 MANIFEST_FILE = "run.json"
 DEFAULT_SKIP_ITERATIONS = 2
-STATISTIC = "median"
+STATISTIC = "median"  # of the iteration times
+ENERGY_STATISTIC = "mean"  # of the iteration energies: total energy / iterations used
+STATISTICS_TEXT = f"{STATISTIC} time, {ENERGY_STATISTIC} energy"  # how a run's figures are taken, for output
 _HINT = "is this a kareus run log (--kareus-log)?"
 
 
@@ -69,7 +74,8 @@ class RunLog:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSummary:
-    """A run after warm-up: median iteration time (s) and energy (J, all GPUs), also per pipeline stage."""
+    """A run after warm-up: median iteration time (s) and mean energy (J, all GPUs; total / iterations),
+    also per pipeline stage."""
 
     log: RunLog
     skipped: int
@@ -80,7 +86,7 @@ class RunSummary:
     stage_energy_j: dict[int, float | None]
     partial: int  # iterations after warm-up left out because a rank or stage is missing
     stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, with every rank of the stage
-    records: tuple[dict[str, Any], ...] = ()  # the iterations the medians are taken over
+    records: tuple[dict[str, Any], ...] = ()  # the iterations the figures are taken over
 
 
 def _figure(v: Any) -> bool:
@@ -275,6 +281,12 @@ def _median(xs: list[Any]) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
+def _total_over_total(xs: list[Any]) -> float | None:
+    """Sum of the known values over their number (J per iteration), None when none is known."""
+    vals = [float(x) for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def check_skip(skip_iterations: Any) -> int:
     """The warm-up count if it is a non-negative integer; ConfigError naming --skip-iterations otherwise."""
     if not _is_index(skip_iterations):
@@ -283,7 +295,8 @@ def check_skip(skip_iterations: Any) -> int:
 
 
 def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> RunSummary:
-    """Medians after `skip_iterations` warm-up iterations; ConfigError when no iteration is left to use."""
+    """Median time and mean (total over total) energy after `skip_iterations` warm-up iterations;
+    ConfigError when no iteration is left to use."""
     skip = check_skip(skip_iterations)
     after = log.iterations[skip:]
     partial = sum(1 for r in after if r["iteration"] in log.partial)
@@ -299,12 +312,13 @@ def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> Ru
     ranks = sorted({s["pp_rank"] for r in used for s in r.get("stages", [])})
 
     def stage(rank: int, key: str) -> float | None:
-        return _median([next((s[key] for s in r.get("stages", []) if s["pp_rank"] == rank), None) for r in used])
+        figure = _median if key == "time_s" else _total_over_total
+        return figure([next((s[key] for s in r.get("stages", []) if s["pp_rank"] == rank), None) for r in used])
 
     stage_its = {rank: sum(1 for r in after if any(s["pp_rank"] == rank and s.get("complete", True)
                                                     for s in r.get("stages", []))) for rank in ranks}
     return RunSummary(log=log, skipped=skip, used=len(used), time_s=_median([r["time_s"] for r in used]),  # type: ignore[arg-type]
-                      energy_j=_median([r["energy_j"] for r in used]),  # type: ignore[arg-type]
+                      energy_j=_total_over_total([r["energy_j"] for r in used]),  # type: ignore[arg-type]
                       stage_time_s={r: stage(r, "time_s") for r in ranks},
                       stage_energy_j={r: stage(r, "energy_j") for r in ranks}, partial=partial,
                       stage_iterations=stage_its, records=tuple(used))

@@ -5,9 +5,11 @@ training (``on_error="fail"``: ClockControlError; ``"warn"``: a warning, default
 the framework patch (``framework_patch``: runtime.megatron_patch or runtime.deepspeed_patch; each
 exposes FRAMEWORK, check_version, install, uninstall, installed_state and validate_plan), and closes
 everything on ``close()`` or at interpreter exit. Without a plan (``plan=None``, DeepSpeed only) the
-run is only *measured*: no clock controller, the device is read on the training thread. The GPU index
-is the local rank, mapped through CUDA_VISIBLE_DEVICES when that lists integer indices (NVML ignores
-CUDA_VISIBLE_DEVICES). ``SessionSlot`` holds the one session a framework API (kareus_megatron.megatron,
+run is only *measured*: no clock controller, the device is read on the training thread. The GPU is
+CUDA device ``local_rank``, found in NVML by its UUID (hardware/device/cuda_map.py: torch's UUID, else
+CUDA_VISIBLE_DEVICES; MIG is refused). With KAREUS_GPU_READ_ONLY=1 the controller decides and records
+every planned clock but nothing on the GPU changes (the run log header: clock_control false, read_only
+true). ``SessionSlot`` holds the one session a framework API (kareus_megatron.megatron,
 kareus_megatron.deepspeed) has installed in this process.
 """
 
@@ -29,6 +31,7 @@ from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime import hooks, megatron_patch, megatron_writers
 from kareus_megatron.runtime.clock.client import ClockClient
+from kareus_megatron.runtime.clock.transport_gpu import CudaEvents
 from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
@@ -61,31 +64,14 @@ def local_rank_from_env() -> int:
         raise ConfigError(f"LOCAL_RANK={raw!r} is not an integer") from None
 
 
-def physical_gpu_index(local_index: int) -> int:
-    """The NVML index of CUDA device `local_index`, honouring an integer CUDA_VISIBLE_DEVICES list."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return local_index
-    entries = [v.strip() for v in visible.split(",") if v.strip()]
-    if all(e.isdigit() for e in entries) and local_index < len(entries):
-        return int(entries[local_index])
-    return local_index  # UUIDs / MIG: NVML order is assumed to match
+def gpu_target(local_index: int, backend: str) -> tuple[int, str | None]:
+    """(NVML index, UUID or None) of CUDA device `local_index` (cuda_map.py); a simulated GPU: (index, None)."""
+    if backend == "simulated":
+        return local_index, None
+    from kareus_megatron.hardware.device.cuda_map import cuda_nvml_target
 
-
-def _cuda_event_factory() -> Any:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return None
-    if not torch.cuda.is_available():
-        return None
-
-    def make() -> Any:
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-
-    return make
+    target = cuda_nvml_target(local_index)
+    return target.index, target.uuid
 
 
 class _Reading:
@@ -146,7 +132,7 @@ class RuntimeSession:
         backend = backend_from_env(self.backend)
         gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
             self.plan.gpu if backend == "simulated" and self.plan is not None else None)
-        index = physical_gpu_index(self.local_rank)
+        index, uuid = gpu_target(self.local_rank, backend)
         rank, world = _global_rank_and_world()
         log = open_rank_log(self.log_path, rank, self.log_mode) if self.log_path else None  # before training
         header: dict[str, Any] = {"rank": rank, "world": world, "local_rank": self.local_rank, "gpu_index": index,
@@ -157,7 +143,7 @@ class RuntimeSession:
         if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
         try:
-            self._start_measuring(index, backend, gpu, header, log)
+            self._start_measuring(index, uuid, backend, gpu, header, log)
         except BaseException:
             if log is not None:
                 log.close()
@@ -171,30 +157,38 @@ class RuntimeSession:
         self._install_signal_handlers()
         return self
 
-    def _start_measuring(self, index: int, backend: str, gpu: str | None, header: dict[str, Any],
-                         log: Any) -> None:
-        from kareus_megatron.hardware.device import open_gpu, simulation_of
+    def _start_measuring(self, index: int, uuid: str | None, backend: str, gpu: str | None,
+                         header: dict[str, Any], log: Any) -> None:
+        from kareus_megatron.hardware.device import open_gpu, read_only_from_env, simulation_of
 
         if self.plan is None:
-            self.device = open_gpu(index, backend=backend, gpu=gpu)
+            self.device = open_gpu(index, backend=backend, gpu=gpu, uuid=uuid)
             self.simulation = simulation_of(self.device)
-            header.update(gpu=self.device.spec.name, clock_control=False)
+            header.update(gpu=self.device.spec.name, clock_control=False, read_only=self.device.read_only)
             self.meter = IterationMeter(log, mark=self._read_now, header=header)
         else:
-            client = ClockClient(event_factory=_cuda_event_factory())
+            events = CudaEvents.available(self.local_rank)
+            client = ClockClient(event_factory=events, bind_thread=None if events is None else events.bind_thread)
+            cap_w = self.plan.power_limit_w  # powercap: the controller sets it and restores it on every way out
             if self.controller == "thread":
-                device = open_gpu(index, backend=backend, gpu=gpu)
-                self.ready = client.start_thread(device, simulation=simulation_of(device), log_path=self.clock_log)
+                device = open_gpu(index, backend=backend, gpu=gpu, uuid=uuid)
+                self.ready = client.start_thread(device, simulation=simulation_of(device), log_path=self.clock_log,
+                                                 power_limit_w=cap_w)
             else:
-                self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log)
+                self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log,
+                                                  power_limit_w=cap_w, uuid=uuid)
             self.client = client
             if self.ready.get("op") == "error":
                 if self.on_error == "fail":
                     client.close()
                     raise ClockControlError(str(self.ready.get("message")))
                 warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
+            read_only = bool(self.ready.get("read_only", read_only_from_env()))
             header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
-                          clock_control=client.clock_control, predicted=self.plan.predicted.model_dump())
+                          clock_control=client.clock_control and not read_only, read_only=read_only,
+                          predicted=self.plan.predicted.model_dump())
+            if cap_w is not None:
+                header["power_limit_w"] = self.ready.get("power_limit_w")
             self.meter = IterationMeter(log, mark=client.mark, header=header)
 
     def close(self) -> None:

@@ -41,9 +41,10 @@ from kareus_megatron.search.tables import PhaseTable, phase_table
 from kareus_megatron.vocab import (
     KAREUS,
     MEGATRON,
-    METHODS,
     NANOBATCH_PERSEUS,
+    OPTION_METHODS,
     PERSEUS,
+    POWERCAP,
     SCHEDULE_1F1B,
     SUPPORTED_NANOBATCHES,
 )
@@ -235,8 +236,9 @@ def build_options(
     Exact Pareto sets by default; max_points keeps at most that many per instruction (evenly in time,
     both ends kept), after which a baseline option may no longer be matched exactly.
     """
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; known: {', '.join(METHODS)}.")
+    if method not in OPTION_METHODS:
+        raise ConfigError(f"method {method!r} has no per-instruction options; those that do: "
+                          f"{', '.join(OPTION_METHODS)} ({POWERCAP}: search/powercap.py).")
     clocks = tuple(gpu.check_clocks(clocks_mhz)) if clocks_mhz is not None else gpu.clock_grid_mhz()
     if not clocks:
         raise ConfigError("the clock grid is empty; give at least one SM clock (MHz).")

@@ -3,7 +3,8 @@
 Terms:
 
 - *method*: ``megatron`` (max clock, no overlap), ``perseus`` (clock per instruction),
-  ``nanobatch_perseus`` (2 nanobatches, default overlap, clock per instruction), ``kareus`` (joint).
+  ``nanobatch_perseus`` (2 nanobatches, default overlap, clock per instruction), ``kareus`` (joint),
+  ``powercap`` (one power limit W for every GPU; search/powercap.py: one plan per cap, no solver).
 - *options*: per (stage, chunk, kind) the Pareto set of one GPU's (time s, energy J) choices of an
   instruction (``search.options``); every microbatch of that instruction picks from the same set.
 - *frontier*: the solver's discrete plans of the pipeline, sorted fastest first (time = iteration time s,
@@ -31,6 +32,7 @@ from kareus_megatron.vocab import (
     METHODS,
     NANOBATCH_PERSEUS,
     PERSEUS,
+    POWERCAP,
     REFERENCE_METHODS,
     SCHEDULE_1F1B,
     MethodName,
@@ -227,13 +229,17 @@ def plan_methods(
     gpus_per_stage = par.tp * par.cp * par.dp
     p_blocked = float(kernel.p_blocked_w)
     # Rough share of the work per method: megatron has one option per instruction, kareus the most.
-    weight = {MEGATRON: 0.3, PERSEUS: 1.0, NANOBATCH_PERSEUS: 1.0, KAREUS: 1.6}
+    weight = {MEGATRON: 0.3, PERSEUS: 1.0, NANOBATCH_PERSEUS: 1.0, KAREUS: 1.6, POWERCAP: 0.3}
     total = sum(weight[m] for m in todo)
     done = 0.0
     found: dict[MethodName, MethodFrontier] = {}
     for name in todo:
         w = weight[name] / total
         say(f"{name}: options", done)
+        if name == POWERCAP:
+            found[name] = _powercap_frontier(dag, model, par, kernel, p_blocked, gpus_per_stage)
+            done += w
+            continue
         opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule)
         say(f"{name}: frontier", done + 0.1 * w)
 
@@ -253,6 +259,18 @@ def plan_methods(
         dp_reduce_time_s=dp_s, p_blocked_w=p_blocked, gpus_per_stage=gpus_per_stage, methods=found,
         calibration_sha256=calibration_sha256,
     )
+
+
+def _powercap_frontier(dag: Any, model: Any, par: Any, kernel: Any, p_blocked_w: float,
+                       gpus_per_stage: int) -> MethodFrontier:
+    """The ``powercap`` frontier: one simulated plan per power limit of the grid, Pareto over caps."""
+    from kareus_megatron.search.powercap import cap_grid_w, powercap_options, powercap_plans
+
+    caps = cap_grid_w(kernel, model, par)
+    opts = powercap_options(kernel, model, par, caps)
+    plans = powercap_plans(dag, node_options(dag, opts), caps, p_blocked_w, gpus_per_stage)
+    kept, t, e = _frontier_arrays(plans)
+    return MethodFrontier(method=POWERCAP, options=opts, plans=kept, time_s=t, energy_j=e)
 
 
 def simulate_plan(result: PlanningResult, method: MethodName, index: int) -> tuple[Any, list[TimedInstruction]]:

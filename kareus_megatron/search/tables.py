@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from kareus_megatron.cost.collectives import comm_sms_grid
 from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.search.partition import LayerSchedule, collective_kind, layer_schedule
@@ -45,9 +46,17 @@ def scale_sms(gpu: Any, values: Sequence[int]) -> np.ndarray:
 
 
 def comm_sms_range(gpu: Any, partition: str) -> np.ndarray:
-    """Comm-SM knob values (ascending) searched for `partition` on `gpu`."""
+    """Comm-SM knob values (ascending) searched for `partition` on `gpu`.
+
+    On a node with an NCCL algorithm table (Hopper NVSwitch: ring and NVLS, cost/collectives.py) the grid
+    follows from where those algorithms saturate; elsewhere the Kareus A100 grid scaled by the SM count.
+    """
     kind = collective_kind(partition)
-    return scale_sms(gpu, CP_COMM_SMS_A100 if kind.startswith("cp_") else TP_COMM_SMS_A100)
+    cp = kind.startswith("cp_")
+    grid = comm_sms_grid(gpu, ("all_gather", "reduce_scatter", "send_recv") if cp else ("all_reduce",))
+    if grid is not None:
+        return np.asarray(grid, dtype=np.int64)
+    return scale_sms(gpu, CP_COMM_SMS_A100 if cp else TP_COMM_SMS_A100)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,9 @@ GPT3 = ["--gpu", "a100-sxm4-80gb", "--model", "gpt3-175b", "--tp", "8", "--pp", 
         "--recompute", "none"]
 BINARY = b"\xff\xfe\x00\x81\x9c binary \xc3\x28\n"
 CLASSES = ("binary", "empty", "truncated", "wrong_shape", "huge", "negative", "under_file", "in_proc", "dir_for_file")
-COMMANDS = ("env", "predict", "partitions", "plan", "calibrate", "solve", "report", "compare", "launch")
+COMMANDS = ("env", "predict", "partitions", "plan", "calibrate", "solve", "report", "compare", "launch", "validate")
 NOT_APPLICABLE = {("env", c) for c in CLASSES if c not in ("huge", "negative")}  # env reads and writes no file
+NOT_APPLICABLE |= {("validate", c) for c in ("binary", "empty", "truncated", "wrong_shape")}  # reads no file
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,17 @@ def _argv(cmd: str, cls: str, d: Path, plan_dir: Path) -> tuple[list[str], str]:
             return [*base[:-2], "--plan-dir", "/proc/self"], "/proc/self"
         (d / "pd2" / "frontier.json").mkdir(parents=True)
         return [*base[:-2], "--plan-dir", str(d / "pd2")], "frontier.json"
+    if cmd == "validate":  # writes --out DIR only
+        base = [cmd, "--dry-run"]
+        if cls == "huge":
+            return [*base, "--seconds", "1e9", "--out", str(d / "v")], "--seconds"
+        if cls == "negative":
+            return [*base, "--device", "-1", "--out", str(d / "v")], "--device"
+        if cls == "under_file":
+            return [*base, "--out", str(a_file / "v")], "a_file"
+        if cls == "in_proc":
+            return [*base, "--out", "/proc/kareus-validate"], "/proc"
+        return [*base, "--out", str(a_file)], "a_file"  # a file where the output directory goes
     assert cmd == "env"
     return [cmd, "--gpu-index", "1000000000" if cls == "huge" else "-1"], "--gpu-index"
 

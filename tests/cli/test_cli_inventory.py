@@ -20,7 +20,8 @@ EXPECTED = {
         '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "calibrate": [
-        '--calibration', '--cp', '--debug', '--device', '--dp', '--first-stage-layers', '--gpu', '--gpu-index',
+        '--calibration', '--cp', '--debug', '--device', '--dp', '--dry-run', '--first-stage-layers', '--gpu',
+        '--gpu-index',
         '--gpus-per-node', '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--out', '--output',
         '--pp', '--precision',
         '--profile', '--ratios-only', '--recompute', '--run', '--seconds', '--seq', '--sequence-parallel', '--sp',
@@ -49,6 +50,9 @@ EXPECTED = {
     ],
     "report": ['--debug', '--format', '--no-plot', '--per-gpu', '--plan', '--plot', '--skip', '--skip-iterations'],
     "compare": ['--debug', '--no-plot', '--out', '--skip', '--skip-iterations'],
+    "validate": [
+        '--debug', '--device', '--dry-run', '--gpu', '--gpu-index', '--no-clock-control', '--out', '--seconds'
+    ],
     "launch run": [
         '--container-image', '--container-mounts', '--debug', '--dry-run', '--gpus-per-node', '--launcher', '--log-dir',
         '--master-addr', '--master-port', '--method', '--node-rank', '--nodes', '--overwrite', '--plan-dir', '--point',

@@ -53,7 +53,7 @@ def test_default_run_writes_every_output(default_run, capsys):
     doc = json.loads((out / "frontier.json").read_text())
     assert doc["format"] == "kareus-frontier/1"
     assert doc["config"]["model"] == "llama3.2-3b" and doc["config"]["nodes"] == 2
-    assert list(doc["methods"]) == ["megatron", "perseus", "nanobatch_perseus", "kareus"]
+    assert list(doc["methods"]) == ["megatron", "perseus", "nanobatch_perseus", "kareus", "powercap"]
     written = sorted(p.name for p in (out / "plans").iterdir())
     listed = sorted(Path(p["plan"]).name for m in doc["methods"].values() for p in m["points"])
     assert written == listed

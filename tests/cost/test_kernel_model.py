@@ -33,12 +33,15 @@ def test_gemm_time_scales_with_flops():
     assert t2[1] / t2[0] == pytest.approx(1000 / 900, rel=0.01)
 
 
-def test_memory_bound_op_barely_changes_with_clock():
+def test_memory_bound_op_slows_a_little_at_low_clocks():
+    """SM issue rate ∝ clock (issue 16): slower at low clocks, but far less than a compute-bound op's 1/f."""
     km = KernelModel(A100)
     copy = Op(name="copy", kind="memory", hbm_bytes=2e9, flops=1e8)
-    t = km.op_profile([copy], CLOCKS).time_s[0]
-    assert t.max() / t.min() < 1.05
-    assert t[0] == pytest.approx(2e9 / (A100.hbm_bytes_per_s * km.params.memory_efficiency), rel=0.05)
+    t = km.op_profile([copy], CLOCKS).time_s[0]  # CLOCKS descending
+    assert np.all(np.diff(t) > 0)
+    assert 1.03 < t[-1] / t[0] < 1.15 < CLOCKS[0] / CLOCKS[-1]
+    # at the max clock the issue bound still costs a few % (smooth minimum, params.memory_issue_sharpness)
+    assert t[0] == pytest.approx(2e9 / (A100.hbm_bytes_per_s * km.params.memory_efficiency), rel=0.08)
 
 
 def test_power_monotone_in_clock_and_energy_has_an_interior_minimum():

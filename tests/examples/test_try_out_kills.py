@@ -5,7 +5,8 @@ The run is signalled after it has printed K finished iterations (`iteration K/N`
 stage as each iteration ends). Afterwards the run log must hold at least K complete iterations (both
 stages logged): SIGTERM and SIGINT write what has resolved on the way out; for SIGKILL, everything up to
 the last flush, so the test waits one second (the log is on disk within a second) before killing.
-Every GPU's clock must be reset within 1 s of the signal (the simulated device's log, KAREUS_SIMULATED_LOG).
+Every GPU's clock must be reset within 1 s of the signal (the simulated device's log, KAREUS_SIMULATED_LOG);
+a powercap plan's board power limit must be restored within the same bound after SIGKILL.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class _Run:
     """The try-out run in its own session (one process group: torchrun and both ranks)."""
 
-    def __init__(self, plan: Path, tmp: Path, iterations: int) -> None:
+    def __init__(self, plan: Path, tmp: Path, iterations: int, point: str = "kareus-00") -> None:
         self.log_dir, self.clock_log = tmp / "run", tmp / "clocks.jsonl"
         env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LOG": str(self.clock_log),
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "kareus_megatron.launch", "--kareus-plan", str(plan), "--kareus-point", "kareus-00",
+               "-m", "kareus_megatron.launch", "--kareus-plan", str(plan), "--kareus-point", point,
                "--kareus-log", str(self.log_dir), "--", str(ROOT / "examples" / "tiny_train.py"),
                "--iterations", str(iterations), *JOB]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -120,14 +121,14 @@ class _Run:
         log = read_run_log(self.log_dir)
         return sum(1 for r in log.iterations if r["iteration"] not in log.partial)
 
-    def resets_after(self, t_signal_s: float) -> dict[int, float]:
-        """GPU index -> seconds from the signal to its first clock reset after it."""
+    def resets_after(self, t_signal_s: float, event: str = "reset") -> dict[int, float]:
+        """GPU index -> seconds from the signal to its first `event` (a clock reset) after it."""
         first: dict[int, float] = {}
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:  # controllers reset on their own once their trainer is gone
             for line in self.clock_log.read_text().splitlines():
                 e = json.loads(line)
-                if e["event"] == "reset" and e["t"] >= t_signal_s and e["gpu"] not in first:
+                if e["event"] == event and e["t"] >= t_signal_s and e["gpu"] not in first:
                     first[e["gpu"]] = e["t"] - t_signal_s
             if len(first) == 2:
                 break
@@ -151,3 +152,25 @@ def test_a_killed_try_out_run_keeps_every_finished_iteration(plan_dir: Path, tmp
     resets = run.resets_after(t_signal)
     assert set(resets) == {0, 1}, f"clock resets after the signal: {resets}\n{tail}"
     assert max(resets.values()) <= 1.0, f"clock resets after the signal (s): {resets}\n{tail}"
+
+
+def test_a_killed_powercap_run_restores_every_power_limit(tmp_path_factory: pytest.TempPathFactory,
+                                                          tmp_path: Path) -> None:
+    """The same SIGKILL as above on a powercap plan: each GPU's limit was set, and is restored within 1 s."""
+    plan = tmp_path_factory.mktemp("try-powercap") / "plan"
+    assert main(["plan", "--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", "a100-sxm4-40gb", *JOB,
+                 "--nodes", "1", "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
+                 "--methods", "powercap", "--points", "3", "--out", str(plan)]) == 0
+    point = sorted(p.stem for p in (plan / "plans").glob("powercap-*.json"))[-1]  # the lowest cap planned
+    limit = json.loads((plan / "plans" / f"{point}.json").read_text())["power_limit_w"]
+    run = _Run(plan, tmp_path, iterations=10_000, point=point)
+    run.wait_for(5)
+    time.sleep(0.5)
+    t_signal = run.signal(signal.SIGKILL)
+    run.wait()
+    tail = "".join(run.lines[-30:])
+    sets = [json.loads(line) for line in run.clock_log.read_text().splitlines()]
+    assert {e["gpu"] for e in sets if e["event"] == "power_limit" and e["w"] == limit} == {0, 1}, tail
+    restored = run.resets_after(t_signal, event="power_limit_reset")
+    assert set(restored) == {0, 1}, f"power limits restored after SIGKILL: {restored}\n{tail}"
+    assert max(restored.values()) <= 1.0, f"power limits restored after SIGKILL (s): {restored}\n{tail}"

@@ -82,6 +82,94 @@ def test_simulation_hooks_only_for_the_simulated_backend(gpu):
         assert sim is None and not isinstance(gpu, SimulationHooks)
 
 
+def _resets_in_log(tmp_path):
+    log = tmp_path / "sim.jsonl"
+    return [r for r in _records(log) if r["event"] == "reset"] if log.exists() else []
+
+
+def test_reset_and_close_touch_only_what_this_object_locked(gpu, tmp_path):
+    """An administrator's lock survives a process that never locked: reset/close without a lock do nothing."""
+    assert not gpu.read_only and not gpu.locked
+    gpu.reset_clocks()
+    gpu.close()
+    assert _resets_in_log(tmp_path) == []
+
+
+def test_reset_after_own_lock(gpu, tmp_path):
+    clocks = gpu.supported_sm_clocks_mhz()
+    gpu.set_sm_clock_mhz(clocks[-1])
+    assert gpu.locked
+    gpu.reset_clocks()
+    assert not gpu.locked
+    gpu.reset_clocks()  # the second reset has nothing left to undo
+    gpu.set_sm_clock_mhz(clocks[-1])
+    gpu.close()  # resets the lock it made
+    if isinstance(gpu, SimulatedGPU):
+        assert len(_resets_in_log(tmp_path)) == 2
+
+
+@pytest.fixture(params=["simulated", pytest.param("nvml", marks=pytest.mark.gpu)])
+def read_only_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "0")
+    monkeypatch.setenv("KAREUS_SIMULATED_LOG", str(tmp_path / "sim.jsonl"))
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
+    dev = open_gpu(0, backend=request.param, gpu="a100-sxm4-40gb" if request.param == "simulated" else None)
+    yield dev
+    dev.close()
+
+
+def test_read_only_records_and_changes_nothing(read_only_gpu, tmp_path):
+    gpu = read_only_gpu
+    assert gpu.read_only
+    clocks = gpu.supported_sm_clocks_mhz()
+    before = gpu.sm_clock_mhz()
+    gpu.set_sm_clock_mhz(clocks[-1])
+    with pytest.raises(ClockControlError, match="cannot lock"):  # still checked like a real lock
+        gpu.set_sm_clock_mhz(clocks[0] + 1)
+    gpu.reset_clocks()
+    assert gpu.recorded == [("set", clocks[-1]), ("reset", None)]
+    assert not gpu.locked
+    if isinstance(gpu, SimulatedGPU):
+        assert gpu.sm_clock_mhz() == before == clocks[0]
+        assert gpu.schedule_sm_clock(clocks[-1], time.monotonic()) > 0
+        assert gpu.sm_clock_mhz() == clocks[0]
+    assert gpu.energy_j() >= 0.0
+    gpu.close()
+    assert _resets_in_log(tmp_path) == []
+    assert not [r for r in _records(tmp_path / "sim.jsonl") if r["event"] == "set"] if isinstance(
+        gpu, SimulatedGPU) else True
+
+
+def test_read_only_argument_overrides_env(monkeypatch):
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
+    assert not open_gpu(0, backend="simulated", read_only=False).read_only
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "0")
+    assert not open_gpu(0, backend="simulated").read_only
+    assert open_gpu(0, backend="simulated", read_only=True).read_only
+
+
+def test_temperature_is_plausible(gpu):
+    assert 0.0 < gpu.temperature_c() < 110.0
+
+
+def test_nvml_uuid_names_the_gpu_in_nvml_form(gpu):
+    uuid = gpu.nvml_uuid()
+    assert uuid.startswith("GPU-") and uuid == gpu.nvml_uuid()
+
+
+def test_simulated_temperature_rises_with_power():
+    dev = SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, latency_s=0.0)
+    idle = dev.temperature_c()
+    dev.set_busy(True)
+    time.sleep(0.3)  # about 1.5% of the way (tau 20 s) toward ~65 °C from ~39 °C
+    busy = dev.temperature_c()
+    assert idle + 0.1 < busy < idle + 2.0
+    dev.set_busy(False)
+    time.sleep(0.3)
+    assert dev.temperature_c() < busy
+    dev.close()
+
+
 def test_close_is_idempotent_and_final(gpu):
     gpu.close()
     gpu.close()
@@ -152,8 +240,8 @@ def test_simulated_no_permission(monkeypatch):
     dev = SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, latency_s=0.0)
     with pytest.raises(ClockControlError, match="no permission.*--kareus-on-error warn"):
         dev.set_sm_clock_mhz(1200)
-    with pytest.raises(ClockControlError):
-        dev.reset_clocks()
+    dev.reset_clocks()  # nothing was locked: nothing to reset, so nothing is refused
+    assert not dev.locked
     dev.close()
 
 

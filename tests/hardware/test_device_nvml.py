@@ -10,7 +10,7 @@ from unittest import mock
 import pynvml
 import pytest
 
-from kareus_megatron.errors import ClockControlError, DeviceUnavailableError, UnknownPresetError
+from kareus_megatron.errors import ClockControlError, ConfigError, DeviceUnavailableError, UnknownPresetError
 from kareus_megatron.hardware.device import nvml as nvml_mod
 from kareus_megatron.hardware.device.nvml import NVMLGPU
 
@@ -29,7 +29,11 @@ def fake(monkeypatch):
     f.nvmlDeviceGetName.return_value = "NVIDIA A100-SXM4-40GB"
     f.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
                                                             pynvml.NVML_CLOCK_SM: 1410}[kind]
+    f.nvmlDeviceGetSupportedMemoryClocks.return_value = [405, 1215]
     f.nvmlDeviceGetSupportedGraphicsClocks.return_value = [1200, 1410, 1395, 1410]
+    f.nvmlDeviceGetMigMode.return_value = [0, 0]
+    f.nvmlDeviceGetTemperature.return_value = 41
+    f.nvmlDeviceGetUUID.return_value = "GPU-1111"
     f.nvmlDeviceGetTotalEnergyConsumption.return_value = 1_000_000  # mJ
     monkeypatch.setattr(nvml_mod, "_pynvml", lambda: f)
     return f
@@ -55,8 +59,93 @@ def test_set_locks_min_and_max_and_reset(fake):
     fake.nvmlDeviceResetGpuLockedClocks.assert_called_once_with("handle0")
     with pytest.raises(ClockControlError, match="cannot lock 1000 MHz; supported: 1200..1410"):
         dev.set_sm_clock_mhz(1000)
+    dev.close()  # nothing locked since the reset: close resets nothing
+    assert fake.nvmlDeviceResetGpuLockedClocks.call_count == 1
+    fake.nvmlShutdown.assert_called_once_with()
+
+
+def test_reset_and_close_without_own_lock_touch_nothing(fake):
+    """An administrator's lock survives: this object never locked, so it never resets."""
+    dev = NVMLGPU(0)
+    dev.reset_clocks()
     dev.close()
-    assert fake.nvmlDeviceResetGpuLockedClocks.call_count == 2
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+    dev = NVMLGPU(0)
+    fake.nvmlDeviceSetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(ClockControlError):
+        dev.set_sm_clock_mhz(1200)  # a refused lock is no lock
+    dev.close()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_close_resets_own_lock(fake):
+    dev = NVMLGPU(0)
+    dev.set_sm_clock_mhz(1200)
+    assert dev.locked
+    dev.close()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_called_once_with("handle0")
+
+
+def test_read_only_reads_real_and_applies_nothing(fake):
+    dev = NVMLGPU(0, read_only=True)
+    assert dev.read_only
+    dev.reset_clocks()  # nothing (would have been) locked: not even recorded
+    dev.set_sm_clock_mhz(1200)
+    dev.reset_clocks()
+    dev.set_sm_clock_mhz(1395)
+    dev.close()
+    assert dev.recorded == [("set", 1200), ("reset", None), ("set", 1395), ("reset", None)]  # close resets
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_temperature_reads_the_gpu_sensor(fake):
+    dev = NVMLGPU(0)
+    assert dev.temperature_c() == 41.0
+    fake.nvmlDeviceGetTemperature.assert_called_once_with("handle0", pynvml.NVML_TEMPERATURE_GPU)
+
+
+def test_supported_clocks_at_the_highest_memory_clock(fake):
+    """A GDDR board idling in a low memory P-state: the current memory clock would list few clocks."""
+    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 405,
+                                                               pynvml.NVML_CLOCK_SM: 210}[kind]
+    NVMLGPU(0)
+    fake.nvmlDeviceGetSupportedGraphicsClocks.assert_called_once_with("handle0", 1215)
+    fake.nvmlDeviceGetSupportedMemoryClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    NVMLGPU(0)  # cannot list memory clocks: falls back to the current one
+    fake.nvmlDeviceGetSupportedGraphicsClocks.assert_called_with("handle0", 405)
+
+
+def test_not_found_is_named(fake):
+    fake.nvmlDeviceGetSupportedGraphicsClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+    with pytest.raises(DeviceUnavailableError, match="NVML_ERROR_NOT_FOUND.*kareus env"):
+        NVMLGPU(0)
+
+
+def test_open_by_uuid_and_by_prefix(fake):
+    fake.nvmlDeviceGetHandleByUUID.return_value = "handle-u"
+    dev = NVMLGPU(3, uuid="GPU-abcd-1234")
+    fake.nvmlDeviceGetHandleByUUID.assert_called_once_with("GPU-abcd-1234")
+    fake.nvmlDeviceGetHandleByIndex.assert_not_called()
+    dev.set_sm_clock_mhz(1200)
+    fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle-u", 1200, 1200)
+    # CUDA_VISIBLE_DEVICES may hold a UUID prefix, which NVML's lookup does not accept
+    fake.nvmlDeviceGetHandleByUUID.side_effect = _nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+    fake.nvmlDeviceGetCount.return_value = 2
+    fake.nvmlDeviceGetHandleByIndex.side_effect = lambda i: f"h{i}"
+    fake.nvmlDeviceGetUUID.side_effect = lambda h: {"h0": "GPU-0000-aaaa", "h1": "GPU-abcd-1234"}[h]
+    dev = NVMLGPU(0, uuid="GPU-abcd")
+    dev.set_sm_clock_mhz(1200)
+    fake.nvmlDeviceSetGpuLockedClocks.assert_called_with("h1", 1200, 1200)
+    assert dev.uuid == "GPU-abcd" and dev.nvml_uuid() == "GPU-abcd-1234"  # what the driver says of the handle
+    with pytest.raises(DeviceUnavailableError, match="0 GPUs whose UUID starts with 'GPU-ffff'"):
+        NVMLGPU(0, uuid="GPU-ffff")
+
+
+def test_mig_mode_is_refused(fake):
+    fake.nvmlDeviceGetMigMode.return_value = [1, 1]
+    with pytest.raises(ConfigError, match="MIG mode on"):
+        NVMLGPU(0)
     fake.nvmlShutdown.assert_called_once_with()
 
 
@@ -69,6 +158,7 @@ def test_no_permission_names_the_fix(fake):
 
 def test_not_supported_maps_to_clock_error(fake):
     dev = NVMLGPU(0)
+    dev.set_sm_clock_mhz(1200)
     fake.nvmlDeviceResetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
     with pytest.raises(ClockControlError, match="NOT_SUPPORTED"):
         dev.reset_clocks()
@@ -96,15 +186,94 @@ def test_closed_device_refuses_calls(fake):
         dev.set_sm_clock_mhz(1410)
 
 
-def test_environment_report(fake):
+def test_environment_report(fake, monkeypatch):
     fake.nvmlSystemGetDriverVersion.return_value = "550.54.15"
     fake.nvmlDeviceGetCount.return_value = 2
-    fake.nvmlDeviceResetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+    fake.nvmlDeviceSetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+    monkeypatch.setattr(nvml_mod, "may_administer", lambda: True)
     rep = nvml_mod.nvml_report(1, check_permission=True)
     assert rep["nvml"] and rep["driver_version"] == "550.54.15" and rep["device_count"] == 2
     assert rep["name"] == "NVIDIA A100-SXM4-40GB" and rep["preset"] == "a100-sxm4-40gb"
     assert rep["supported_sm_clocks_mhz"] == [1410, 1395, 1200] and rep["energy_counter_mj"] == 1_000_000
     assert rep["clock_permission"] is False and "root" in rep["permission_error"]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1410, 1410)  # at the current clock
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()  # nothing was locked: nothing reset
     fake.nvmlDeviceGetHandleByIndex.assert_called_with(1)
     fake.nvmlShutdown.assert_called_once_with()
     assert "out of range" in nvml_mod.nvml_report(5)["error"]
+
+
+def test_permission_check_without_capability_changes_nothing(fake, monkeypatch):
+    monkeypatch.setattr(nvml_mod, "may_administer", lambda: False)
+    rep = nvml_mod.nvml_report(0, check_permission=True)
+    assert rep["clock_permission"] is False and rep["permission_method"] == "capability"
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_permission_check_resets_only_its_own_lock(fake, monkeypatch):
+    monkeypatch.setattr(nvml_mod, "may_administer", lambda: True)
+    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
+                                                               pynvml.NVML_CLOCK_SM: 1390}[kind]
+    rep = nvml_mod.nvml_report(0, check_permission=True)
+    assert rep["clock_permission"] is True and rep["permission_method"] == "lock"
+    fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1395, 1395)  # nearest supported
+    fake.nvmlDeviceResetGpuLockedClocks.assert_called_once_with("handle0")
+    assert rep["temperature_c"] == 41.0 and rep["uuid"] == "GPU-1111"
+
+
+def test_may_administer_reads_the_capability(monkeypatch, tmp_path):
+    monkeypatch.setattr(nvml_mod.os, "geteuid", lambda: 1000)
+    status = tmp_path / "status"
+    real_open = open
+
+    def fake_open(path, *a, **k):
+        return real_open(status if path == "/proc/self/status" else path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    status.write_text("Name:\tpython\nCapEff:\t0000000000200000\n")
+    assert nvml_mod.may_administer() is True
+    status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
+    assert nvml_mod.may_administer() is False
+    monkeypatch.setattr(nvml_mod.os, "geteuid", lambda: 0)
+    assert nvml_mod.may_administer() is True
+
+
+# -- board power limit (issue 16, powercap): W here, mW in NVML; restore only what this object set ------
+def _power_fake(fake):
+    fake.nvmlDeviceGetPowerManagementLimitConstraints.return_value = (100_000, 400_000)  # mW
+    fake.nvmlDeviceGetPowerManagementLimit.return_value = 350_000  # an administrator's 350 W
+
+
+def test_power_limit_in_watts_and_restore_of_the_limit_found(fake):
+    _power_fake(fake)
+    dev = NVMLGPU(0)
+    assert dev.power_limit_range_w() == (100.0, 400.0)
+    assert dev.power_limit_w() == 350.0
+    dev.reset_power_limit()  # nothing set yet: nothing touched
+    fake.nvmlDeviceSetPowerManagementLimit.assert_not_called()
+    dev.set_power_limit_w(250.0)
+    fake.nvmlDeviceSetPowerManagementLimit.assert_called_once_with("handle0", 250_000)
+    dev.set_power_limit_w(200.0)
+    dev.close()  # restores the 350 W found before the first change, once
+    assert fake.nvmlDeviceSetPowerManagementLimit.call_args_list[-1] == mock.call("handle0", 350_000)
+    assert fake.nvmlDeviceSetPowerManagementLimit.call_count == 3
+
+
+def test_power_limit_out_of_range_and_read_only(fake):
+    _power_fake(fake)
+    dev = NVMLGPU(0)
+    with pytest.raises(ClockControlError, match="cannot take a power limit of 450 W; allowed: 100..400 W"):
+        dev.set_power_limit_w(450.0)
+    ro = NVMLGPU(0, read_only=True)
+    ro.set_power_limit_w(300.0)
+    ro.close()
+    assert ro.recorded == [("power_limit", 300), ("power_limit_reset", None)]
+    fake.nvmlDeviceSetPowerManagementLimit.assert_not_called()
+
+
+def test_power_limit_without_permission_names_the_fix(fake):
+    _power_fake(fake)
+    fake.nvmlDeviceSetPowerManagementLimit.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+    with pytest.raises(ClockControlError, match="power limit to 250 W: NVML refused"):
+        NVMLGPU(0).set_power_limit_w(250.0)

@@ -140,3 +140,28 @@ def test_a_preset_without_fp32_throughput_is_refused():
     t["peak_tflops"] = {"bf16": 149.7}
     with pytest.raises(ConfigError, match="peak_tflops.fp32"):
         spec_from_table("a40-no-fp32", t)
+
+
+def test_presets_carry_nvmls_minimum_power_limit_where_published():
+    """nvidia-smi -q "Min Power Limit": A100 SXM4 100 W, H100 SXM5 200 W; others fall back to 1/4 of the board."""
+    from kareus_megatron.hardware.device.base import min_power_limit_w
+
+    want = {"a100-sxm4-40gb": 100.0, "a100-sxm4-80gb": 100.0, "h100-sxm5-80gb": 200.0}
+    for name in PRESETS:
+        g = gpu_spec(name)
+        assert g.min_power_limit_w == want.get(name)
+        assert min_power_limit_w(g) == (want[name] if name in want else g.power_limit_w / 4)
+        if name in want:
+            assert g.sources["min_power_limit_w"].startswith("[NVSMI-PL]")
+    assert min_power_limit_w(gpu_spec("a100-sxm4-80gb")) != gpu_spec("a100-sxm4-80gb").power_limit_w / 4
+
+
+@pytest.mark.parametrize("bad", [0, -5, 401])
+def test_a_minimum_power_limit_outside_the_board_range_is_refused(bad):
+    t = dict(tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
+                           .read_text(encoding="utf-8"))["a100-sxm4-40gb"])
+    t["min_power_limit_w"] = bad
+    with pytest.raises(ConfigError, match="min_power_limit_w"):
+        spec_from_table("a100-bad-min", t)
+    t["min_power_limit_w"] = 150
+    assert spec_from_table("a100-ok-min", t).min_power_limit_w == 150.0

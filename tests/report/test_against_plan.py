@@ -50,11 +50,12 @@ def test_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
     assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out
     assert "iteration time" in out and "stage 0 energy" in out and "stage 1 time" in out
-    assert "6 complete iterations (0 partial; 2 warm-up left out; median of 4)" in out and "blocked power 80 W" in out
+    assert "6 complete iterations (0 partial; 2 warm-up left out; median time, mean energy of 4)" in out
+    assert "blocked power 80 W" in out
     assert (tmp_path / "run.png").stat().st_size > 1000
     cmp = compare(summarize(read_run_log(log)), tiny_plan(p_blocked_w=80.0))
     assert cmp.used == 4 and cmp.skipped == 2 and cmp.notes == [] and cmp.p_blocked_w == 80.0
-    assert (cmp.rows[0].measured, cmp.rows[1].measured) == (0.625, 62.5)
+    assert (cmp.rows[0].measured, cmp.rows[1].measured) == (0.625, 143.75)  # median time; energy 575 J / 4
     assert cmp.rows[0].predicted == 0.5 and cmp.rows[0].error == pytest.approx(0.25)
 
 
@@ -82,7 +83,9 @@ def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
     s = summarize(read_run_log(tmp_path / "m"))
     written = list(meter.records)[2:]
     assert s.time_s == pytest.approx(statistics.median(r["time_s"] for r in written)) == pytest.approx(0.625)
-    assert s.energy_j == pytest.approx(62.5) and s.stage_energy_j == {0: pytest.approx(62.5)}
+    energies = [r["energy_j"] for r in written]
+    assert s.energy_j == pytest.approx(sum(energies) / len(energies)) == pytest.approx(143.75)
+    assert s.stage_energy_j == {0: pytest.approx(143.75)}
 
 
 def test_report_notes_a_log_of_another_plan(tmp_path, capsys):

@@ -71,7 +71,7 @@ def test_report_lists_every_gpu_in_text_and_json(tmp_path, capsys):
     save_plan(tiny_plan(p_blocked_w=80.0), tmp_path / "plan.json")
     assert cli_main.main(["report", str(run), "--plan", str(tmp_path / "plan.json"), "--no-plot"]) == 0
     out = capsys.readouterr().out
-    assert "per GPU (median per iteration; share of the job's energy):" in out
+    assert "per GPU (mean energy, median time per iteration; share of the job's energy):" in out
     assert re.search(r"^ +2 +1 2 GPU-5a8b3c1d +330\.0 J .* 700\.00 ms +30\.0%$", out, re.M), out
     assert cli_main.main(["report", str(run), "--plan", str(tmp_path / "plan.json"), "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -87,7 +87,7 @@ def test_a_large_job_gets_one_line_unless_asked(tmp_path, capsys):
     argv = ["report", str(run), "--plan", str(tmp_path / "plan.json"), "--no-plot"]
     assert cli_main.main(argv) == 0
     out = capsys.readouterr().out
-    assert ("per GPU energy (median per iteration): least 100.0 J (rank 0, GPU 0 GPU-5a8b3c1d), most 119.0 J "
+    assert ("per GPU energy (mean per iteration): least 100.0 J (rank 0, GPU 0 GPU-5a8b3c1d), most 119.0 J "
             "(rank 19, GPU 3 GPU-5a8b3c1d) of 20 GPUs; --per-gpu lists them all") in out
     assert cli_main.main([*argv, "--per-gpu"]) == 0
     assert len(re.findall(r"^ +\d+ +[01] ", capsys.readouterr().out, re.M)) == 20

@@ -18,7 +18,8 @@ from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.measured import collect_runs
 from kareus_megatron.report.runlog import read_run_log, summarize
 
-# Two warm-up iterations, then 0.5, 0.75, 0.5 and a slow 4.0 s: median 0.625 s, 1400 J (mean: 1.4375 s, 3200 J).
+# Two warm-up iterations, then 0.5, 0.75, 0.5 and a slow 4.0 s: median time 0.625 s (mean 1.4375 s); energy is
+# total over total, 12800 J / 4 = 3200 J (the median would be 1400 J).
 ROWS = [(9.0, 900.0), (8.0, 800.0), (0.5, 1000.0), (0.75, 1600.0), (0.5, 1200.0), (4.0, 9000.0)]
 CUT = '{"kind": "iteration", "iteration": 6, "time_s": 0.1'  # what a job killed mid-write leaves
 
@@ -57,15 +58,15 @@ def test_report_and_compare_give_the_same_figures(runs, capsys):
     root, log, plan = runs
     rc_r, report, rc_c, compared = _both(capsys, root, log, plan)
     assert rc_r == rc_c == 0, report + compared
-    assert re.search(r"iteration time +625.00 ms", report) and re.search(r"iteration energy +1400.0 J", report)
-    assert _kareus_point(root) == (0.625, 1400.0)
-    assert "2 warm-up left out; median of 4" in report
-    assert "median after 2 warm-up iterations" in compared
+    assert re.search(r"iteration time +625.00 ms", report) and re.search(r"iteration energy +3200.0 J", report)
+    assert _kareus_point(root) == (0.625, 3200.0)
+    assert "2 warm-up left out; median time, mean energy of 4" in report
+    assert "median time, mean energy after 2 warm-up" in " ".join(compared.split())  # the table title wraps
     summary = summarize(read_run_log(log))
     cmp = compare(summary, tiny_plan(p_blocked_w=80.0))
     (measured,) = [r for r in collect_runs(root) if r.name == "kareus-00"]
-    assert (cmp.rows[0].measured, cmp.rows[1].measured) == (measured.time_s, measured.energy_j) == (0.625, 1400.0)
-    assert cmp.rows[2].measured == 700.0  # stage 0: median of its energies (half of each iteration's)
+    assert (cmp.rows[0].measured, cmp.rows[1].measured) == (measured.time_s, measured.energy_j) == (0.625, 3200.0)
+    assert cmp.rows[2].measured == 1600.0  # stage 0: total over total of its energies (half of each iteration's)
 
 
 def test_a_cut_last_line_is_left_out_by_both(runs, capsys):
@@ -73,7 +74,7 @@ def test_a_cut_last_line_is_left_out_by_both(runs, capsys):
     log.write_text(log.read_text() + CUT)
     rc_r, report, rc_c, compared = _both(capsys, root, log, plan)
     assert rc_r == rc_c == 0, report + compared
-    assert "625.00 ms" in report and _kareus_point(root) == (0.625, 1400.0)
+    assert "625.00 ms" in report and _kareus_point(root) == (0.625, 3200.0)
     for out in (report, compared):
         assert f"note: the last line of {log} was cut (job killed mid-write) and is left out" in out
     assert read_run_log(log).truncated and len(read_run_log(log).iterations) == len(ROWS)

@@ -39,7 +39,7 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def all_options(kernel):
-    return {m: opt.build_options(GPU, MODEL, PAR, kernel, m) for m in opt.METHODS}
+    return {m: opt.build_options(GPU, MODEL, PAR, kernel, m) for m in opt.OPTION_METHODS}
 
 
 def test_layer_partition_counts_match_the_engine_schedule():

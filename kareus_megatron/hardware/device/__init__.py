@@ -2,7 +2,9 @@
 
 ``KAREUS_GPU_BACKEND=nvml|simulated`` picks the backend (default: nvml when NVML initialises). Asking
 for nvml where it is missing is an error naming the fix; there is no silent fallback to the simulator.
-The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb). What only the
+The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb). ``read_only=True``
+or KAREUS_GPU_READ_ONLY=1 opens a device that reads real values but never changes a GPU setting
+(base.py). ``open_cuda_gpu`` opens the NVML device of a CUDA device (cuda_map.py: by UUID). What only the
 simulated GPU can do (``SimulationHooks``) is handed out by ``simulation_of``: the runtime passes that
 object on explicitly and treats every device as a plain ``GPUDevice`` otherwise.
 """
@@ -12,12 +14,19 @@ from __future__ import annotations
 import os
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
-from kareus_megatron.hardware.device.base import BACKENDS, GPUDevice, SimulationHooks, nearest_supported_mhz
+from kareus_megatron.hardware.device.base import (
+    BACKENDS,
+    READ_ONLY_ENV,
+    GPUDevice,
+    SimulationHooks,
+    nearest_supported_mhz,
+    read_only_from_env,
+)
 
 DEFAULT_SIMULATED_GPU = "a100-sxm4-40gb"
 
-__all__ = ["BACKENDS", "GPUDevice", "SimulationHooks", "backend_from_env", "nearest_supported_mhz", "open_gpu",
-           "simulation_of"]
+__all__ = ["BACKENDS", "READ_ONLY_ENV", "GPUDevice", "SimulationHooks", "backend_from_env", "nearest_supported_mhz",
+           "open_cuda_gpu", "open_gpu", "read_only_from_env", "simulation_of"]
 
 
 def backend_from_env(backend: str | None = None) -> str:
@@ -37,14 +46,19 @@ def backend_from_env(backend: str | None = None) -> str:
     )
 
 
-def open_gpu(index: int, backend: str | None = None, gpu: str | None = None) -> GPUDevice:
-    """Open local GPU `index` on `backend` (see module doc); `gpu` names a preset in hardware/gpus."""
+def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, read_only: bool | None = None,
+             *, uuid: str | None = None) -> GPUDevice:
+    """Open local GPU `index` (NVML's index; `uuid`, when given, picks the NVML device instead) on
+    `backend` (see module doc); `gpu` names a preset in hardware/gpus; `read_only` None reads
+    KAREUS_GPU_READ_ONLY."""
     name = backend_from_env(backend)
+    ro = read_only_from_env(read_only)
     if name == "simulated":
         from kareus_megatron.hardware.device.sim import SimulatedGPU
         from kareus_megatron.hardware.gpus import gpu_spec
 
-        return SimulatedGPU(gpu_spec(gpu or os.environ.get("KAREUS_GPU") or DEFAULT_SIMULATED_GPU), index)
+        return SimulatedGPU(gpu_spec(gpu or os.environ.get("KAREUS_GPU") or DEFAULT_SIMULATED_GPU), index,
+                            read_only=ro)
     from kareus_megatron.hardware.device.nvml import NVMLGPU, nvml_available
 
     if not nvml_available():
@@ -52,7 +66,18 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None) -> 
             "KAREUS_GPU_BACKEND=nvml but NVML could not be initialised (is the NVIDIA driver loaded?). "
             "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
         )
-    return NVMLGPU(index, gpu=gpu or os.environ.get("KAREUS_GPU") or None)
+    return NVMLGPU(index, gpu=gpu or os.environ.get("KAREUS_GPU") or None, uuid=uuid, read_only=ro)
+
+
+def open_cuda_gpu(cuda_index: int, backend: str | None = None, gpu: str | None = None,
+                  read_only: bool | None = None) -> GPUDevice:
+    """Open the GPU that is ``cuda:<cuda_index>`` in this process (by its UUID on NVML; cuda_map.py)."""
+    from kareus_megatron.hardware.device.cuda_map import cuda_nvml_target
+
+    if backend_from_env(backend) == "simulated":
+        return open_gpu(cuda_index, backend="simulated", gpu=gpu, read_only=read_only)
+    target = cuda_nvml_target(cuda_index)
+    return open_gpu(target.index, backend="nvml", gpu=gpu, read_only=read_only, uuid=target.uuid)
 
 
 def simulation_of(device: GPUDevice) -> SimulationHooks | None:

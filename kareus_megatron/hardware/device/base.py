@@ -1,20 +1,36 @@
 """The GPU device contract shared by the NVML and simulated backends.
 
 Terms: the *SM clock* is the graphics/SM clock in MHz; *locking* it pins min and max to one value;
-*resetting* returns clock management to the driver's default. Energy is cumulative GPU energy in J
-since the device was opened. ``SimulationHooks`` declares what only the simulated backend adds (busy and
-idle edges, clock calls on a simulated time line, energy at a past time, its own event log); the
-runtime receives it explicitly (``hardware.device.simulation_of``) and never probes a device for it.
+*resetting* returns clock management to the driver's default. A device resets only what it locked
+itself: ``reset_clocks()`` and ``close()`` are no-ops until a lock went through this object, so an
+administrator's lock on a shared node survives a process that never locked. A *read-only* device
+(``open_gpu(..., read_only=True)`` or KAREUS_GPU_READ_ONLY=1) reads everything real (clocks, supported
+clocks, energy, temperature) but only records set/reset calls in ``recorded`` and never applies them.
+The board *power limit* (W, ``nvidia-smi -pl``) follows the same rule: ``reset_power_limit()`` and
+``close()`` restore the limit found at open only if this object changed it; read-only, it is recorded.
+Energy is cumulative GPU energy in J since the device was opened; temperature is in °C.
+``SimulationHooks`` declares what only the simulated backend adds (busy and idle edges, clock calls
+on a simulated time line, energy at a past time, its own event log); the runtime receives it
+explicitly (``hardware.device.simulation_of``) and never probes a device for it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
 
 BACKENDS = ("nvml", "simulated")
+READ_ONLY_ENV = "KAREUS_GPU_READ_ONLY"  # 1: every device opened by open_gpu is read-only
+
+
+def read_only_from_env(read_only: bool | None = None) -> bool:
+    """`read_only` when given, else whether KAREUS_GPU_READ_ONLY is set to something other than 0/empty."""
+    if read_only is not None:
+        return bool(read_only)
+    return os.environ.get(READ_ONLY_ENV, "").strip() not in ("", "0")
 
 
 @runtime_checkable
@@ -23,6 +39,12 @@ class GPUDevice(Protocol):
 
     spec: GPUSpec
     index: int
+    recorded: list[tuple[str, int | None]]  # read-only: the ("set", MHz) / ("reset", None) calls not applied
+
+    @property
+    def read_only(self) -> bool:
+        """Whether set/reset calls are only recorded (nothing on the GPU changes)."""
+        ...
 
     def set_sm_clock_mhz(self, mhz: int) -> None:
         """Lock the SM clock to `mhz` (MHz); return once the driver has applied it."""
@@ -33,7 +55,25 @@ class GPUDevice(Protocol):
         ...
 
     def reset_clocks(self) -> None:
-        """Undo any lock: the driver manages the SM clock again."""
+        """Undo this object's lock: the driver manages the SM clock again (no-op if it locked nothing)."""
+        ...
+
+    def check_clock_permission(self) -> None:
+        """Raise ClockControlError unless this process may lock SM clocks; change nothing where the answer
+        is known without trying, else lock and reset only that lock (read-only: return at once)."""
+        ...
+
+    @property
+    def locked(self) -> bool:
+        """Whether a clock lock made through this object is in force (what ``reset_clocks`` would undo)."""
+        ...
+
+    def temperature_c(self) -> float:
+        """GPU temperature (°C), the GPU core sensor."""
+        ...
+
+    def nvml_uuid(self) -> str:
+        """The UUID of the GPU this object drives, as the driver reports it (``GPU-...``)."""
         ...
 
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
@@ -44,9 +84,44 @@ class GPUDevice(Protocol):
         """GPU energy (J) consumed since the device was opened."""
         ...
 
-    def close(self) -> None:
-        """Reset clocks and release the device; further calls are errors."""
+    def set_power_limit_w(self, watts: float) -> None:
+        """Set the board power limit to `watts` (W), within ``power_limit_range_w``; read-only: record it."""
         ...
+
+    def power_limit_w(self) -> float:
+        """Board power limit (W) in force (read-only: the one the GPU has, whatever was recorded)."""
+        ...
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """(min, max) board power limit (W) the driver accepts."""
+        ...
+
+    def reset_power_limit(self) -> None:
+        """Restore the power limit (W) found at open if this object changed it (no-op otherwise)."""
+        ...
+
+    def close(self) -> None:
+        """Reset a clock this object locked and release the device; further calls are errors."""
+        ...
+
+
+class OwnedLocks:
+    """What both backends keep of their own changes: read-only mode, whether a lock is theirs, the calls
+    a read-only device recorded instead of applying (set in each backend's ``__init__``)."""
+
+    _read_only: bool
+    _locked: bool  # a clock lock went through this object (scheduled ones count) and was not reset
+    recorded: list[tuple[str, int | None]]
+
+    @property
+    def read_only(self) -> bool:
+        """Whether set/reset are only recorded (``recorded``), never applied."""
+        return self._read_only
+
+    @property
+    def locked(self) -> bool:
+        """Whether a clock lock made through this object is in force (what ``reset_clocks`` would undo)."""
+        return self._locked
 
 
 @runtime_checkable
@@ -83,6 +158,21 @@ class SimulationHooks(Protocol):
     def energy_j_at(self, t: float) -> float:
         """Energy (J) since open up to the past time `t` (s), counting edges given later with earlier times."""
         ...
+
+
+# Lowest board power limit as a share of the board limit, for presets without NVML's own minimum
+# (gpus.toml min_power_limit_w): NVML reports 100 W of 400 W on the A100-SXM4-40GB (nvidia-smi -q -d POWER,
+# "Min Power Limit"). The simulated GPU accepts limits from here, and the powercap planner's grid starts no
+# lower (search/powercap.py).
+MIN_POWER_LIMIT_FRACTION = 0.25
+
+
+def min_power_limit_w(spec: GPUSpec) -> float:
+    """Lowest board power limit (W) of `spec`: its preset's min_power_limit_w, else MIN_POWER_LIMIT_FRACTION of
+    its board limit."""
+    if spec.min_power_limit_w is not None:
+        return float(spec.min_power_limit_w)
+    return round(float(spec.power_limit_w) * MIN_POWER_LIMIT_FRACTION, 3)
 
 
 def nearest_supported_mhz(mhz: int, supported: tuple[int, ...]) -> int:

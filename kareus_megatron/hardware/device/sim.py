@@ -6,19 +6,25 @@ change is appended with a timestamp to a JSONL log (``KAREUS_SIMULATED_LOG``). E
 the cost model's power ``hardware.power.power_w(spec, clock, compute_activity, memory_activity)`` over
 wall time while an instruction runs (*busy*) and the preset's blocked power ``spec.p_blocked_w`` while
 none runs. Timestamps are ``time.monotonic()`` seconds (one clock for every process on the machine).
-``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root. Beyond the
+``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root. A read-only
+simulated GPU (``read_only=True``, KAREUS_GPU_READ_ONLY=1) records set/reset calls and keeps running at
+its default clock. Temperature (°C) follows the power drawn: a first-order model, ambient
+SIM_AMBIENT_C plus SIM_RISE_C at the board power limit, time constant SIM_THERMAL_TAU_S. Beyond the
 ``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
-from kareus_megatron.hardware.power import power_w
+from kareus_megatron.hardware.device.base import OwnedLocks, min_power_limit_w
+from kareus_megatron.hardware.power import power_w, sustained_clock_mhz
 from kareus_megatron.jsonl import JsonlAppender
 
 if TYPE_CHECKING:
@@ -27,10 +33,15 @@ if TYPE_CHECKING:
 DEFAULT_LATENCY_MS = 15.0
 # Activity (fraction of peak) of a busy instruction when the caller gives none: the planner's cost model's
 # time-weighted mean over every op of the default job's forward and backward instructions at the maximum
-# clock (0.741 compute, 0.313 memory; tests/hardware/test_sim_activity.py recomputes them). The simulator
+# clock (0.695 compute, 0.308 memory; tests/hardware/test_sim_activity.py recomputes them). The simulator
 # sits below the cost model, so it uses these means rather than each op's own activity.
-DEFAULT_COMPUTE_ACTIVITY = 0.74
+DEFAULT_COMPUTE_ACTIVITY = 0.69
 DEFAULT_MEMORY_ACTIVITY = 0.31
+# Simulated temperature: a plain first-order lag toward ambient + rise * power / power limit (typical
+# air-cooled data-center GPUs idle near 30-35 °C and sit near 70-80 °C at their limit).
+SIM_AMBIENT_C = 30.0
+SIM_RISE_C = 45.0
+SIM_THERMAL_TAU_S = 20.0
 
 
 def latency_from_env() -> float:
@@ -49,7 +60,7 @@ def latency_from_env() -> float:
     return ms / 1000.0
 
 
-class SimulatedGPU:
+class SimulatedGPU(OwnedLocks):
     """A GPU simulated from its preset: clock log, NVML-like latency, modelled energy. Units: MHz, J, s."""
 
     def __init__(
@@ -60,10 +71,14 @@ class SimulatedGPU:
         log_path: str | os.PathLike[str] | None = None,
         latency_s: float | None = None,
         deny_clock_control: bool | None = None,
+        read_only: bool = False,
     ) -> None:
         """Open simulated GPU `index`; unset options come from the KAREUS_SIMULATED_* variables."""
         self.spec = spec
         self.index = index
+        self._read_only = bool(read_only)
+        self.recorded: list[tuple[str, int | None]] = []
+        self._would_lock = False  # read-only: a recorded set not followed by a recorded reset
         self.latency_s = latency_from_env() if latency_s is None else float(latency_s)
         if deny_clock_control is None:
             deny_clock_control = os.environ.get("KAREUS_SIMULATED_NO_PERMISSION", "") not in ("", "0")
@@ -83,8 +98,13 @@ class SimulatedGPU:
         self._changes: list[tuple[float, int]] = []  # scheduled clock changes (time s, MHz), in order
         self._energy_j = 0.0
         self._power_cache: dict[tuple[int, float, float], float] = {}
+        self._power_limit_w = float(spec.power_limit_w)  # in force (W); the board limit at open
+        self._capped = spec  # the preset with the power limit in force (the power model's clamp)
+        self._limit_set = False  # whether this object changed the power limit (what reset_power_limit undoes)
+        self._temp_c = SIM_AMBIENT_C + SIM_RISE_C * float(spec.p_blocked_w) / float(spec.power_limit_w)
+        self._temp_at = (self._t_last, 0.0)  # (time s, energy J) of the last temperature update
         self._open = True
-        self.log_event("open", mhz=self._mhz)
+        self.log_event("open", mhz=self._mhz, read_only=self._read_only)
 
     # -- log ---------------------------------------------------------------------------------
     def log_event(self, event: str, **fields: Any) -> None:
@@ -105,7 +125,10 @@ class SimulatedGPU:
         key = (self._mhz if mhz is None else mhz, self._compute, self._memory)
         p = self._power_cache.get(key)
         if p is None:  # the model is pure in its arguments: evaluate once per state
-            p = self._power_cache[key] = float(power_w(self.spec, key[0], self._compute, self._memory))
+            mhz_now = float(key[0])
+            if self._capped is not self.spec:  # under a lower cap the clock falls until power meets it
+                mhz_now = float(sustained_clock_mhz(self._capped, mhz_now, self._compute, self._memory))
+            p = self._power_cache[key] = float(power_w(self._capped, mhz_now, self._compute, self._memory))
         return p
 
     def _integrate(self, t: float) -> tuple[float, float, int, int]:
@@ -175,6 +198,11 @@ class SimulatedGPU:
         self._check_lockable(mhz)
         self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
         t_done = float(t_issue) + self.latency_s
+        if self._read_only:
+            self.recorded.append(("set", mhz))
+            self._would_lock = True
+            self.log_event("recorded", call="set", mhz=mhz, t_issue=t_issue)
+            return t_done
         with self._lock:
             if self._changes and t_done < self._changes[-1][0]:
                 t_done = self._changes[-1][0]  # calls are serial: never before the previous one
@@ -210,6 +238,11 @@ class SimulatedGPU:
         self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
         if self.latency_s > 0:
             time.sleep(self.latency_s)
+        if self._read_only:
+            self.recorded.append(("set", mhz))
+            self._would_lock = True
+            self.log_event("recorded", call="set", mhz=mhz)
+            return
         with self._lock:
             self._advance(time.monotonic())
             self._mhz, self._locked = mhz, True
@@ -223,8 +256,17 @@ class SimulatedGPU:
             return self._integrate(now)[2]
 
     def reset_clocks(self) -> None:
-        """Return to the default (maximum) SM clock after the simulated NVML latency."""
+        """Undo this object's lock: the default (maximum) SM clock after the simulated NVML latency; a
+        no-op when it locked nothing (read-only: recorded)."""
         self._check_open()
+        if self._read_only:
+            if self._would_lock:  # as a real reset: only a lock this object (would have) made
+                self.recorded.append(("reset", None))
+                self._would_lock = False
+                self.log_event("recorded", call="reset")
+            return
+        if not self._locked:
+            return
         self._check_permission(f"resetting GPU {self.index} clocks")
         if self.latency_s > 0:
             time.sleep(self.latency_s)
@@ -237,6 +279,31 @@ class SimulatedGPU:
     def supported_sm_clocks_mhz(self) -> tuple[int, ...]:
         """The preset's SM clocks (MHz), highest first."""
         return self._supported
+
+    def check_clock_permission(self) -> None:
+        """Raise as NVML would without permission (KAREUS_SIMULATED_NO_PERMISSION); change nothing."""
+        self._check_open()
+        if not self._read_only:
+            self._check_permission(f"locking GPU {self.index} clocks")
+
+    def nvml_uuid(self) -> str:
+        """A UUID of NVML's form, fixed by the GPU index (``GPU-00000000-...-<index>``)."""
+        return f"GPU-00000000-0000-0000-0000-{self.index:012d}"
+
+    def temperature_c(self) -> float:
+        """Simulated GPU temperature (°C): a first-order lag toward the temperature of the mean power drawn
+        since the last reading (see module doc)."""
+        self._check_open()
+        with self._lock:
+            self._advance(time.monotonic())
+            t0, e0 = self._temp_at
+            dt = self._t_last - t0
+            if dt > 0:
+                p_w = (self._energy_j - e0) / dt
+                target = SIM_AMBIENT_C + SIM_RISE_C * p_w / float(self.spec.power_limit_w)
+                self._temp_c = target + (self._temp_c - target) * math.exp(-dt / SIM_THERMAL_TAU_S)
+                self._temp_at = (self._t_last, self._energy_j)
+            return self._temp_c
 
     def energy_j(self) -> float:
         """Modelled GPU energy (J) since open."""
@@ -257,10 +324,64 @@ class SimulatedGPU:
                 return max(0.0, self._energy_j - self._power_w() * (self._t_last - t))
             return self._integrate(t)[0]
 
+    # -- power limit -------------------------------------------------------------------------
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """(min, max) power limit (W): base.min_power_limit_w of the preset, and its board limit."""
+        return min_power_limit_w(self.spec), float(self.spec.power_limit_w)
+
+    def power_limit_w(self) -> float:
+        """Power limit (W) in force (read-only: the board limit; recorded calls change nothing)."""
+        self._check_open()
+        return self._power_limit_w
+
+    def _apply_power_limit(self, watts: float) -> None:
+        with self._lock:
+            self._advance(time.monotonic())
+            self._power_limit_w = watts
+            self._capped = self.spec if watts >= self.spec.power_limit_w else replace(self.spec, power_limit_w=watts)
+            self._power_cache.clear()
+
+    def set_power_limit_w(self, watts: float) -> None:
+        """Cap the modelled power at `watts` (W) after the simulated NVML latency (read-only: recorded)."""
+        self._check_open()
+        lo, hi = self.power_limit_range_w()
+        if not lo <= watts <= hi:
+            raise ClockControlError(f"simulated {self.spec.name} cannot set a power limit of {watts:g} W; "
+                                    f"allowed: {lo:g}..{hi:g} W")
+        if self._read_only:
+            self.recorded.append(("power_limit", int(round(watts))))
+            self._limit_set = True  # as if applied: a later reset is recorded too
+            self.log_event("recorded", call="power_limit", w=watts)
+            return
+        self._check_permission(f"setting GPU {self.index}'s power limit to {watts:g} W")
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+        self._apply_power_limit(float(watts))
+        self._limit_set = True
+        self.log_event("power_limit", w=float(watts))
+
+    def reset_power_limit(self) -> None:
+        """Restore the board limit if this object changed it (no-op otherwise; read-only: recorded)."""
+        self._check_open()
+        if not self._limit_set:
+            return
+        if self._read_only:
+            self.recorded.append(("power_limit_reset", None))
+            self._limit_set = False
+            self.log_event("recorded", call="power_limit_reset")
+            return
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+        self._apply_power_limit(float(self.spec.power_limit_w))
+        self._limit_set = False
+        self.log_event("power_limit_reset", w=self._power_limit_w)
+
     def close(self) -> None:
-        """Reset a locked clock, log the close and release the log file."""
+        """Reset a locked clock and a power limit this object set, log the close and release the log file."""
         if not self._open:
             return
+        if self._limit_set:
+            self.reset_power_limit()
         if self._locked and not self._deny:
             self.reset_clocks()
         self.log_event("close", mhz=self._mhz)

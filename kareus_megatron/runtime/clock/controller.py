@@ -13,10 +13,18 @@ decides at the records' own times.
 
 Clocks are reset when the client closes or asks for it, when the controller is stopped (SIGTERM/SIGINT
 in the side process), and when the trainer is gone (stdin closes, or ``parent_alive`` turns False,
-checked every 0.2 s). Replies: ``mark`` -> ``mark`` {seq, t, energy_j} (at once; a lazy one is held
+checked every 0.2 s). A powercap plan's board power limit (W, ``power_limit_w``) is set right after the
+probe and restored on the same ways out, after the clock reset (``device.reset_power_limit``); such a
+plan locks no clock (its begins only mark a simulated GPU busy).
+Replies: ``mark`` -> ``mark`` {seq, t, energy_j} (at once; a lazy one is held
 until HOLD_MARKS are due or an ``answer`` asks for them), ``reset`` {seq} -> ``ack``, ``close`` {seq} ->
-``ack`` {counts}; on start (``probe``) ``ready`` {gpu, backend, supported, busy_events, latency_s, pid}
-or ``error`` {type, message, busy_events}.
+``ack`` {counts}; on start (``probe``) ``ready`` {gpu, backend, supported, busy_events, latency_s, pid,
+read_only} or ``error`` {type, message, busy_events}.
+
+The start probe is ``device.check_clock_permission()`` (a device resets only what it locked, so a reset
+alone proves nothing and no longer undoes someone else's lock). A read-only device (KAREUS_GPU_READ_ONLY=1)
+passes it without touching the GPU: every decision is made and logged as usual, the device records the
+calls and changes nothing; the ``applied`` count then counts recorded calls.
 """
 
 from __future__ import annotations
@@ -45,13 +53,14 @@ class ClockController:
     """Applies clock changes to one device in order, skipping stale ones; `feed`/`submit` are thread-safe."""
 
     def __init__(self, device: GPUDevice, reply: Reply, *, simulation: SimulationHooks | None = None,
-                 log_path: str | None = None, reply_many: Callable[[list[dict[str, Any]]], None] | None = None
-                 ) -> None:
+                 log_path: str | None = None, reply_many: Callable[[list[dict[str, Any]]], None] | None = None,
+                 power_limit_w: float | None = None) -> None:
         """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML).
         `reply` sends messages back (`reply_many`, when given, several at once: the energy marks of one
         batch leave in one write); `log_path` gets the decisions (a simulated GPU logs to its own log)."""
         self.device = device
         self.simulation = simulation
+        self.power_limit_w = power_limit_w  # a powercap plan's board limit (W): set at start, restored at exit
         self._reply = reply
         self._reply_many = reply_many
         self.decisions = Decisions(device.index, simulation, log_path)
@@ -81,14 +90,22 @@ class ClockController:
 
     # -- start -------------------------------------------------------------------------------
     def probe(self) -> dict[str, Any]:
-        """Check clock permission by resetting clocks once; return the ``ready`` (or ``error``) message."""
+        """Check clock permission (``device.check_clock_permission``); return the ``ready`` (or ``error``)
+        message."""
         sim = self.simulation
+        read_only = self.device.read_only
         try:
-            self.device.reset_clocks()
+            self.device.check_clock_permission()
             self.decisions.reset(self.device.spec.max_sm_clock_mhz, "start")
         except ClockControlError as e:
             self.decisions.clock_control = False
             return {"op": "error", "type": type(e).__name__, "message": str(e), "busy_events": sim is not None}
+        if self.power_limit_w is not None:
+            try:
+                self.device.set_power_limit_w(self.power_limit_w)
+            except ClockControlError as e:
+                return {"op": "error", "type": type(e).__name__, "message": str(e), "busy_events": sim is not None}
+            self.decisions.clock_control = False  # powercap locks no clock: the driver clocks under the cap
         return {
             "op": "ready",
             "gpu": self.device.spec.name,
@@ -97,6 +114,8 @@ class ClockController:
             "busy_events": sim is not None,  # only a simulated GPU needs instruction ends (busy power)
             "latency_s": None if sim is None else sim.latency_s,  # a simulated clock call's duration
             "pid": os.getpid(),
+            "power_limit_w": self.power_limit_w,
+            "read_only": read_only,
         }
 
     # -- input (any thread) ------------------------------------------------------------------
@@ -250,6 +269,11 @@ class ClockController:
 
     def _final_reset(self, why: str) -> None:
         self._reset(why)
+        if self.power_limit_w is not None:  # the limit this controller set (a device restores only its own)
+            try:
+                self.device.reset_power_limit()
+            except KareusError as e:
+                self.decisions.error(str(e), reason=why)
         try:
             self.device.close()
         except KareusError:

@@ -6,6 +6,13 @@ synchronisation) and queues it with the message. The forwarder thread waits on e
 (``time.monotonic()``) and writes what has been reached to the controller. With a gathering window
 (KAREUS_CLOCK_COALESCE_MS; default 0 on a GPU, where waiting on events paces the forwarder) messages
 gather for that long before the forwarder looks.
+
+``CudaEvents`` is the event factory of a CUDA run. Its events are *blocking* (``cudaEventBlockingSync``:
+the forwarder sleeps in ``synchronize()`` instead of spinning a CPU core per rank), without timing
+(cheaper to record). Its ``bind_thread()`` makes the training thread's CUDA device current in the
+forwarder before it first waits: a thread that never set its device works on device 0, so on a
+multi-GPU node every rank > 0 would create a context there (~0.5 GB each; pytorch#135273 is the same
+bug class). The device is the one current on the training thread when the first event is made.
 """
 
 from __future__ import annotations
@@ -53,15 +60,54 @@ class _Outgoing:
         return data
 
 
+class CudaEvents:
+    """Makes recorded, blocking CUDA events on the training thread; ``bind_thread`` sets the forwarder's
+    device to the training thread's (torch imported lazily; ``available()`` says whether CUDA is there)."""
+
+    def __init__(self, torch_module: Any, fallback_device: int | None = None) -> None:
+        """`torch_module`: torch (or a stand-in); `fallback_device`: the device to bind when no event has
+        been made yet (the session's local CUDA device)."""
+        self._torch = torch_module
+        self.device: int | None = None  # the training thread's device at the first event
+        self._fallback = fallback_device
+
+    @classmethod
+    def available(cls, fallback_device: int | None = None) -> CudaEvents | None:
+        """A factory when torch sees a CUDA device, else None (CPU timing)."""
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - the runtime always has torch
+            return None
+        return cls(torch, fallback_device) if torch.cuda.is_available() else None
+
+    def __call__(self) -> Any:
+        """A blocking CUDA event recorded on the current stream (training thread)."""
+        cuda = self._torch.cuda
+        if self.device is None:
+            self.device = int(cuda.current_device())
+        ev = cuda.Event(blocking=True)
+        ev.record()
+        return ev
+
+    def bind_thread(self) -> None:
+        """Make the training thread's CUDA device current in the calling thread (the forwarder)."""
+        device = self.device if self.device is not None else self._fallback
+        if device is not None:
+            self._torch.cuda.set_device(device)
+
+
 class GpuTransport(Transport):
     """Messages queued with a CUDA event each; a forwarder thread passes them on as the GPU gets there."""
 
     HELPER = "forwarder"
 
-    def __init__(self, event_factory: Callable[[], Any], coalesce_s: float) -> None:
-        """`event_factory` returns a recorded CUDA event (anything with ``synchronize()``)."""
+    def __init__(self, event_factory: Callable[[], Any], coalesce_s: float,
+                 bind_thread: Callable[[], None] | None = None) -> None:
+        """`event_factory` returns a recorded CUDA event (anything with ``synchronize()``); `bind_thread`
+        (``CudaEvents.bind_thread``), when given, runs in the forwarder once before it first waits."""
         super().__init__(coalesce_s)
         self._event_factory = event_factory
+        self._bind = bind_thread
         self._local: collections.deque[Item] = collections.deque()
         self._ring_each = coalesce_s <= 0  # no gathering: every message wakes the forwarder
 
@@ -125,6 +171,9 @@ class GpuTransport(Transport):
                 if event is not None:
                     if out and not self._send_bytes(out.take()):  # pass on what was reached first
                         return
+                    if self._bind is not None:  # first event: on the training thread's device
+                        self._bind()
+                        self._bind = None
                     event.synchronize()  # blocks this thread only, until the GPU reaches the point
                 if isinstance(msg, dict):
                     out.control(msg)

@@ -4,7 +4,17 @@ On NCCL, SMs given to a collective are set per communicator: ``ProcessGroupNCCL.
 ``max_ctas``/``min_ctas`` (NCCL >= 2.17 runs one CTA per SM). Communicators cannot change this after
 creation, so ``build_sm_groups`` creates, once at start-up and collectively on every rank, one TP group per
 distinct SM count the plan uses. On gloo (and any other backend) the request is recorded in the trace and
-has no effect; the default TP group is used.
+has no effect; the default TP group is used. A mixed group (``"cpu:gloo,cuda:nccl"``, torch's backend
+string for a group with a backend per device type) counts as NCCL: its CUDA tensors go through NCCL.
+
+NCCL's environment variables NCCL_MAX_CTAS / NCCL_MIN_CTAS / NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS
+bound the CTAs of every communicator and win over a communicator's config (NCCL docs, "Environment
+Variables" and ``ncclConfig_t``), so with any of them set the plan's limits would be overridden while the
+trace said they applied: ``build_sm_groups`` then warns in one line and builds no groups (every
+request is recorded as not applied). Each group is warmed up when it is built (one 1-element
+all-reduce): NCCL creates a communicator at its first collective, which would otherwise land inside
+iteration 0 of the layer, and its memory (about 1 GB on large nodes) is logged from the device's free
+memory before and after.
 
 ``async_op=True`` collectives on NCCL run on the process group's own stream; ``wait()`` makes the
 current (compute) stream wait for it, so the collective starts when the compute stream reaches the point
@@ -17,13 +27,47 @@ issue order on one helper thread that sleeps, then reduces.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+
+NCCL_CTA_ENV = ("NCCL_MAX_CTAS", "NCCL_MIN_CTAS", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
+_log = logging.getLogger("kareus_megatron.overlap")
+
+
+def is_nccl_backend(backend: str) -> bool:
+    """Whether torch's backend string `backend` uses NCCL (``"nccl"``, or ``"cuda:nccl"`` within a mixed
+    ``"cpu:gloo,cuda:nccl"``)."""
+    return any(part.strip().rsplit(":", 1)[-1].lower() == "nccl" for part in str(backend).split(","))
+
+
+def nccl_cta_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The NCCL CTA/channel variables set in `environ` (os.environ when None) that override the plan's limits."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in NCCL_CTA_ENV if env.get(k, "").strip()}
+
+
+def warm_up(group: dist.ProcessGroup, sms: int) -> float | None:
+    """One 1-element all-reduce on `group` so NCCL creates its communicator now; return the device memory it
+    took (bytes, from the free memory before and after) where CUDA is available, else None; log it."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    free0 = torch.cuda.mem_get_info()[0] if cuda else 0
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    used = float(free0 - torch.cuda.mem_get_info()[0])
+    _log.info("kareus: comm group for %d SMs ready; its communicator took %.0f MiB of device memory",
+              sms, used / 2**20)
+    return used
 
 
 class Pending:
@@ -56,10 +100,17 @@ def _nccl_options(comm_sms: int) -> object:
 def build_sm_groups(comm_sms: Iterable[int], tp_group: dist.ProcessGroup) -> dict[int, dist.ProcessGroup]:
     """One NCCL TP group per SM count (collective over the world; call once on every rank, same args).
 
-    Returns {} on non-NCCL backends (the request is then only recorded).
+    Returns {} on non-NCCL backends and when NCCL's environment overrides CTA limits (a warning then; the
+    request is only recorded). Each group this rank belongs to is warmed up (``warm_up``).
     """
     values = sorted(set(comm_sms))
-    if not values or dist.get_backend(tp_group) != "nccl":
+    if not values or not is_nccl_backend(dist.get_backend(tp_group)):
+        return {}
+    overrides = nccl_cta_overrides()
+    if overrides:
+        warnings.warn("kareus: " + ", ".join(f"{k}={v}" for k, v in overrides.items()) + " override every NCCL "
+                      "communicator's CTA limit, so the plan's comm SM counts cannot apply; running without them "
+                      "(unset these to apply the plan's limits)", stacklevel=2)
         return {}
     mine = tuple(dist.get_process_group_ranks(tp_group))
     everyone: list[tuple[int, ...] | None] = [None] * dist.get_world_size()
@@ -71,6 +122,8 @@ def build_sm_groups(comm_sms: Iterable[int], tp_group: dist.ProcessGroup) -> dic
             g = dist.new_group(list(ranks), backend="nccl", pg_options=_nccl_options(sms))
             if ranks == mine:
                 groups[sms] = g
+    for sms in values:  # members only, in the same order on every rank of a group: no rank waits on another
+        warm_up(groups[sms], sms)
     return groups
 
 

@@ -91,6 +91,8 @@ def test_training_continues_when_controller_dies(tmp_path, monkeypatch):
     client.start_process(0, gpu="a100-sxm4-40gb")
     first = client.mark()
     assert first.wait(10) and first.energy_j >= 0
+    client.instruction_begins(0, 0, 1005, "forward")  # a lock of its own, which SIGTERM must undo
+    assert wait_for(lambda: "set" in [r["event"] for r in records(tmp_path / "clocks.jsonl")], 5)
     os.kill(client.controller_pid, signal.SIGTERM)
     assert wait_for(lambda: client.gone, 5)
     client.instruction_begins(0, 0, 1200, "forward")  # no error, no wait

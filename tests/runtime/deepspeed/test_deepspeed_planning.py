@@ -57,7 +57,7 @@ def test_plan_for_deepspeed_has_one_nanobatch_everywhere(tmp_path, capsys):
     assert "nanobatch_perseus skipped: DeepSpeed's PipelineEngine runs every microbatch whole" in " ".join(err.split())
     assert "kareus plans SM clocks only (1 nanobatch) for deepspeed" in " ".join(err.split())
     doc = json.loads((out / "frontier.json").read_text())
-    assert list(doc["methods"]) == ["megatron", "perseus", "kareus"] and "kareus" in doc["reductions"]
+    assert list(doc["methods"]) == ["megatron", "perseus", "kareus", "powercap"] and "kareus" in doc["reductions"]
     files = sorted((out / "plans").glob("*.json"))
     assert any(f.name.startswith("kareus-") for f in files)
     for f in files:
