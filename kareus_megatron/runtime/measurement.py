@@ -216,20 +216,26 @@ class IterationMeter:
         if self._log is not None:
             self._log.write({"kind": "header", "format": RANK_LOG_FORMAT, **self._header, "pp_rank": self.pp_rank})
 
-    def drain(self, wait_s: float = 0.0) -> int:
+    def drain(self, wait_s: float = 0.0, to_sink: bool = True) -> int:
         """Write every queued iteration whose marks have resolved (waiting up to `wait_s` s in all for the
-        rest, which stay queued); return how many were written. Any thread, signal handlers included."""
+        rest, which stay queued); return how many were written. Any thread, signal handlers included.
+
+        The sink is fed after the lock is released, and not at all with ``to_sink=False`` (signal
+        handlers: the interrupted thread may hold a lock of the sink's writer, e.g. TensorBoard's)."""
         deadline = time.monotonic() + wait_s
-        written = 0
+        written: list[dict[str, Any]] = []
         with self._lock:
             queue = self._queue
             while queue:
                 _, p0, p1 = queue[0]
                 if not (_wait(p0, deadline) and _wait(p1, deadline)):
                     break
-                self._write(*queue.popleft())
-                written += 1
-        return written
+                written.append(self._write(*queue.popleft()))
+            sink = self.sink if to_sink else None
+        if sink is not None:
+            for record in written:
+                sink.record(record)
+        return len(written)
 
     def close(self, wait_s: float = 5.0) -> None:
         """Stop the writer, write everything (unresolved marks after `wait_s` s: null figures), close."""
@@ -238,8 +244,10 @@ class IterationMeter:
             self._thread.join(timeout=2.0)
         with self._lock:
             self.drain(wait_s)
-            while self._queue:
-                self._write(*self._queue.popleft())
+            rest = [self._write(*self._queue.popleft()) for _ in range(len(self._queue))]
+            if self.sink is not None:
+                for record in rest:
+                    self.sink.record(record)
             self._write_header()
             if self._log is not None:
                 self._log.close()
@@ -258,7 +266,7 @@ class IterationMeter:
             except OSError:  # pragma: no cover - disk full etc.: keep training, retry next period
                 continue
 
-    def _write(self, iteration: int, p0: Any, p1: Any) -> None:
+    def _write(self, iteration: int, p0: Any, p1: Any) -> dict[str, Any]:
         t0, e0 = _resolve(p0)
         t1, e1 = _resolve(p1)
         record = {"kind": "iteration", "iteration": iteration, "t_start": _num(t0), "t_end": _num(t1),
@@ -267,5 +275,4 @@ class IterationMeter:
         if self._log is not None:
             self._log.write(record)
         self.records.append(record)
-        if self.sink is not None:
-            self.sink.record(record)
+        return record

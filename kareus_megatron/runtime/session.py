@@ -240,7 +240,7 @@ class RuntimeSession:
         if self.client is not None:
             self.client.reset(timeout_s=0.2)  # first: the GPU must not stay locked however the rest goes
         if self.meter is not None:
-            self.meter.drain(wait_s=0.5)
+            self.meter.drain(wait_s=0.5, to_sink=False)  # never into a writer the signal may have interrupted
         previous = self._old_handlers.get(signum, signal.SIG_DFL)
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
@@ -248,6 +248,8 @@ class RuntimeSession:
         if previous == signal.SIG_IGN:
             return
         signal.signal(signum, signal.SIG_DFL)  # the default action: end the process as the signal does
+        if self.client is not None and self.controller == "thread":  # no side process outlives this one:
+            self.client.close(timeout_s=1.0)  # its final reset restores a powercap plan's limit (W) now
         os.kill(os.getpid(), signum)
 
     def _release(self, close_overlap: bool = False) -> None:

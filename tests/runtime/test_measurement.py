@@ -110,6 +110,39 @@ def test_the_sink_hears_each_iteration_end_before_its_line_and_the_close_last(tm
         assert sink.events.index(("ended", i, False)) < sink.events.index(("record", i, True))
 
 
+def test_the_sink_is_fed_outside_the_meter_lock_and_never_from_a_signal_drain(tmp_path):
+    """A signal may interrupt the training thread inside the sink's writer (TensorBoard's add_scalar holds
+    its own lock): the handler's drain must not call the sink, and no drain calls it under the meter lock."""
+    plan = plans.tiny_plan()
+    client = ClockClient()
+    gpu = SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0)
+    client.start_thread(gpu, simulation=gpu)
+    meter = IterationMeter(open_rank_log(tmp_path / "run", 0), mark=client.mark, header={"rank": 0, "world": 1},
+                           flush_interval_s=None)
+    held: list[bool] = []
+
+    class Sink:
+        def iteration_ended(self, iteration):
+            pass
+
+        def record(self, record):
+            held.append(meter._lock._is_owned())
+
+        def close(self):
+            pass
+
+    meter.attach_sink(Sink())
+    for it in range(2):
+        meter.begin(it)
+        meter.end(it)
+    assert meter.drain(wait_s=2.0, to_sink=False) == 2 and held == []  # the signal handler's drain
+    meter.begin(2)
+    meter.end(2)
+    assert meter.drain(wait_s=2.0) == 1 and held == [False]
+    meter.close()
+    client.close()
+
+
 def test_the_header_names_the_cuda_device_once_cuda_is_initialised(tmp_path, monkeypatch):
     import torch
 
