@@ -56,10 +56,16 @@ def _tiny_dag(case, p2p):
 
 
 def _assert_same_frontier(plans, t_ref, e_ref):
+    """Every plan is a point of the enumerated frontier, and every frontier point is found, except one within
+    the exact method's deadline step (1e-5 of the fastest time, search/solver.py) of a found, slower one."""
     t = np.array([p.time_s for p in plans])
     e = np.array([p.energy_j for p in plans])
-    assert t.size == t_ref.size, (t, t_ref)
-    assert np.allclose(t, t_ref, rtol=1e-9) and np.allclose(e, e_ref, rtol=1e-9)
+    match = [int(np.argmin(np.abs(t_ref - x))) for x in t]
+    assert np.allclose(t, t_ref[match], rtol=1e-9) and np.allclose(e, e_ref[match], rtol=1e-9), (t, t_ref)
+    step = 1e-5 * t_ref.min()
+    for k in sorted(set(range(t_ref.size)) - set(match)):
+        slower = t[t >= t_ref[k]]
+        assert slower.size and slower.min() - t_ref[k] <= step * (1 + 1e-9), (k, t, t_ref)
 
 
 @pytest.mark.parametrize("case", TINY)
