@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,34 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     DeepSpeed script under `PLAN` (the --kareus-* flags of runtime/entry.py); return the exit status."""
     from kareus_megatron.runtime import entry
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ours, target = entry.split_at_double_dash(argv)
-    if entry.help_requested(ours):
-        return entry.print_kareus_help(PROG, f"{PROG} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS",
-                                       (__doc__ or "").split("\n\n")[1])
-
-    def body() -> int:
-        ns, unknown = entry.kareus_parser(PROG).parse_known_args(ours)
-        if unknown:
-            raise ConfigError(f"unknown launcher argument(s) {' '.join(unknown)}; put the training script and "
-                              f"its arguments after '--': {PROG} --kareus-plan PLAN -- train.py ARGS")
-        if not target or not os.path.isfile(target[0]):
-            raise ConfigError(f"training script {target[0] if target else '(none given)'} does not exist; usage: "
-                              f"{PROG} --kareus-plan PLAN -- train.py ARGS")
-        plan, source = entry.resolve_plan(ns.kareus_plan, ns.kareus_point)
-        session = _slot.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
-                                log_mode=ns.kareus_log_mode)
-
-        def run() -> None:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-            runpy.run_path(target[0], run_name="__main__")
-
-        try:
-            return entry.run_script_in_session(session, list(target), run)
-        finally:
-            _slot.session = None  # closed or aborted by run_script_in_session
-
-    return entry.run_guarded(PROG, entry.debug_requested(ours), body)
+    try:
+        return entry.launch_script(PROG, list(sys.argv[1:] if argv is None else argv),
+                                   (__doc__ or "").split("\n\n")[1], slot=_slot, allow_module=False)
+    finally:
+        _slot.session = None  # closed or aborted by then
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ method's NN-th plan, 00 = fastest), ``METHOD-NN`` (e.g. perseus-03), ``fastest``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import runpy
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kareus_megatron.errors import KareusError, print_error
+from kareus_megatron.errors import ConfigError, KareusError, print_error
 from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_environment
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
@@ -72,14 +74,16 @@ def resolve_plan(path: str, point: str | None = None) -> tuple[Plan, str]:
     return load_point_plan(path, point, flag="--kareus-point", path_flag="--kareus-plan")
 
 
-def start_session(ns: argparse.Namespace) -> Any:
-    """Resolve the plan and start a runtime session from parsed --kareus-* flags."""
-    from kareus_megatron.runtime.session import MEGATRON_SESSIONS
+def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
+    """Resolve the plan and start a runtime session from parsed --kareus-* flags in `slot` (a SessionSlot;
+    default the megatron-core one)."""
+    if slot is None:
+        from kareus_megatron.runtime.session import MEGATRON_SESSIONS as slot
 
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
     apply_required_environment(plan)
-    return MEGATRON_SESSIONS.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
-                                     log_mode=ns.kareus_log_mode)
+    return slot.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
+                        log_mode=ns.kareus_log_mode)
 
 
 def apply_required_environment(plan: Plan) -> dict[str, str]:
@@ -107,26 +111,31 @@ def debug_requested(argv: Sequence[str]) -> bool:
     return "--kareus-debug" in argv or bool(os.environ.get("KAREUS_DEBUG"))
 
 
-def run_script_in_session(session: Any, argv: list[str], run: Callable[[], Any]) -> int:
-    """Run a training script (`run`, with ``sys.argv`` = `argv`) under `session`; return its exit status.
-
-    A clean exit closes the session (the last iteration is logged: a collective); a non-zero exit or
-    an exception aborts it (no collective: other ranks may be elsewhere) and the exception propagates.
-    """
-    sys.argv = argv
-    code = 0
+@contextlib.contextmanager
+def ending_session(session: Any) -> Iterator[None]:
+    """Close `session` when the block ends cleanly or exits with status 0 (the last iteration is logged),
+    abort it otherwise (no collective: other ranks may be elsewhere); exceptions propagate."""
     try:
-        run()
+        yield
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        (session.close if e.code in (None, 0) else session.abort)()
+        raise
     except BaseException:
         session.abort()
         raise
-    if code == 0:
-        session.close()
-    else:
-        session.abort()
-    return code
+    session.close()
+
+
+def run_script_in_session(session: Any, argv: list[str], run: Callable[[], Any]) -> int:
+    """Run a training script (`run`, with ``sys.argv`` = `argv`) under `session`; return its exit status
+    (the session ends as ``ending_session`` says; an exception propagates)."""
+    sys.argv = argv
+    try:
+        with ending_session(session):
+            run()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 def run_guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
@@ -143,6 +152,48 @@ def run_guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
             raise
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
+
+
+def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = None,
+                  allow_module: bool = True) -> int:
+    """``PROG --kareus-* ... -- train.py ARGS`` (or ``-- -m MODULE ARGS`` with `allow_module`): start the
+    session in `slot` (start_session), run the script as ``__main__``; return the exit status.
+
+    Bad flags or a missing script are one line and exit status 2 (run_guarded)."""
+    ours, target = split_at_double_dash(argv)
+    usage = f"{prog} --kareus-plan PLAN -- train.py ARGS"
+    if help_requested(ours):
+        return print_kareus_help(prog, f"{prog} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS"
+                                 + (" | -m MODULE ARGS" if allow_module else ""), description)
+
+    def body() -> int:
+        ns, unknown = kareus_parser(prog).parse_known_args(ours)
+        if unknown:
+            raise ConfigError(f"unknown launcher argument(s) {' '.join(unknown)}; put the training script and "
+                              f"its arguments after '--': {usage}")
+        if not target:
+            raise ConfigError(f"no training script given; usage: {usage}")
+        module = None
+        if target[0] == "-m" and allow_module:
+            if len(target) < 2:
+                raise ConfigError("-m needs a module name, e.g. -- -m my_package.train")
+            module, script_argv = target[1], [target[1], *target[2:]]
+        else:
+            if not os.path.isfile(target[0]):
+                raise ConfigError(f"training script {target[0]} does not exist; usage: {usage}")
+            script_argv = target
+        session = start_session(ns, slot)
+
+        def run() -> None:
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+                runpy.run_path(target[0], run_name="__main__")
+
+        return run_script_in_session(session, script_argv, run)
+
+    return run_guarded(prog, debug_requested(ours), body)
 
 
 def split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -207,21 +258,13 @@ def _close_after_train(session: Any, debug: bool = False) -> None:
 
     def train_then_close(*a: Any, **kw: Any) -> Any:
         try:
-            out = train(*a, **kw)
-        except SystemExit as e:
-            (session.close if e.code in (None, 0) else session.abort)()
-            raise
-        except KareusError as e:
-            session.abort()
+            with ending_session(session):
+                return train(*a, **kw)
+        except KareusError as e:  # the session is aborted already
             if debug:
                 raise
             print_error("megatron-lm (kareus)", e)
             raise SystemExit(2) from None
-        except BaseException:
-            session.abort()
-            raise
-        session.close()
-        return out
 
     train_then_close.__wrapped__ = train  # type: ignore[attr-defined]
     train_then_close._kareus_wrapped = True  # type: ignore[attr-defined]
