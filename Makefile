@@ -42,26 +42,42 @@ bench: $(VENV)/.test
 	$(BIN)/pip install -q -e '.[bench]'
 	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
-# Try the runtime on a CPU: plan the tiny GPT of examples/, train it on 2 gloo ranks (real megatron-core
-# 1F1B schedule, simulated GPUs) under the plan, then compare measured with predicted.
-# `make try-runtime ITERATIONS=N OUT=DIR`; DIR (plan/, the run log run, the report's plot) is replaced.
+# Try the runtime on a CPU: plan the small GPT of examples/ for 2 A40s, train it on 2 gloo ranks (real
+# megatron-core schedule, simulated GPUs) under one plan, then compare measured with predicted.
+# `make try-runtime PARALLEL="--tp 2 --sp" METHOD=kareus POINT=00 ITERATIONS=N OUT=DIR`:
+#   PARALLEL: any layout 2 ranks hold (--pp 2, --tp 2, --tp 2 --sp, --cp 2, --dp 2; unset sizes are 1), passed
+#     alike to `kareus plan` and to tiny_train.py, which validate it (bad values: one line, exit 2);
+#   METHOD: kareus | nanobatch_perseus | perseus | megatron; POINT: the frontier point, 00 = its fastest plan;
+#   DIR (plan/, the run log run, the report's plot) is replaced.
+# The model is built with the partitioned (overlap) layer spec when the plan has 2-nanobatch instructions or
+# the layout uses SP or CP (megatron's local spec cannot run those without Apex/TE), else megatron's local spec.
 ITERATIONS ?= 6
 OUT ?= try-out
-TRY_JOB := --tp 1 --pp 2 --mbs 2 --seq 16 --microbatches 4
-TRY_POINT := kareus-00
+PARALLEL ?= --pp 2
+METHOD ?= kareus
+POINT ?= 00
+TRY_MODEL := examples/small-gpt.yaml
+TRY_JOB = --tp 1 --pp 1 $(PARALLEL) --mbs 8 --seq 256 --microbatches 4
+TRY_PLAN = $(OUT)/plan/plans/$(METHOD)-$(POINT).json
+TRY_SPEC := import json, sys; d = json.load(open(sys.argv[1])); p = d["parallel"]; \
+  nb = any(i["nanobatches"] > 1 for s in d["stages"] for i in s["instructions"]); \
+  print("partitioned" if nb or p["sequence_parallel"] or p["cp"] > 1 else "local")
 try-runtime: $(VENV)/.test
 	@o='$(abspath $(OUT))'; case "$(CURDIR)/" in "$$o"/*) echo "try-runtime: OUT=$(OUT) holds this repository; pick another directory" >&2; exit 2;; esac; \
 	if [ -d "$$o" ] && ls -A "$$o" | grep -qvE '^(plan|run.*)$$'; then \
 	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*); pick another OUT" >&2; exit 2; fi
 	rm -rf $(OUT)
-	$(BIN)/kareus plan --model examples/tiny-gpt.yaml --gpu a100-sxm4-40gb $(TRY_JOB) --nodes 1 --gpus-per-node 2 \
-	    --precision fp32 --recompute none --out $(OUT)/plan
+	$(BIN)/kareus plan --model $(TRY_MODEL) --gpu a40 $(TRY_JOB) --nodes 1 --gpus-per-node 2 \
+	    --precision fp32 --recompute none --methods '$(METHOD)' --out $(OUT)/plan
+	@test -f '$(TRY_PLAN)' || { echo "try-runtime: no plan $(METHOD)-$(POINT) in $(OUT)/plan/plans; use METHOD=kareus, nanobatch_perseus, perseus or megatron and POINT=00 (the fastest) .. 09" >&2; exit 2; }
 	# $(OUT)/run: the run log directory (a file per rank); new, since OUT was removed above (--kareus-log-mode new).
-	KAREUS_GPU_BACKEND=simulated OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::UserWarning \
+	@spec=$$($(BIN)/python -c '$(TRY_SPEC)' '$(TRY_PLAN)') && echo "layer spec: $$spec" && set -x && \
+	KAREUS_GPU_BACKEND=simulated OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::UserWarning,ignore::FutureWarning \
 	    $(BIN)/python -m torch.distributed.run --standalone \
-	    --nproc-per-node 2 -m kareus_megatron.launch --kareus-plan $(OUT)/plan --kareus-point $(TRY_POINT) \
-	    --kareus-log $(OUT)/run -- examples/tiny_train.py --iterations $(ITERATIONS) $(TRY_JOB)
-	$(BIN)/kareus report $(OUT)/run --plan $(OUT)/plan/plans/$(TRY_POINT).json
+	    --nproc-per-node 2 -m kareus_megatron.launch --kareus-plan $(OUT)/plan --kareus-point $(METHOD)-$(POINT) \
+	    --kareus-log $(OUT)/run -- examples/tiny_train.py --iterations $(ITERATIONS) --model $(TRY_MODEL) \
+	    $(TRY_JOB) --layer-spec $$spec
+	$(BIN)/kareus report $(OUT)/run --plan '$(TRY_PLAN)'
 
 repro: $(VENV)/.core
 	$(BIN)/python benchmarks/reproduce.py

@@ -10,8 +10,10 @@ rows: 1 nanobatch, and 2 nanobatches with every partition at the defaults. ``--w
 fits the overlap parameters of the kernel model (link efficiency and latency, bytes per comm SM,
 comm-SM power, time scale; cost/calibrate.fit_series) to the measured rows and writes a calibration.
 
-The measured layer uses megatron-core's local spec (unfused DotProductAttention, torch norms); the
-model assumes flash attention, so attention-heavy rows are expected to be slower than predicted.
+The measured layer uses megatron-core's local spec with ``--core-attention sdpa`` (default: SDPAttention,
+torch's scaled_dot_product_attention, flash kernels on a GPU, as the model assumes) or ``local`` (megatron's
+unfused DotProductAttention, which makes attention-heavy rows slower than predicted). The ``attention_op``
+entry of the output times the core attention alone (forward+backward, s) with each of the two.
 
     torchrun --nproc_per_node=8 benchmarks/overlap_gpu.py --model qwen3-1.7b --mbs 8 --seq 4096 \\
         [--clock-mhz 1410] [--out kareus-out/overlap_measurements.json] [--write-calibration overlap_cal.json]
@@ -63,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--partitions", default="fwd_attn,fwd_mlp,bwd_mlp,bwd_attn")
     ap.add_argument("--min-window-s", type=float, default=None,
                     help=f"shortest measured window (s; default {GPU_WINDOW_S:g}: tens of energy-counter steps)")
+    ap.add_argument("--core-attention", default="sdpa", choices=("sdpa", "local"),
+                    help="core attention of the measured layer: torch SDPA (default) or megatron's unfused one")
     ap.add_argument("--out", default="kareus-out/overlap_measurements.json", help="measured and predicted rows (JSON)")
     ap.add_argument("--write-calibration", default=None, help="fit the overlap parameters; write this file")
     a = ap.parse_args(argv)
@@ -175,7 +179,7 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
 
 
 # ---------------------------------------------------------------- measurement (torch, megatron)
-def _layer(model: Any, tp: int, seq: int, cpu: bool):
+def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa"):
     import torch
     import torch.nn.functional as F
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -196,13 +200,49 @@ def _layer(model: Any, tp: int, seq: int, cpu: bool):
         masked_softmax_fusion=False, apply_rope_fusion=False,
     )
     spec = get_partitioned_gpt_layer_spec(
-        normalization="RMSNorm" if model.norm == "rmsnorm" else None, qk_layernorm=model.qk_norm
+        core_attention=core_attention, normalization="RMSNorm" if model.norm == "rmsnorm" else None,
+        qk_layernorm=model.qk_norm,
     )
     layer = build_module(spec, config=cfg, layer_number=1)
     rope = None
     if model.position == "rope":
         rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0, use_cpu_initialization=cpu)(seq)
     return layer, rope, dtype
+
+
+def attention_op_times(cfg: Any, seq: int, mbs: int, device: Any, dtype: Any, reps: int, sync=lambda: None):
+    """Forward+backward time (s, median of `reps`) of the core attention alone: {"local": s, "sdpa": s}.
+
+    Inputs as in a TP rank's layer: query [seq, mbs, heads / TP, hn], key/value [seq, mbs, groups / TP, hn],
+    megatron's causal boolean mask (SDPAttention recognises it and runs is_causal).
+    """
+    import statistics
+
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from kareus_megatron.runtime.overlap import SDPAttention
+
+    tp = cfg.tensor_model_parallel_size
+    g = torch.Generator(device="cpu").manual_seed(3)
+    np_, ng, hn = cfg.num_attention_heads // tp, cfg.num_query_groups // tp, cfg.kv_channels
+    q, k, v = (torch.randn(seq, mbs, h, hn, generator=g).to(device, dtype).requires_grad_() for h in (np_, ng, ng))
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1).view(1, 1, seq, seq)
+    out = {}
+    for name, cls in (("local", DotProductAttention), ("sdpa", SDPAttention)):
+        mod = cls(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        times = []
+        for i in range(reps + 1):  # the first is warm-up
+            sync()
+            t0 = time.perf_counter()
+            mod(q, k, v, mask).sum().backward()
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+            q.grad = k.grad = v.grad = None
+        out[name] = statistics.median(times)
+    return out
 
 
 def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -224,7 +264,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
         mrandom.model_parallel_cuda_manual_seed(1234)
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     model = model_spec(args)
-    layer, rope, dtype = _layer(model, world, args.seq, cpu)
+    layer, rope, dtype = _layer(model, world, args.seq, cpu, args.core_attention)
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     layer.to(device)
     gpu = args.gpu or ("a100-sxm4-40gb" if cpu else None)  # NVML: the GPU that is cuda:current (by UUID)
@@ -290,7 +330,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
                     "clock_mhz": dev.sm_clock_mhz(), "sm_limit_applied": bool(engine.comm.sm_groups)})
     set_engine(None)
     dev.close()
-    return out
+    attn = attention_op_times(layer.config, args.seq, args.mbs, device, dtype, reps=3 if cpu else 10, sync=sync)
+    return out, attn
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: list, result: dict) -> None:
@@ -300,9 +341,9 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: l
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    got = measure(rank, world, args, rows)
+    got, attn = measure(rank, world, args, rows)
     if rank == 0:
-        result["rows"] = got
+        result["rows"], result["attention_op"] = got, attn
     dist.barrier()
     dist.destroy_process_group()
 
@@ -349,12 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         with mp.Manager() as mgr:
             result = mgr.dict()
             mp.spawn(_spawned, args=(2, _free_port(), args, rows, result), nprocs=2, join=True)
-            measured = list(result["rows"])
+            measured, attn = list(result["rows"]), dict(result["attention_op"])
     else:
         import torch.distributed as dist
 
         dist.init_process_group("nccl")
-        measured = measure(dist.get_rank(), dist.get_world_size(), args, rows)
+        measured, attn = measure(dist.get_rank(), dist.get_world_size(), args, rows)
         if dist.get_rank() != 0:
             dist.destroy_process_group()
             return 0
@@ -364,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     for r, t, e in zip(measured, pt, pe):
         r["predicted_time_s"], r["predicted_energy_j"] = float(t), float(e)
     doc = {"format": "kareus-overlap-measurements/1", "dry_run": args.dry_run, "gpu": gpu.name,
-           "model": model.name, "tp": tp, "mbs": args.mbs, "seq": args.seq, "clock_mhz": clock, "rows": measured}
+           "model": model.name, "tp": tp, "mbs": args.mbs, "seq": args.seq, "clock_mhz": clock,
+           "core_attention": args.core_attention, "attention_op": {f"{k}_s": v for k, v in attn.items()},
+           "rows": measured}
     write_json_atomic(args.out, doc)
     print(f"{'phase':9} {'nb':>2} {'partition':9} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
           f"{'meas J':>9} {'pred J':>9}")
@@ -380,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         save_calibration(cal, args.write_calibration)
         print(f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
               f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%")
+    print(f"core attention alone, fwd+bwd per call: local (unfused) {1e3 * attn['local']:.3f} ms, "
+          f"sdpa {1e3 * attn['sdpa']:.3f} ms ({attn['local'] / max(attn['sdpa'], 1e-12):.2f}x)"
+          + (" (dry run: CPU math path)" if args.dry_run else ""))
     print(f"wrote {Path(args.out)}")
     return 0
 

@@ -5,6 +5,8 @@
     ...  # build the model, call get_forward_backward_func()(...) as usual
     session.close()   # on every rank: writes the last iteration, resets clocks
 
+``install("auto", workload="plan-dir", log_path="kareus-run", objective="iso-time")`` runs the closed loop
+instead (runtime/auto.py): the job profiles itself, calibrates, plans and switches while it trains.
 ``install`` must run before the schedule is first called. Backend, GPU preset and clock log come from
 KAREUS_GPU_BACKEND, KAREUS_GPU and KAREUS_CLOCK_LOG unless given.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
@@ -24,11 +27,24 @@ _slot = MEGATRON_SESSIONS
 def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
             local_rank: int | None = None, controller: Controller = "process",
-            source: str | None = None, log_mode: str = "new") -> RuntimeSession:
+            source: str | None = None, log_mode: str = "new", workload: Plan | str | os.PathLike[str] | None = None,
+            objective: str = "iso-time") -> RuntimeSession:
     """Run `plan` (a Plan or a plan file) in this process; return the started session.
 
     `log_path` is a directory (each rank appends to its own rank-NNNNN.jsonl there); `log_mode`: new
     (refuse an existing rank log), append or overwrite."""
+    if isinstance(plan, str) and plan == "auto":
+        from kareus_megatron.plan.objective import parse_objective
+        from kareus_megatron.plan.points import load_point_plan
+        from kareus_megatron.runtime.auto import install_auto
+
+        if workload is None:
+            raise ConfigError("install('auto') needs workload=: a plan of this job that says what to re-plan")
+        base, src = (workload, "workload") if isinstance(workload, Plan) else load_point_plan(
+            workload, None, flag="point", path_flag="workload")
+        return install_auto(_slot, base, source or src, parse_objective(objective, "objective"),
+                            log_path=os.fspath(log_path) if log_path else None, backend=backend, gpu=gpu,
+                            local_rank=local_rank, on_error=on_error, controller=controller, log_mode=log_mode)
     source = source or "the plan"
     if not isinstance(plan, Plan):
         source = str(plan)

@@ -43,8 +43,31 @@ reduce-scattered in backward right after the attention backward (overlapped with
 nanobatch's pre_mlp_norm, proj and attention backward). The CP collective splits the attn segment in
 two; the TP partition of that segment then launches only before the ops after the cut.
 
-Partition names: ``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``, and with CP ``fwd_cp_kv``,
-``bwd_cp_kv``. The recompute pass inside a backward instruction uses the forward partition names.
+With sequence parallelism (SP, TP > 1) each TP block starts with an all-gather of the sequence-split
+activation (before qkv / fc1) and ends in a reduce-scatter (after proj / fc2), so the norms form their
+own segments:
+
+forward (and recompute) segments
+    sp_attn_norm: input_norm                         -> TP all-gather of the norm output
+    sp_attn:      qkv, rope, attention, proj         -> TP reduce-scatter of the attention output
+    sp_mlp_norm:  pre_mlp_norm                       -> TP all-gather
+    sp_mlp:       fc1, activation, fc2               -> TP reduce-scatter of the MLP output
+backward segments
+    (none):       the all-gather of the output gradient leads the layer with no compute before it: exposed
+    sp_mlp:       fc2, activation, fc1               -> TP reduce-scatter of d(fc1 input)
+    sp_attn_norm: pre_mlp_norm                       -> TP all-gather of d(proj output)
+    sp_attn:      proj, attention, rope, qkv         -> TP reduce-scatter of d(qkv input)
+    tail:         input_norm
+
+With 2 nanobatches a segment's two instances overlap different collectives (nanobatch 1 the
+other nanobatch's collective of the same segment, nanobatch 0 that of the segment before), so an SP
+partition's comm SMs apply to all-gathers and reduce-scatters alike; PARTITION_COLLECTIVE names the
+collective that ends the segment.
+
+Partition names: ``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``, with CP ``fwd_cp_kv``,
+``bwd_cp_kv``, and with SP ``fwd_sp_attn_norm``, ``fwd_sp_attn``, ``fwd_sp_mlp_norm``, ``fwd_sp_mlp``,
+``bwd_sp_mlp``, ``bwd_sp_attn_norm``, ``bwd_sp_attn``. The recompute pass inside a backward instruction
+uses the forward partition names.
 """
 
 
@@ -121,7 +144,18 @@ CP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
     "fwd_cp_kv": ("input_norm", "qkv", "rope"),
     "bwd_cp_kv": ("pre_mlp_norm", "proj", "attention"),
 }
-PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {**TP_PARTITION_SLOTS, **CP_PARTITION_SLOTS}
+SP_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {
+    "fwd_sp_attn_norm": ("input_norm",),
+    "fwd_sp_attn": ("qkv", "rope", "attention", "proj"),
+    "fwd_sp_mlp_norm": ("pre_mlp_norm",),
+    "fwd_sp_mlp": ("fc1", "activation", "fc2"),
+    "bwd_sp_mlp": ("fc2", "activation", "fc1"),
+    "bwd_sp_attn_norm": ("pre_mlp_norm",),
+    "bwd_sp_attn": ("proj", "attention", "rope", "qkv"),
+}
+# Partitions the overlap engine (runtime/overlap) runs: TP all-reduce and SP all-gather/reduce-scatter ones.
+ENGINE_PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {**TP_PARTITION_SLOTS, **SP_PARTITION_SLOTS}
+PARTITION_SLOTS: Final[dict[str, tuple[str, ...]]] = {**TP_PARTITION_SLOTS, **CP_PARTITION_SLOTS, **SP_PARTITION_SLOTS}
 
 # Collective kind of each partition (the collective that runs beside the compute segment).
 PARTITION_COLLECTIVE: Final[dict[str, str]] = {
@@ -131,13 +165,35 @@ PARTITION_COLLECTIVE: Final[dict[str, str]] = {
     "bwd_attn": "tp_all_reduce",
     "fwd_cp_kv": "cp_all_gather",
     "bwd_cp_kv": "cp_reduce_scatter",
+    "fwd_sp_attn_norm": "tp_all_gather",
+    "fwd_sp_attn": "tp_reduce_scatter",
+    "fwd_sp_mlp_norm": "tp_all_gather",
+    "fwd_sp_mlp": "tp_reduce_scatter",
+    "bwd_sp_mlp": "tp_reduce_scatter",
+    "bwd_sp_attn_norm": "tp_all_gather",
+    "bwd_sp_attn": "tp_reduce_scatter",
 }
 
 SUPPORTED_NANOBATCHES: Final[tuple[int, ...]] = (1, 2)
 
 
-def partitions_for(phase: str, cp: int, recompute: bool = False) -> tuple[str, ...]:
-    """Partition names present in an instruction of `phase` ("forward"/"backward") for CP size `cp`."""
+SP_FORWARD_PARTITIONS: Final = ("fwd_sp_attn_norm", "fwd_sp_attn", "fwd_sp_mlp_norm", "fwd_sp_mlp")
+SP_BACKWARD_PARTITIONS: Final = ("bwd_sp_mlp", "bwd_sp_attn_norm", "bwd_sp_attn")
+
+
+def partitions_for(phase: str, cp: int, recompute: bool = False, sp: bool = False) -> tuple[str, ...]:
+    """Partition names present in an instruction of `phase` ("forward"/"backward") for CP size `cp`.
+
+    sp: sequence parallelism (TP > 1): the SP partitions replace the TP all-reduce ones.
+    """
+    if sp:
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
+        cp_sp = ("fwd_cp_kv",) if cp > 1 else ()
+        fwd = (*SP_FORWARD_PARTITIONS, *cp_sp)
+        if phase == "forward":
+            return fwd
+        return (*(fwd if recompute else ()), *SP_BACKWARD_PARTITIONS, *(("bwd_cp_kv",) if cp > 1 else ()))
     cp_names = ("fwd_cp_kv",) if cp > 1 else ()
     if phase == "forward":
         return ("fwd_attn", "fwd_mlp", *cp_names)

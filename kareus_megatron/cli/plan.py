@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "that is no slower than Perseus's fastest)")
     g.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the optimizer "
                    "state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
+    g.add_argument("--cross-layer", action="store_true", help="model cross-layer overlap: each layer's last "
+                   "collective beside the other nanobatch's first segment of the next layer (a planner model the "
+                   "runtime does not run yet: such plans are refused at run time; default off)")
     g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
                    "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
@@ -137,10 +140,13 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         result = plan_methods(
             gpu, model, par, kernel, methods=methods, points=args.points, schedule=schedule,
             max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
-            progress=report,
+            progress=report, cross_layer=args.cross_layer,
         )
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory)
+    if args.cross_layer:
+        notes.append("note: --cross-layer is a model only: the overlap engine refuses these plans until it runs "
+                     "cross-layer overlap.")
     for note in notes:
         console.print(note)
     return result, doc, built

@@ -1,5 +1,8 @@
 """`kareus report LOG --plan PLAN`: measured against predicted iteration time and energy, and a plot.
 
+For a ``--kareus-plan auto`` run, also (or, without --plan, only) its phases, the model error before and after
+calibration and the saving against its max-clock iterations (report/auto.py).
+
 LOG is the run log written with --kareus-log (read by report/runlog.py, as `kareus compare` reads it); PLAN is the
 plan file the run used. Prints, over the iterations after ``--skip-iterations`` warm-up iterations (default 2), the
 median time and the mean energy (total over total), per stage and in total, and writes a PNG (default: LOG with the
@@ -22,7 +25,8 @@ PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table with
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus report` flags."""
     parser.add_argument("log", help="run log directory written with --kareus-log (rank-NNNNN.jsonl files)")
-    parser.add_argument("--plan", required=True, help="the plan file the run used")
+    parser.add_argument("--plan", default=None, help="the plan file the run used (optional for a --kareus-plan auto "
+                        "run: its phases, model error and saving are read from the log)")
     parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
                         help=f"warm-up iterations left out of the figures ({STATISTICS_TEXT}; "
                              f"default {DEFAULT_SKIP_ITERATIONS})")
@@ -109,10 +113,24 @@ def run(args: argparse.Namespace) -> int:
     """Print the comparison table (or JSON) and write the plot; exit 0."""
     import json
 
+    from kareus_megatron.errors import ConfigError
     from kareus_megatron.plan.io import load_plan
     from kareus_megatron.report.against_plan import blocked_power_w, compare
+    from kareus_megatron.report.auto import auto_lines, auto_summary
     from kareus_megatron.report.runlog import read_run_log, summarize
 
+    if args.plan is None:
+        log = read_run_log(args.log)
+        auto = auto_summary(log)
+        if auto is None:
+            raise ConfigError(f"{args.log} is not a --kareus-plan auto run; give --plan, the plan file the run used")
+        if args.format == "json":
+            from dataclasses import asdict
+
+            print(json.dumps(asdict(auto), indent=2, default=str))
+        else:
+            print("\n".join(auto_lines(auto)))
+        return 0
     out = _plot_path(args)
     plan = load_plan(args.plan)
     p_blocked_w = blocked_power_w(plan, source=f"plan {args.plan}")
@@ -134,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         _print_gpus(cmp, args.per_gpu)
         for note in cmp.notes:
             print(f"note: {note}")
+        auto = auto_summary(log)
+        if auto is not None:
+            print("\n".join(auto_lines(auto)))
     if out is not None:
         import sys
 

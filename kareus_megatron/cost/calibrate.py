@@ -90,13 +90,15 @@ def default_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
     )
 
 
-def _apply(gpu: GPUSpec, base: KernelParams, names: Sequence[str], values: np.ndarray) -> KernelModel:
+def apply_params(gpu: GPUSpec, base: KernelParams, names: Sequence[str], values: np.ndarray) -> KernelModel:
+    """A KernelModel with parameters `names` set to `values` (GPU power fields or kernel params)."""
     gpu_kw = {n: float(v) for n, v in zip(names, values) if n in GPU_PARAM_NAMES}
     k_kw = {n: float(v) for n, v in zip(names, values) if n not in GPU_PARAM_NAMES}
     return KernelModel.from_params(with_gpu_params(gpu, gpu_kw), dataclasses.replace(base, **k_kw))
 
 
-def _current(gpu: GPUSpec, base: KernelParams, name: str) -> float:
+def param_value(gpu: GPUSpec, base: KernelParams, name: str) -> float:
+    """The current value of parameter `name` in `gpu` (power fields) or `base` (kernel params)."""
     return float(getattr(gpu, name) if name in GPU_PARAM_NAMES else getattr(base, name))
 
 
@@ -161,14 +163,14 @@ def fit_series(
     names = [p.name for p in free]
     lo = np.array([p.lo for p in free])
     hi = np.array([p.hi for p in free])
-    x0 = np.clip([_current(gpu, base, n) for n in names], lo, hi)
+    x0 = np.clip([param_value(gpu, base, n) for n in names], lo, hi)
     prior = x0.copy()
     sig = np.array([p.sigma for p in free])
     span = hi - lo
 
     def fun(u: np.ndarray) -> np.ndarray:
         x = lo + u * span
-        km = _apply(gpu, base, names, x)
+        km = apply_params(gpu, base, names, x)
         r = _residuals(km, series, fit_abs_time)
         return np.concatenate([r, prior_weight * (x - prior) / sig])
 
@@ -177,7 +179,7 @@ def fit_series(
     if not np.all(np.isfinite(res.x)):
         raise CalibrationError("the fit diverged (non-finite parameters); check the profile's units (s, J, MHz).")
     x = lo + res.x * span
-    km = _apply(gpu, base, names, x)
+    km = apply_params(gpu, base, names, x)
     return km.gpu, km.params, {n: float(v) for n, v in zip(names, x)}
 
 

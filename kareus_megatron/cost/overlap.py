@@ -34,18 +34,20 @@ from kareus_megatron.cost.partition import PhaseArrays, contention, simulate_ove
 class OverlapCost:
     """Cost-model calls with the grid broadcast: clocks (n_clk,) MHz, comm SMs (n_sms,).
 
+    precision: the training precision whose peak the compute ops run at (the planner passes the layout's).
     default_sms: comm SMs of an unrestricted NCCL collective (the kernel parameters' default_comm_sms,
     docs/sources.md#nccl-default-sms), used by the 1-nanobatch order and the nanobatching baseline.
     """
 
-    def __init__(self, kernel: KernelModel, default_sms: int | None = None) -> None:
+    def __init__(self, kernel: KernelModel, default_sms: int | None = None, precision: str = "bf16") -> None:
         self.kernel = kernel
+        self.precision = precision  # the training precision: GEMM and attention peaks (cost/kernel.py)
         self.gpu = kernel.gpu  # the calibrated preset when the kernel carries a calibration
         self.default_sms = int(default_sms if default_sms is not None else round(kernel.params.default_comm_sms))
 
     def compute(self, ops: Sequence[Any], clocks: np.ndarray, sms: Any = None) -> tuple[np.ndarray, ...]:
         """(time s, power W, HBM bytes/s, compute activity) of ops; arrays (n_ops, *broadcast grid)."""
-        prof = self.kernel.op_profile(list(ops), clocks, sms=sms)
+        prof = self.kernel.op_profile(list(ops), clocks, sms=sms, precision=self.precision)
         return prof.time_s, prof.power_w, prof.hbm_bytes_per_s, prof.compute_activity
 
     def collective(self, op: Any, clocks: np.ndarray, sms: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -101,6 +101,8 @@ def config_dict(result: PlanningResult, memory: dict[str, Any] | None = None) ->
     }
     if memory is not None:
         cfg["memory"] = memory
+    if result.cross_layer:  # only when set: frontier documents without it stay as they were
+        cfg["cross_layer"] = True
     return cfg
 
 
@@ -116,6 +118,7 @@ def assemble_plan(
     model: ModelShape | None = None,
     calibration_sha256: str | None = None,
     power_limit_w: float | None = None,
+    cross_layer: bool = False,
 ) -> Plan:
     """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
     (J, all GPUs), the GPU and blocked power (W, one GPU) the prediction used, and for ``powercap`` the
@@ -132,6 +135,7 @@ def assemble_plan(
         parallel=parallel,
         predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j)),
         stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
+        cross_layer=True if cross_layer else None,  # written only when set: other plans stay as they were
     )
 
 
@@ -180,7 +184,8 @@ def build_plan(
                          time_s=sim.time_s, energy_j=sim.energy_j, p_blocked_w=result.p_blocked_w, ranks=ranks,
                          model=model_shape(result.model, result.par.precision),
                          calibration_sha256=result.calibration_sha256,
-                         power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None))
+                         power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
+                         cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r))
     return plan, timed
 
 

@@ -52,7 +52,7 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 def plan_sha256(plan: Plan) -> str:
     """Content hash of a plan (hex), stable across key order."""
     data = plan.model_dump(mode="json")
-    for key in ("p_blocked_w", "power_limit_w"):  # a plan without it hashes as before the field existed
+    for key in ("p_blocked_w", "power_limit_w", "cross_layer"):  # a plan without it hashes as before the field existed
         if data.get(key) is None:
             data.pop(key, None)
     model = data.get("model") or {}

@@ -5,9 +5,11 @@ precision) and parallel configuration it was made for, the GPU preset and calibr
 with and the blocked power (W) the prediction used, the predicted iteration time (s) and energy (J, all
 GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM clock
 (MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition (comm SMs and launch
-slot; names from ``kareus_megatron.vocab``). A ``powercap`` plan also records the one board power limit
-(W) of every GPU of the job: the runtime sets that limit and locks no clock, and its instructions carry
-the GPU's maximum SM clock, the clock the prediction requested (the driver lowers it under the cap).
+slot; names from ``kareus_megatron.vocab``); ``cross_layer`` says the overlap was predicted with
+cross-layer overlap (planner only; the runtime refuses such a plan). A ``powercap`` plan also records
+the one board power limit (W) of every GPU of the job: the runtime sets that limit and locks no clock,
+and its instructions carry the GPU's maximum SM clock, the clock the prediction requested (the driver
+lowers it under the cap).
 """
 
 from __future__ import annotations
@@ -185,6 +187,12 @@ class Plan(_Frozen):
     parallel: ParallelLayout
     predicted: Predicted
     stages: tuple[StagePlan, ...]
+    cross_layer: bool | None = Field(
+        default=None,
+        description="the 2-nanobatch instructions were predicted with cross-layer overlap (kareus plan "
+                    "--cross-layer): a model the overlap engine does not run yet, so the runtime refuses the "
+                    "plan (None: without; omitted from the file)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Plan:

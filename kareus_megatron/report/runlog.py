@@ -4,8 +4,10 @@ A *run log* is a directory of per-rank files (runtime/measurement.py; ``--kareus
 ``rank-NNNNN.jsonl``, each a header (rank, world, pp_rank, pp, tp/cp/dp, plan_sha256, gpu, backend,
 clock_control) and one line per iteration with that rank's time_s and energy_j. The reader merges them
 into one record per iteration: time = the slowest rank, energy = the sum over ranks, per stage the same
-over the ranks of that pp_rank, and under ``ranks`` each reporting rank's own line (with its ``rank`` and
-``pp_rank``: the per-GPU figures); ``RunLog.gpus`` says which GPU each rank measured (its header's
+over the ranks of that pp_rank, and under ``ranks`` each reporting rank's own line as written (with its
+``rank`` and ``pp_rank``: the per-GPU figures; its optional keys, e.g. the per-instruction columns and tags,
+are read by report/measurements.py); event lines (``{"kind": "event", ...}``) go to ``RunLog.events``, each
+told its ``rank``; ``RunLog.gpus`` says which GPU each rank measured (its header's
 gpu_index, gpu_uuid, gpu_name where present). An iteration is *complete* when every rank of the world
 logged both figures, otherwise *partial* (``RunLog.partial`` names what is missing). A rank file holding several runs
 (``--kareus-log-mode append``) counts its last run. A single merged JSONL file (the layout before rank
@@ -65,6 +67,7 @@ class RunLog:
     partial: dict[int, str] = field(default_factory=dict)  # iteration -> what is missing ("rank 1", "stage 1")
     earlier_runs: int = 0  # runs before the last one in appended rank files (left out)
     gpus: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> which GPU (GPU_KEYS of its header)
+    events: list[dict[str, Any]] = field(default_factory=list)  # event lines, each with its rank, by rank then line
 
     @property
     def simulated(self) -> bool:
@@ -153,19 +156,20 @@ def read_run_log(path: str | Path) -> RunLog:
     p = Path(path)
     if p.is_dir():
         return merge_rank_dir(p)
-    header, its, truncated = read_jsonl_run(p, merged=True)
+    header, its, truncated, events = read_jsonl_run(p, merged=True)
     for r in its.values():
         r.pop("ranks", None)  # per-rank lines exist only in a directory of rank files
     world = header.get("world")
     partial = {i: f"{world - r['ranks_reporting']} of {world} ranks missing" for i, r in its.items()
                if _is_index(world) and _is_index(r.get("ranks_reporting")) and r["ranks_reporting"] != world}
     return RunLog(path=p, header=header, iterations=[its[i] for i in sorted(its)], truncated=truncated,
-                  partial=partial)
+                  partial=partial, events=events)
 
 
 def read_jsonl_run(p: Path, merged: bool,
-                   last_run: bool = False) -> tuple[dict[str, Any], dict[int, dict[str, Any]], bool]:
-    """(header, iterations by index, truncated) of one JSONL file; `last_run`: several headers are runs
+                   last_run: bool = False
+                   ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], bool, list[dict[str, Any]]]:
+    """(header, iterations by index, truncated, event lines) of one JSONL file; `last_run`: several headers are runs
     appended one after another, keep the last (else a second header is a ConfigError). The header gets
     ``_runs``, the number of runs seen, when `last_run`."""
     text = read_input_text(p, ConfigError, "run log", not_text_fix="give the --kareus-log directory of a run")
@@ -174,6 +178,7 @@ def read_jsonl_run(p: Path, merged: bool,
     header: dict[str, Any] = {}
     header_lines: list[int] = []
     its: dict[int, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
     truncated = False
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -192,7 +197,7 @@ def read_jsonl_run(p: Path, merged: bool,
                 raise ConfigError(f"{p}:{n}: {problem}; {_HINT}")
             header_lines.append(n)
             if last_run:
-                header, its = rec, {}
+                header, its, events = rec, {}, []
             else:
                 header = header or rec
         elif kind == "iteration":
@@ -202,6 +207,11 @@ def read_jsonl_run(p: Path, merged: bool,
             if rec["iteration"] in its and (last_run or len(header_lines) < 2):
                 raise ConfigError(f"{p}:{n}: iteration {rec['iteration']} is logged twice; {_HINT}")
             its.setdefault(rec["iteration"], rec)
+        elif kind == "event":
+            ev_it = rec.get("iteration")
+            if not isinstance(rec.get("event"), str) or not (ev_it is None or _is_index(ev_it)):
+                raise ConfigError(f"{p}:{n}: an event line needs an event name and an iteration >= 0 or null; {_HINT}")
+            events.append(rec)
         else:
             raise ConfigError(f"{p}:{n}: unknown record kind {kind!r}; {_HINT}")
     if len(header_lines) > 1 and not last_run:
@@ -209,7 +219,7 @@ def read_jsonl_run(p: Path, merged: bool,
                           f"{', '.join(map(str, header_lines))}); keep one run per log file")
     if last_run:
         header = {**header, "_runs": max(1, len(header_lines))}
-    return header, its, truncated
+    return header, its, truncated, events
 
 
 def merge_rank_dir(d: Path) -> RunLog:
@@ -218,9 +228,10 @@ def merge_rank_dir(d: Path) -> RunLog:
     if not files:
         raise ConfigError(f"{d} holds no rank logs (rank-NNNNN.jsonl); {_HINT}")
     ranks: dict[int, tuple[dict[str, Any], dict[int, dict[str, Any]]]] = {}
-    truncated, earlier = False, 0
+    truncated, earlier, events = False, 0, []
     for r, f in sorted(files.items()):
-        header, its, cut = read_jsonl_run(f, merged=False, last_run=True)
+        header, its, cut, evs = read_jsonl_run(f, merged=False, last_run=True)
+        events += [{**e, "rank": r} for e in evs]
         truncated |= cut
         earlier = max(earlier, header.pop("_runs", 1) - 1)
         if header and header.get("rank", r) != r:
@@ -262,7 +273,7 @@ def merge_rank_dir(d: Path) -> RunLog:
                        "ranks": [got[r] for r in sorted(got)]})
     gpus = {r: {"rank": r, "pp_rank": stage_of.get(r), **gpu_identity(h)} for r, (h, _) in sorted(ranks.items())}
     return RunLog(path=d, header=header, iterations=merged, truncated=truncated, partial=partial,
-                  earlier_runs=earlier, gpus=gpus)
+                  earlier_runs=earlier, gpus=gpus, events=events)
 
 
 def _rank_iteration_problem(rec: dict[str, Any]) -> str | None:
@@ -273,6 +284,26 @@ def _rank_iteration_problem(rec: dict[str, Any]) -> str | None:
     for key in ("time_s", "energy_j"):
         if not _figure(rec.get(key)):
             return f"iteration {it}: {key} = {rec.get(key)!r} must be a finite non-negative number or null"
+    cols = rec.get("instructions")
+    return None if cols is None else _columns_problem(it, cols)
+
+
+_INT_COLUMNS, _TIME_COLUMNS = ("index", "chunk", "microbatch", "sm_clock_mhz"), ("t_start_s", "time_s")
+
+
+def _columns_problem(it: Any, cols: Any) -> str | None:
+    """What is wrong with an iteration's ``instructions`` columns (runtime/instruction_times.py), or None."""
+    where = f"iteration {it}: 'instructions'"
+    if not isinstance(cols, dict) or not isinstance(cols.get("kind"), str) or set(cols["kind"]) - {"F", "B"}:
+        return f"{where} must be an object whose 'kind' is a string of F and B"
+    n = len(cols["kind"])
+    for key in (*_INT_COLUMNS, *_TIME_COLUMNS):
+        col = cols.get(key)
+        if not isinstance(col, list) or len(col) != n:
+            return f"{where}: column {key!r} must be a list of {n} values, one per instruction (as 'kind')"
+        ok, what = (_is_index, "an integer >= 0") if key in _INT_COLUMNS else (_figure, "a time >= 0 (s)")
+        if not all(v is None or ok(v) for v in col):
+            return f"{where}: column {key!r} holds a value that is not {what} or null"
     return None
 
 

@@ -20,6 +20,7 @@ from kareus_megatron.errors import ConfigError, KareusError, print_error
 from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_environment
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.runtime.auto import AUTO
 from kareus_megatron.runtime.measurement import LOG_MODES
 
 
@@ -27,7 +28,14 @@ def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the --kareus-* flags on `parser`."""
     g = parser.add_argument_group("kareus")
     g.add_argument("--kareus-plan", required=True, metavar="PATH",
-                   help="plan file, or a `kareus plan` output directory (then see --kareus-point)")
+                   help="plan file, or a `kareus plan` output directory (then see --kareus-point), or 'auto': "
+                        "measure, calibrate and plan while training (needs --kareus-workload and --kareus-log)")
+    g.add_argument("--kareus-workload", default=None, metavar="PATH",
+                   help="with --kareus-plan auto: a plan (file or directory; --kareus-point picks one) of this job, "
+                        "made with the preset model: it names the workload to re-plan")
+    g.add_argument("--kareus-objective", default="iso-time", metavar="OBJ",
+                   help="with --kareus-plan auto: iso-time (least energy at the max-clock time, default), "
+                        "min-energy, max-time=S or energy=J")
     g.add_argument("--kareus-point", default=None, metavar="POINT",
                    help="which plan of a plan directory: NN, METHOD-NN, fastest, min-energy, METHOD-fastest or "
                         "METHOD-min-energy (default: fastest of the kareus method)")
@@ -80,10 +88,30 @@ def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
     if slot is None:
         from kareus_megatron.runtime.session import MEGATRON_SESSIONS as slot
 
+    if ns.kareus_plan == AUTO:
+        return start_auto_session(ns, slot)
+    if ns.kareus_workload is not None:
+        raise ConfigError("--kareus-workload goes with --kareus-plan auto")
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
     apply_required_environment(plan)
     return slot.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
                         log_mode=ns.kareus_log_mode)
+
+
+def start_auto_session(ns: argparse.Namespace, slot: Any, **session_kwargs: Any) -> Any:
+    """``--kareus-plan auto``: start the closed loop (runtime/auto.py) for the job --kareus-workload names."""
+    from kareus_megatron.plan.objective import parse_objective
+    from kareus_megatron.runtime.auto import install_auto
+
+    objective = parse_objective(ns.kareus_objective)
+    if not ns.kareus_workload:
+        raise ConfigError("--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
+                          "plan) that says what to re-plan")
+    base, source = load_point_plan(ns.kareus_workload, ns.kareus_point, flag="--kareus-point",
+                                   path_flag="--kareus-workload")
+    apply_required_environment(base)
+    return install_auto(slot, base, source, objective, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
+                        log_mode=ns.kareus_log_mode, **session_kwargs)
 
 
 def apply_required_environment(plan: Plan) -> dict[str, str]:
@@ -209,8 +237,13 @@ def install_from_megatron_args(args: Any) -> Any:
     """Start a session from Megatron-LM's parsed arguments (the native --kareus-plan patch calls this)."""
     from kareus_megatron.runtime.session import MEGATRON_SESSIONS
 
-    plan, source = resolve_plan(args.kareus_plan, getattr(args, "kareus_point", None))
     local_rank = getattr(args, "local_rank", None)
+    if args.kareus_plan == AUTO:
+        ns = argparse.Namespace(**{k: getattr(args, k, d) for k, d in (
+            ("kareus_workload", None), ("kareus_objective", "iso-time"), ("kareus_point", None), ("kareus_log", None),
+            ("kareus_on_error", "fail"), ("kareus_log_mode", "new"))})
+        return start_auto_session(ns, MEGATRON_SESSIONS, local_rank=local_rank if isinstance(local_rank, int) else None)
+    plan, source = resolve_plan(args.kareus_plan, getattr(args, "kareus_point", None))
     return MEGATRON_SESSIONS.install(plan, source=source, log_path=getattr(args, "kareus_log", None),
                                      on_error=getattr(args, "kareus_on_error", "fail"),
                                      log_mode=getattr(args, "kareus_log_mode", "new"),

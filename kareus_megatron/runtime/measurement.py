@@ -16,7 +16,19 @@ depends on any other rank and nothing needs a collective. The first line is a he
 written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
 with the first iteration), then one line per iteration::
 
-    {"kind": "iteration", "iteration": i, "t_start": s, "t_end": s, "time_s": T, "energy_j": E}
+    {"kind": "iteration", "iteration": i, "t_start": s, "t_end": s, "time_s": T, "energy_j": E,
+     "temperature_c": C, "sm_clock_mhz": F, "clock_stale": n, "clock_errors": n, "instructions": {...}, **tags}
+
+``temperature_c`` is the GPU temperature at the end mark (°C), ``sm_clock_mhz`` the clock the controller had
+locked then (MHz; null when none), ``clock_stale``/``clock_errors`` how many of the clock calls between the
+iteration's two marks were skipped as stale or failed (the controller's counts on its mark answers; on
+NVML, decided meanwhile, so an iteration may be charged a neighbour's); each null where unknown (no clock
+controller, measurement only). ``instructions`` (runtime/instruction_times.py; KAREUS_LOG_INSTRUCTIONS=0:
+left out) holds each planned instruction's time, as columns. *Tags* (``set_tags``: e.g. phase, plan_sha256,
+plan_version) are keys every iteration that begins after they are set carries; *events* (``event``) are
+lines ``{"kind": "event", "event": name, "iteration": i, "t": s, ...}`` (i: the iteration in progress,
+else the next; t: time.monotonic()) written through the same writer, after every iteration that ended
+before them. All of these keys are optional to readers: older logs keep RANK_LOG_FORMAT.
 
 The GPU a rank measured: ``gpu_index`` is its NVML index (the simulated backend's index too),
 ``gpu_uuid``/``gpu_name`` are written only where they are known (CUDA's device properties once CUDA is
@@ -41,12 +53,13 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
 from kareus_megatron.runtime.clock import sched
+from kareus_megatron.runtime.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
 
 RANK_FILE = "rank-{rank:05d}.jsonl"
 RANK_LOG_FORMAT = "kareus-rank-log/1"
@@ -54,6 +67,11 @@ LOG_MODES = ("new", "append", "overwrite")
 RECENT_RECORDS = 1000  # lines kept in memory (IterationMeter.records); the file holds them all
 ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still being answered
 FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
+# The keys an iteration line has of its own (a tag may not take one); report/measurements.py reads the rest as tags.
+RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
+                         "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank"})
+EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
+_TAG_TYPES = (str, int, float, bool)
 
 
 def rank_file(log_dir: str | os.PathLike[str], rank: int) -> str:
@@ -114,8 +132,16 @@ def _resolve(point: Any, timeout_s: float = 0.0) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-def _num(x: float) -> float | None:
-    return None if (x is None or math.isnan(x) or math.isinf(x)) else float(x)
+def _num(x: Any) -> float | None:
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return None
+    return None if (math.isnan(x) or math.isinf(x)) else float(x)
+
+
+def _count(info0: dict[str, Any], info1: dict[str, Any], key: str) -> int | None:
+    """How much the controller's running count `key` grew between two mark answers (None: unknown)."""
+    a, b = info0.get(key), info1.get(key)
+    return b - a if isinstance(a, int) and isinstance(b, int) and b >= a else None
 
 
 class IterationSink(Protocol):
@@ -154,18 +180,28 @@ class IterationMeter:
     """Marks each iteration's start and end on the training thread; a writer thread appends resolved ones."""
 
     def __init__(self, log: JsonlAppender | None, mark: Callable[[], Any] | None = None,
-                 header: dict[str, Any] | None = None, flush_interval_s: float | None = FLUSH_INTERVAL_S) -> None:
+                 header: dict[str, Any] | None = None, flush_interval_s: float | None = FLUSH_INTERVAL_S,
+                 instructions: bool | None = None) -> None:
         """`log`: this rank's open file (open_rank_log) or None; `mark()` returns a ticket with
-        .wait()/.done/.t/.energy_j (the clock client), None: CPU time only. `flush_interval_s` None: no
-        writer thread (only drain/close write)."""
+        .wait()/.done/.t/.energy_j (and .info: the controller's answer) (the clock client), None: CPU time
+        only. `flush_interval_s` None: no writer thread (only drain/close write). `instructions`: log each
+        instruction's time (None: KAREUS_LOG_INSTRUCTIONS; ConfigError for a bad value)."""
+        self._log_instructions = instructions_from_env() if instructions is None else bool(instructions)
+        self._times: InstructionTimes | None = None  # set by instruction_callables (validation)
+        self._tags: dict[str, Any] = {}  # replaced, never changed in place: iterations keep their snapshot
+        self._start_tags: dict[str, Any] = {}
+        self._running: int | None = None  # the iteration in progress
+        self._next = 0  # the iteration after the last one that ended
         self._mark = mark
         self._log = log
         self._header = dict(header or {})
         self._header_written = False
-        self._queue: deque[tuple[int, Any, Any]] = deque()  # (iteration, start point, end point)
+        # (iteration, start point, end point, tags, instruction stamps) or an event line (dict)
+        self._queue: deque[tuple[int, Any, Any, dict[str, Any], Any] | dict[str, Any]] = deque()
         self._start: Any = None
         self._lock = threading.RLock()  # reentrant: a signal handler may drain inside a drain
         self.pp_rank = 0
+        self._staged = False  # set_stage has run: the header can be written
         self.records: deque[dict[str, Any]] = deque(maxlen=RECENT_RECORDS)  # the latest lines written
         self.sink: IterationSink | None = None  # set by attach_sink (the training thread, at validation)
         self._stop = threading.Event()
@@ -183,17 +219,68 @@ class IterationMeter:
     def begin(self, iteration: int) -> None:
         """Mark the start of `iteration` (training thread; does not wait)."""
         self._start = self._point()
+        self._start_tags, self._running = self._tags, iteration
+        if self._times is not None:
+            self._times.start()
 
     def end(self, iteration: int) -> None:
         """Mark the end of `iteration` and queue it for the writer (training thread; does not wait)."""
         if self._start is None:
             return
         end = self._point()
+        stamps = self._times.take() if self._times is not None else None
         sink = self.sink
         if sink is not None:  # before the writer can see the iteration
             sink.iteration_ended(iteration)
-        self._queue.append((iteration, self._start, end))
-        self._start = None
+        self._queue.append((iteration, self._start, end, self._start_tags, stamps))
+        self._start, self._running, self._next = None, None, iteration + 1
+
+    def instruction_callables(self, begins: Callable[[int, int, int, str], None] | None,
+                              ends: Callable[[], None]) -> tuple[Callable[[int, int, int, str], None] | None,
+                                                                 Callable[[], None]]:
+        """The session's per-instruction callables, timed for the ``instructions`` columns (as they are
+        when the columns are off or nothing is planned: `begins` None). Call at validation (training
+        thread): a GPU's timing events are chosen there."""
+        if begins is None or not self._log_instructions:
+            return begins, ends
+        if self._times is None:
+            self._times = InstructionTimes(TimingEvents.available())
+        return self._times.wrap(begins, ends)
+
+    def set_plan(self, instructions: Sequence[Any]) -> None:
+        """This rank's planned instructions (plan.stages[pp_rank].instructions): what the columns name
+        (chunk, microbatch, kind, clock) for every iteration that ends from now on."""
+        if self._times is None:
+            self._times = InstructionTimes(TimingEvents.available()) if self._log_instructions else None
+        if self._times is not None:
+            self._times.set_plan(instructions)
+
+    def set_tags(self, **tags: Any) -> None:
+        """Every iteration that begins from now on carries these keys (a None value removes a tag);
+        ConfigError for a key the line has of its own or a value that is not a str, number or bool."""
+        for key, value in tags.items():
+            if key in RECORD_KEYS:
+                raise ConfigError(f"run-log tag {key!r} is a key of the iteration line itself; choose another name")
+            if value is not None and not isinstance(value, _TAG_TYPES):
+                raise ConfigError(f"run-log tag {key}={value!r} must be a string, number or bool")
+        merged = {**self._tags, **tags}
+        self._tags = {k: v for k, v in merged.items() if v is not None}
+
+    @property
+    def tags(self) -> dict[str, Any]:
+        """The tags in force (a copy)."""
+        return dict(self._tags)
+
+    def event(self, name: str, **fields: Any) -> None:
+        """Append an event line (see the module doc) after every iteration queued so far (any thread)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"run-log event name {name!r} must be a non-empty string")
+        clash = sorted(EVENT_KEYS & fields.keys())
+        if clash:
+            raise ConfigError(f"run-log event {name!r}: field(s) {', '.join(clash)} are the event line's own keys")
+        running = self._running
+        self._queue.append({"kind": "event", "event": name, "iteration": self._next if running is None else running,
+                            "t": time.monotonic(), **fields})
 
     def attach_sink(self, sink: IterationSink | None) -> None:
         """Hand every later iteration to `sink` too (None: no sink); see the module doc."""
@@ -204,6 +291,7 @@ class IterationMeter:
         """This rank's pipeline stage and parallel sizes (known at validation); writes the header now."""
         with self._lock:
             self.pp_rank = pp_rank
+            self._staged = True
             self._header.update({k: v for k, v in fields.items() if v is not None})
             for key, value in cuda_device_identity().items():
                 self._header.setdefault(key, value)
@@ -227,10 +315,14 @@ class IterationMeter:
         with self._lock:
             queue = self._queue
             while queue:
-                _, p0, p1 = queue[0]
-                if not (_wait(p0, deadline) and _wait(p1, deadline)):
+                item = queue[0]
+                if isinstance(item, dict) and not self._staged and not self._stop.is_set():
+                    break  # an event before validation waits: the header (with this rank's stage) comes first
+                if not isinstance(item, dict) and not (_wait(item[1], deadline) and _wait(item[2], deadline)):
                     break
-                written.append(self._write(*queue.popleft()))
+                record = self._write_item(queue.popleft())
+                if record is not None:
+                    written.append(record)
             sink = self.sink if to_sink else None
         if sink is not None:
             for record in written:
@@ -244,7 +336,8 @@ class IterationMeter:
             self._thread.join(timeout=2.0)
         with self._lock:
             self.drain(wait_s)
-            rest = [self._write(*self._queue.popleft()) for _ in range(len(self._queue))]
+            rest = [r for r in (self._write_item(self._queue.popleft()) for _ in range(len(self._queue)))
+                    if r is not None]
             if self.sink is not None:
                 for record in rest:
                     self.sink.record(record)
@@ -266,11 +359,29 @@ class IterationMeter:
             except OSError:  # pragma: no cover - disk full etc.: keep training, retry next period
                 continue
 
-    def _write(self, iteration: int, p0: Any, p1: Any) -> dict[str, Any]:
+    def _write_item(self, item: tuple[int, Any, Any, dict[str, Any], Any] | dict[str, Any]) -> dict[str, Any] | None:
+        """Write a queued iteration (returned, for the sink) or event line (None)."""
+        if isinstance(item, dict):
+            self._write_header()
+            if self._log is not None:
+                self._log.write(item)
+            return None
+        return self._write(*item)
+
+    def _write(self, iteration: int, p0: Any, p1: Any, tags: dict[str, Any] | None = None,
+               stamps: Any = None) -> dict[str, Any]:
         t0, e0 = _resolve(p0)
         t1, e1 = _resolve(p1)
+        info0, info1 = getattr(p0, "info", None) or {}, getattr(p1, "info", None) or {}
+        clock = info1.get("sm_clock_mhz")
         record = {"kind": "iteration", "iteration": iteration, "t_start": _num(t0), "t_end": _num(t1),
-                  "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0)}
+                  "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0), "temperature_c": _num(info1.get("temperature_c")),
+                  "sm_clock_mhz": clock if isinstance(clock, int) else None,
+                  "clock_stale": _count(info0, info1, "stale"), "clock_errors": _count(info0, info1, "errors")}
+        if stamps is not None and self._times is not None:
+            record["instructions"] = self._times.columns(stamps)
+        if tags:
+            record.update(tags)
         self._write_header()
         if self._log is not None:
             self._log.write(record)

@@ -132,6 +132,8 @@ class BasePatchState:
         self.iteration = 0
         self.position = 0
         self.rank = 0  # this pipeline rank (stage), set by bind
+        self.live: Any = None  # the patch's view of the run, read at validation
+        self.on_iteration_end: Callable[[int], None] | None = None  # the closed loop's hook (runtime/auto.py)
         self.order_deviations = 0
         # key -> (index in the rank's plan, Instruction, SM clock MHz, kind)
         self._entries: dict[Any, tuple[int, Instruction, int, str]] = {}
@@ -183,6 +185,7 @@ class BasePatchState:
         if not self.validated:
             live = read_live()
             self.session.validate(self.plan, live, self.source)  # raises PlanMismatchError
+            self.live = live
             self.bind(live)
             self._clock_begins, self.instruction_ends = self.session.instruction_callables()
             self._iteration_begins, self._iteration_ends = self.session.iteration_callables()
@@ -198,4 +201,12 @@ class BasePatchState:
         self.active = False
         self._iteration_ends(self.iteration)
         self.iteration += 1
+        if self.on_iteration_end is not None:
+            self.on_iteration_end(self.iteration - 1)
         return result
+
+    def switch_plan(self, plan: Plan) -> None:
+        """Run `plan` (the same job's, checked by the caller) from the next iteration on; call between iterations."""
+        self.plan = plan
+        if self.validated:
+            self.bind(self.live)

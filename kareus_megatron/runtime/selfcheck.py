@@ -116,7 +116,7 @@ def check_megatron_patch(torch: Any, sizes: Sizes, device: str, work: str) -> di
 def _device_preset() -> tuple[str, tuple[int, ...]]:
     """(preset name, lockable SM clocks in MHz) of the device the session will open (read-only)."""
     from kareus_megatron.hardware.device import backend_from_env, open_gpu
-    from kareus_megatron.runtime.session import gpu_target, local_rank_from_env
+    from kareus_megatron.runtime.process_env import gpu_target, local_rank_from_env
 
     index, uuid = gpu_target(local_rank_from_env(), backend_from_env(None))
     dev = open_gpu(index, uuid=uuid, read_only=True)
@@ -130,7 +130,7 @@ def check_event_alignment(torch: Any, cuda_index: int | None) -> dict[str, Any]:
     """Marked CUDA events through the controller's event path: completion on the GPU to controller time."""
     from kareus_megatron.hardware.device import backend_from_env, open_gpu, simulation_of
     from kareus_megatron.runtime.clock.client import ClockClient
-    from kareus_megatron.runtime.session import gpu_target, local_rank_from_env
+    from kareus_megatron.runtime.process_env import gpu_target, local_rank_from_env
 
     index, uuid = gpu_target(local_rank_from_env(), backend_from_env(None))
     device = open_gpu(index, uuid=uuid, read_only=True)

@@ -3,15 +3,14 @@
 TP=1 (one device, so no collective runs; the engine's schedule, nanobatch split and merge, hooks and
 custom backward still do): a GPTModel built with ``get_partitioned_gpt_layer_spec()`` and one with
 megatron-core's ``get_gpt_layer_local_spec()`` share weights; logits and every parameter gradient of one
-forward+backward are compared (max abs and max relative difference). Then again with fast attention: the
-layer drives any core-attention module (it hooks only its boundaries), so both models get
-``SdpaCoreAttention``, torch's ``scaled_dot_product_attention`` (flash / memory-efficient kernels on a GPU)
-in place of megatron's unfused softmax attention.
+forward+backward are compared (max abs and max relative difference), with megatron's unfused
+``DotProductAttention`` (``core_attention="local"``) and with the partitioned spec's default, ``SDPAttention``
+(runtime/overlap/attention.py: torch's ``scaled_dot_product_attention``, flash / memory-efficient kernels on a
+GPU), the reference then being megatron's local spec with that core attention (``get_sdpa_gpt_layer_spec``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -23,51 +22,16 @@ from kareus_megatron.runtime.selfcheck_model import Sizes, config
 MAX_REL = {"cpu": 1e-4, "cuda": 2e-3}
 
 
-class SdpaCoreAttention(torch.nn.Module):
-    """A core-attention module (DotProductAttention's call contract) on torch SDPA.
-
-    In: query/key/value [s, b, heads, head_dim], megatron's boolean mask (True = masked out) or None
-    (causal); out: [s, b, heads * head_dim]. Dropout is off (the selfcheck's config)."""
-
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-                 **_kw: Any) -> None:
-        super().__init__()
-        self.config = config
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-                attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None
-                ) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask)
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-
-def _with_core_attention(spec: Any, core: type) -> Any:
-    attn = spec.submodules.self_attention
-    attn_sub = dataclasses.replace(attn.submodules, core_attention=core)
-    sub = dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub))
-    return dataclasses.replace(spec, submodules=sub)
-
-
 def _models(s: Sizes, device: str, sdpa: bool) -> tuple[Any, Any]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
+    from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec, get_sdpa_gpt_layer_spec
 
-    ref_spec, part_spec = get_gpt_layer_local_spec(), get_partitioned_gpt_layer_spec()
-    if sdpa:
-        ref_spec, part_spec = _with_core_attention(ref_spec, SdpaCoreAttention), _with_core_attention(
-            part_spec, SdpaCoreAttention)
+    if sdpa:  # the partitioned spec's default core attention, on both sides
+        ref_spec, part_spec = get_sdpa_gpt_layer_spec(), get_partitioned_gpt_layer_spec(core_attention="sdpa")
+    else:
+        ref_spec, part_spec = get_gpt_layer_local_spec(), get_partitioned_gpt_layer_spec(core_attention="local")
     cfg = config(torch, s)
     torch.manual_seed(4321)
     ref = GPTModel(cfg, ref_spec, vocab_size=s.vocab, max_sequence_length=s.seq).to(device)

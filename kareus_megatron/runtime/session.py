@@ -33,45 +33,12 @@ from kareus_megatron.runtime import hooks, megatron_patch, megatron_writers
 from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.clock.transport_gpu import CudaEvents
 from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.process_env import global_rank_and_world, gpu_target, local_rank_from_env
+from kareus_megatron.runtime.truth import Truth, session_truth
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
 Controller = Literal["process", "thread"]
-
-
-def _global_rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the world size: torch.distributed's when initialised, else RANK, WORLD_SIZE."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover - the runtime always has torch
-        pass
-    try:
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise ConfigError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
-                          "are not integers") from None
-
-
-def local_rank_from_env() -> int:
-    """LOCAL_RANK (torchrun, Megatron launchers) or 0."""
-    raw = os.environ.get("LOCAL_RANK", "0")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"LOCAL_RANK={raw!r} is not an integer") from None
-
-
-def gpu_target(local_index: int, backend: str) -> tuple[int, str | None]:
-    """(NVML index, UUID or None) of CUDA device `local_index` (cuda_map.py); a simulated GPU: (index, None)."""
-    if backend == "simulated":
-        return local_index, None
-    from kareus_megatron.hardware.device.cuda_map import cuda_nvml_target
-
-    target = cuda_nvml_target(local_index)
-    return target.index, target.uuid
 
 
 class _Reading:
@@ -79,8 +46,9 @@ class _Reading:
 
     done = True
 
-    def __init__(self, t: float, energy_j: float) -> None:
+    def __init__(self, t: float, energy_j: float, temperature_c: float | None = None) -> None:
         self.t, self.energy_j = t, energy_j
+        self.info = {"temperature_c": temperature_c}  # as a clock controller's mark answer (decisions.py)
 
     def wait(self, timeout: float | None = None) -> bool:
         return True
@@ -121,6 +89,8 @@ class RuntimeSession:
         self.meter: IterationMeter | None = None
         self.patch: Any = None  # the framework patch's PatchState
         self.overlap_engine: Any = None  # set up here when the plan runs 2 nanobatches
+        self.auto: Any = None  # the closed loop's controller under --kareus-plan auto (runtime/auto.py)
+        self.truth: Truth | None = None  # a simulated truth (KAREUS_SIMULATED_TRUTH; runtime/truth.py)
         self.closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -133,7 +103,8 @@ class RuntimeSession:
         gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
             self.plan.gpu if backend == "simulated" and self.plan is not None else None)
         index, uuid = gpu_target(self.local_rank, backend)
-        rank, world = _global_rank_and_world()
+        self.truth = session_truth(backend, self.plan)  # refused in one line before anything starts
+        rank, world = global_rank_and_world()
         log = open_rank_log(self.log_path, rank, self.log_mode) if self.log_path else None  # before training
         header: dict[str, Any] = {"rank": rank, "world": world, "local_rank": self.local_rank, "gpu_index": index,
                                   "plan": None if self.plan is None else self.source, "backend": backend}
@@ -142,6 +113,8 @@ class RuntimeSession:
             header.update(pp=par.pp, tp=par.tp, cp=par.cp, dp=par.dp)
         if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
+        if self.truth is not None:
+            header["truth"] = {"path": self.truth.file.path, "sha256": self.truth.file.sha256}
         try:
             self._start_measuring(index, uuid, backend, gpu, header, log)
         except BaseException:
@@ -184,6 +157,8 @@ class RuntimeSession:
                     raise ClockControlError(str(self.ready.get("message")))
                 warnings.warn(f"kareus: {self.ready.get('message')}; training at default clocks", stacklevel=2)
             read_only = bool(self.ready.get("read_only", read_only_from_env()))
+            if self.truth is not None:  # without clock control the truth runs everything at the default clock
+                self.truth.clock_control = client.clock_control and not read_only
             header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
                           clock_control=client.clock_control and not read_only, read_only=read_only,
                           predicted=self.plan.predicted.model_dump())
@@ -216,8 +191,12 @@ class RuntimeSession:
 
     def _close_meter(self, wait_s: float) -> None:
         self._restore_signal_handlers()
+        if self.auto is not None:  # the closed loop (runtime/auto.py) stops planning
+            self.auto.stop()
         if self.meter is not None:
             self.meter.close(wait_s)
+        if self.truth is not None:
+            self.truth.close()  # warns when many instructions outlasted the truth's time
 
     # -- signals: write what is resolved, then what was there before ---------------------------
     def _install_signal_handlers(self) -> None:
@@ -279,7 +258,9 @@ class RuntimeSession:
                 torch.cuda.synchronize()
         except ImportError:  # pragma: no cover - the frameworks always have torch
             pass
-        return _Reading(time.monotonic(), float(self.device.energy_j()))
+        from kareus_megatron.hardware.measure import temperature_c
+
+        return _Reading(time.monotonic(), float(self.device.energy_j()), temperature_c(self.device))
 
     # -- called by the patch (training thread) -----------------------------------------------
     def validate(self, plan: Plan | None, live: Any, source: str) -> None:
@@ -293,12 +274,16 @@ class RuntimeSession:
             try:
                 self.framework_patch.validate_plan(plan, live, supported if self._clock_control else None,
                                                    device_gpu if self._clock_control else None, source)
+                if self.truth is not None:
+                    self.truth.bind(plan, live.pp_rank)  # this rank's per-instruction truth
             except Exception:
                 if self.client is not None:
                     self.client.reset(timeout_s=2.0)
                 raise
         if self.meter is not None:
             self.meter.set_stage(live.pp_rank, **live.layout())
+            if plan is not None and live.pp_rank < len(plan.stages):  # what the per-instruction columns name
+                self.meter.set_plan(plan.stages[live.pp_rank].instructions)
             if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one
                 self.meter.attach_sink(megatron_writers.attach(plan, self.source))
         if plan is not None and self.framework_patch is megatron_patch:
@@ -344,16 +329,40 @@ class RuntimeSession:
 
     def instruction_callables(self) -> tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]:
         """What the patch calls at every instruction: (begins(iteration, index, mhz, kind) or None,
-        ends()). With a clock controller these are the client's own methods (the shortest path)."""
+        ends()). With a clock controller these are the client's own methods (the shortest path), timed by
+        the meter for the run log's per-instruction columns (runtime/instruction_times.py)."""
+        pair: tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]
         if self.client is not None:
-            return self.client.instruction_begins, self.client.instruction_ends
-        return None, self.instruction_ends
+            pair = self.client.instruction_begins, self.client.instruction_ends
+            if self.truth is not None:  # the truth's busy power and time (the meter times the stretch too)
+                pair = self.truth.callables(*pair)
+        else:
+            pair = None, self.instruction_ends
+        return self.meter.instruction_callables(*pair) if self.meter is not None else pair
 
     def iteration_callables(self) -> tuple[Callable[[int], None], Callable[[int], None]]:
         """What the patch calls at every iteration boundary: the meter's own begin and end."""
         if self.meter is not None:
             return self.meter.begin, self.meter.end
         return self.iteration_begins, self.iteration_ends
+
+    def switch_plan(self, plan: Plan) -> None:
+        """Run `plan` (the same job's) from the next iteration on: the closed loop's switch (runtime/auto.py).
+
+        Between iterations, on every rank at the same boundary (a 2-nanobatch plan sets up the overlap engine,
+        collectively). A plan that does not fit the live run raises PlanMismatchError and the old one stays."""
+        patch = self.patch
+        if patch is not None and patch.validated and plan is not None:
+            self.framework_patch.validate_plan(plan, patch.live, None, None, "the auto plan")
+            if self.framework_patch is megatron_patch:
+                self._setup_overlap(plan, patch.live)
+        self.plan = plan
+        if patch is not None:
+            patch.switch_plan(plan)
+            if self.meter is not None and patch.rank < len(plan.stages):  # the log's columns name the new plan
+                self.meter.set_plan(plan.stages[patch.rank].instructions)
+        if self.truth is not None:
+            self.truth.bind(plan)
 
     def training_failed(self) -> None:
         """An exception left the schedule: reset clocks now (the next iteration re-applies them)."""

@@ -9,7 +9,9 @@ An instruction is its chunk's layers (forward; or recompute + backward with acti
 all alike, plus the stage's extra work (embedding, final norm, output layer, loss) on the full
 microbatch. Its cost with 2 nanobatches at clock f is
 ``L × (alone(f) + Σ_partitions table_p(f, knob_p)) + extras(f)``; the knobs of different partitions are
-independent, so the frontier at f is an exact Pareto sum of the partitions' frontiers.
+independent, so the frontier at f is an exact Pareto sum of the partitions' frontiers. With cross-layer
+overlap (``cross_layer``, a model the overlap engine does not run yet) the L layers cost the layer table
+once and its ``inner`` table L - 1 times (search/tables.py), with the same knobs.
 
 Methods (the same machinery):
 
@@ -101,10 +103,11 @@ class LayerTables:
     """
 
     def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
-                 schedule: str = SCHEDULE_1F1B):
+                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False):
         self.gpu, self.model, self.par, self.kernel, self.schedule = gpu, model, par, kernel, schedule
+        self.cross_layer = cross_layer
         self.clocks_mhz = np.asarray(clocks_mhz, dtype=np.int64)
-        self.adapter = OverlapCost(kernel)
+        self.adapter = OverlapCost(kernel, precision=par.precision)
         self.overlap_error: KareusError | None = None  # why 2 nanobatches cannot run, if they cannot
         self.phases: dict[str, PhaseTable] = {}
         nb = 2
@@ -114,7 +117,7 @@ class LayerTables:
                 raise InfeasibleConfigError(f"{blocked}; plan it with 1 nanobatch")
             check_nanobatches(par, nb)
             for ph in ("forward", "backward", "recompute"):
-                self.phases[ph] = phase_table(self.adapter, model, par, ph, self.clocks_mhz, nb)
+                self.phases[ph] = phase_table(self.adapter, model, par, ph, self.clocks_mhz, nb, cross_layer)
         except InfeasibleConfigError as e:
             self.overlap_error = e
             nb = 1
@@ -152,12 +155,16 @@ class LayerTables:
         const_t, const_e = float(et[ci]), float(ee[ci])
         parts, meta = [], []
         for ph in instruction_phases(self.par, kind):
-            table = self.phases[ph]
-            const_t += layers * float(table.alone_time_s[ci])
-            const_e += layers * float(table.alone_energy_j[ci])
-            for name, pt in table.partitions.items():
-                t = layers * pt.time_s[ci]  # (n_slots, n_sms)
-                e = layers * pt.energy_j[ci]
+            sums: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}  # name -> (table, time, energy) of the chunk
+            for mult, table in self.phases[ph].terms(layers):
+                const_t += mult * float(table.alone_time_s[ci])
+                const_e += mult * float(table.alone_energy_j[ci])
+                for name, p in table.partitions.items():
+                    t, e = mult * p.time_s[ci], mult * p.energy_j[ci]  # (n_slots, n_sms)
+                    if name in sums:
+                        t, e = sums[name][1] + t, sums[name][2] + e
+                    sums[name] = (p, t, e)
+            for name, (pt, t, e) in sums.items():
                 if default_only:
                     j = int(np.flatnonzero(pt.comm_sms == self.adapter.default_sms)[0])
                     t, e = t[:1, j : j + 1], e[:1, j : j + 1]
@@ -175,13 +182,13 @@ _CACHE: list[tuple[tuple, LayerTables]] = []
 
 
 def layer_tables(gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
-                 schedule: str = SCHEDULE_1F1B) -> LayerTables:
+                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False) -> LayerTables:
     """LayerTables for these inputs, reused across methods of one planning run (small identity cache)."""
-    key = (id(gpu), id(kernel), model, par, tuple(int(c) for c in clocks_mhz), schedule)
+    key = (id(gpu), id(kernel), model, par, tuple(int(c) for c in clocks_mhz), schedule, cross_layer)
     for k, v in _CACHE:
         if k == key and v.gpu is gpu and v.kernel is kernel:
             return v
-    tables = LayerTables(gpu, model, par, kernel, clocks_mhz, schedule)
+    tables = LayerTables(gpu, model, par, kernel, clocks_mhz, schedule, cross_layer)
     _CACHE.append((key, tables))
     del _CACHE[:-4]
     return tables
@@ -230,11 +237,13 @@ def build_options(
     *,
     max_points: int | None = None,
     schedule: str = SCHEDULE_1F1B,
+    cross_layer: bool = False,
 ) -> dict[OptionKey, InstructionOptions]:
     """Options of every instruction (stage, chunk, kind) of the layout for `method` on `schedule`; one GPU each.
 
     Exact Pareto sets by default; max_points keeps at most that many per instruction (evenly in time,
-    both ends kept), after which a baseline option may no longer be matched exactly.
+    both ends kept), after which a baseline option may no longer be matched exactly. cross_layer: the
+    2-nanobatch options model cross-layer overlap inside each chunk (search/partition.py).
     """
     if method not in OPTION_METHODS:
         raise ConfigError(f"method {method!r} has no per-instruction options; those that do: "
@@ -245,7 +254,7 @@ def build_options(
     clocks = tuple(sorted(set(clocks), reverse=True))
     if method == MEGATRON and gpu.max_sm_clock_mhz not in clocks:
         clocks = (gpu.max_sm_clock_mhz, *clocks)
-    tables = layer_tables(gpu, model, par, kernel, clocks, schedule)
+    tables = layer_tables(gpu, model, par, kernel, clocks, schedule, cross_layer)
     out: dict[OptionKey, InstructionOptions] = {}
     for stage in range(par.pp):
         for chunk in range(par.vp):
@@ -318,15 +327,15 @@ def evaluate_overlap(
     t, e = float(et[ci]), float(ee[ci])
     ad = tables.adapter
     for ph in instruction_phases(tables.par, kind):
-        table = tables.phases[ph]
-        t += layers * float(table.alone_time_s[ci])
-        e += layers * float(table.alone_energy_j[ci])
-        for name, pt in table.partitions.items():
-            sms, slot = config.get(name, (ad.default_sms, pt.slots[0]))
-            k = pt.slots.index(slot)
-            s = np.array([float(sms)])
-            for inst in table.schedule.instances:
-                if inst.name == name:
-                    ti, ei = ad.instance(inst, clocks, s)
-                    t, e = t + layers * float(ti[0, k, 0]), e + layers * float(ei[0, k, 0])
+        for mult, table in tables.phases[ph].terms(layers):
+            t += mult * float(table.alone_time_s[ci])
+            e += mult * float(table.alone_energy_j[ci])
+            for name, pt in table.partitions.items():
+                sms, slot = config.get(name, (ad.default_sms, pt.slots[0]))
+                k = pt.slots.index(slot)
+                s = np.array([float(sms)])
+                for inst in table.schedule.instances:
+                    if inst.name == name:
+                        ti, ei = ad.instance(inst, clocks, s)
+                        t, e = t + mult * float(ti[0, k, 0]), e + mult * float(ei[0, k, 0])
     return t, e

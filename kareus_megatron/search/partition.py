@@ -24,6 +24,23 @@ Per layer with TP only, forward: ``fwd_attn`` × 1 and ``fwd_mlp`` × 2 instance
 segment alone and the last MLP all-reduce exposed; backward: ``bwd_mlp`` × 1, ``bwd_attn`` × 2, and the
 last all-reduce beside nb0's ``input_norm``. With one nanobatch the layer is Megatron's sequential
 order: every collective exposed on NCCL's default comm SMs.
+
+Sequence parallelism (vocab.py): the norms form their own segments (``sp_attn_norm``, ``sp_mlp_norm``,
+ending in the all-gathers) and the GEMM blocks end in reduce-scatters. The backward starts with the
+all-gather of the output gradient, which has no compute before it inside the layer: it is a *leading*
+collective, exposed (run alone on NCCL's default comm SMs) once per nanobatch, and the first segment's
+nanobatch-0 step runs alone after it. Forward with SP and 2 nanobatches: ``fwd_sp_attn_norm`` × 1,
+the other three SP partitions × 2, the last reduce-scatter exposed; backward: ``bwd_sp_mlp`` × 1,
+``bwd_sp_attn_norm`` and ``bwd_sp_attn`` × 2, the last reduce-scatter beside nb0's ``input_norm``.
+
+Cross-layer overlap (a planner model only: the overlap engine does not run it yet): inside a model chunk
+of L alike layers, the last collective of layer l runs beside the other nanobatch's first step of layer
+l+1 (forward: nb1's last MLP collective beside nb0's first segment of l+1; backward: the mirror, where
+layer l's tail and l+1's first segment form one step, nb0's beside that collective on NCCL's default SMs
+as the tail is today), so only the chunk's last layer leaves it exposed (or beside the tail alone).
+``chunk_schedule`` lays out a whole chunk; ``layer_schedule(.., cross_layer=True)`` is what one more
+layer adds (``chunk(L) = layer + (L - 1) × increment``, exact: the steps repeat from the
+second layer on). The added instances use the existing partition names and knobs.
 """
 
 from __future__ import annotations
@@ -38,8 +55,7 @@ from kareus_megatron.workload.opgraph import layer_ops
 
 COMPUTE_KINDS = ("gemm", "attention", "memory")
 COLLECTIVE_KIND = "collective"
-# Sequence parallelism's all-gather / reduce-scatter pairs: not modelled as partitions yet.
-UNSUPPORTED_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter")
+SP_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter")  # sequence parallelism's TP collectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,34 +130,44 @@ def partition_name(phase: str, compute: Sequence[Any], collective: Any | None) -
     """vocab partition name of a segment's compute in `phase` (None for a tail with no collective).
 
     The segment ending in a CP collective is ``{fwd,bwd}_cp_kv``; otherwise the op graph's segment label
-    of the compute (``attn`` / ``mlp``) names it.
+    of the compute (``attn`` / ``mlp``) names it: ``{fwd,bwd}_{label}`` after a TP all-reduce, with SP
+    ``{fwd,bwd}_sp_{label}`` before a reduce-scatter and ``{fwd,bwd}_sp_{label}_norm`` before an
+    all-gather (the label is that of the all-gather, i.e. of the TP block the norm feeds).
     """
     if collective is None:
         return None
     prefix = "bwd" if phase == "backward" else "fwd"
     if _is_cp(collective):
         return f"{prefix}_cp_kv"
+    kind = getattr(collective, "collective", None)
+    if kind == "tp_all_gather":
+        return f"{prefix}_sp_{collective.segment}_norm"
     label = getattr(compute[-1], "segment", None)
     if label not in ("attn", "mlp"):
         names = {op.name for op in compute}
         label = "mlp" if names & {"fc1", "fc2", "activation"} else "attn"
-    return f"{prefix}_{label}"
+    return f"{prefix}_sp_{label}" if kind == "tp_reduce_scatter" else f"{prefix}_{label}"
 
 
 def split_segments(phase: str, ops: Sequence[Any]) -> list[Segment]:
     """Cut one nanobatch's layer op list (execution order) at each collective into segments.
 
-    Raises InfeasibleConfigError for layouts the overlap model does not cover yet (a collective with no
-    compute before it, as sequence parallelism's leading all-gather).
+    A collective with no compute before it at the start of the layer (SP's backward all-gather of the
+    output gradient) becomes a *leading* segment: empty compute, no partition name. Raises
+    InfeasibleConfigError for a collective with no compute before it anywhere else (two collectives in a
+    row: a layout the overlap model does not cover).
     """
     segments: list[Segment] = []
     run: list[Any] = []
     for op in ops:
         if op.kind == COLLECTIVE_KIND:
-            if not run or op.collective in UNSUPPORTED_COLLECTIVES:
+            if not run and not segments:
+                segments.append(Segment((), op, None, ()))
+                continue
+            if not run:
                 raise InfeasibleConfigError(
-                    f"nanobatch overlap does not cover {op.collective or op.name} ({phase}) yet: sequence "
-                    "parallelism is not supported with 2 nanobatches; drop --sp or plan with 1 nanobatch."
+                    f"nanobatch overlap does not cover {op.collective or op.name} ({phase}) right after another "
+                    "collective; plan with 1 nanobatch."
                 )
             name = partition_name(phase, run, op)
             assert name is not None  # op is a collective, so the segment has a partition name
@@ -164,40 +190,109 @@ def _slot_positions(name: str, compute: Sequence[Any]) -> tuple[int, ...]:
     return pos
 
 
-def layer_schedule(phase: str, ops: Sequence[Any], nanobatches: int) -> LayerSchedule:
-    """The layer's overlap schedule with `nanobatches` nanobatches; `ops` is ONE nanobatch's op list."""
+def layer_schedule(phase: str, ops: Sequence[Any], nanobatches: int, cross_layer: bool = False) -> LayerSchedule:
+    """The layer's overlap schedule with `nanobatches` nanobatches; `ops` is ONE nanobatch's op list.
+
+    cross_layer: the *increment* of one more layer inside a chunk with cross-layer overlap instead, so that
+    ``chunk_schedule(.., L)`` = this layer's schedule + (L - 1) × the increment (see the module docstring).
+    """
     if nanobatches < 1:
         raise ValueError(f"nanobatches must be ≥ 1, not {nanobatches}")
     if nanobatches == 1:  # Megatron's order: every collective exposed, on NCCL's default SMs
         alone1 = tuple(op for op in ops if op.kind in COMPUTE_KINDS)
         colls = tuple(op for op in ops if op.kind == COLLECTIVE_KIND)
         return LayerSchedule(phase, 1, alone1, (), (), colls)
+    if cross_layer:
+        return _increment(chunk_schedule(phase, ops, nanobatches, 2), chunk_schedule(phase, ops, nanobatches, 1))
+    return chunk_schedule(phase, ops, nanobatches, 1)
+
+
+def chunk_schedule(phase: str, ops: Sequence[Any], nanobatches: int, layers: int) -> LayerSchedule:
+    """Schedule of `layers` alike layers run back to back with cross-layer overlap (`ops`: one layer, one nanobatch).
+
+    With 1 layer this is the layer's own schedule; with more, each layer's last collective runs beside the
+    other nanobatch's first step of the next layer (the previous layer's tail, if any, joins that step).
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be ≥ 1, not {layers}")
+    if nanobatches == 1:
+        one = layer_schedule(phase, ops, 1)
+        return LayerSchedule(phase, 1, one.alone * layers, (), (), one.exposed * layers)
     segments = split_segments(phase, ops)
-    body = [s for s in segments if s.collective is not None]
+    lead = [s for s in segments if not s.compute]  # at most one: split_segments refuses two collectives in a row
+    body = [s for s in segments if s.collective is not None and s.compute]
     tail = tuple(op for s in segments if s.collective is None for op in s.compute)
+    steps: list[tuple[Segment, bool]] = [(seg, False) for seg in body]  # (segment, joins a tail)
+    for _ in range(layers - 1):
+        steps += _next_layer(phase, lead, body, tail)
+    if not body and not lead:  # no collective at all: every op runs alone
+        return LayerSchedule(phase, nanobatches, tail * (nanobatches * layers), (), (), ())
+    leading = tuple(s.collective for s in lead) * nanobatches  # exposed, one per nanobatch
     alone: list[Any] = []
     instances: list[PartitionInstance] = []
+    fixed: list[PartitionInstance] = []
     pending: Segment | None = None  # segment whose collective the previous step issued
-    for seg in body:
-        for _ in range(nanobatches):
+    for seg, joined in steps:
+        for nb in range(nanobatches):
             if pending is None:
                 alone.extend(seg.compute)
+            elif seg.partition is None or (joined and nb == 0):  # beside the previous layer's last collective
+                fixed.append(PartitionInstance("tail", seg.compute, pending.collective, (0,)))
             else:
-                assert seg.partition is not None  # body segments end in a collective: split_segments named them
-                instances.append(
-                    PartitionInstance(seg.partition, seg.compute, pending.collective, seg.slot_positions)
-                )
+                instances.append(PartitionInstance(seg.partition, seg.compute, pending.collective,
+                                                   seg.slot_positions))
             pending = seg
-    fixed: tuple[PartitionInstance, ...] = ()
     exposed: tuple[Any, ...] = ()
     if pending is not None and tail:
-        fixed = (PartitionInstance("tail", tail * (nanobatches - 1), pending.collective, (0,)),)
+        fixed.append(PartitionInstance("tail", tail * (nanobatches - 1), pending.collective, (0,)))
         alone.extend(tail)
     elif pending is not None:
         exposed = (pending.collective,)
-    else:  # no collective at all: every nanobatch's tail runs alone
+    else:
         alone.extend(tail * nanobatches)
-    return LayerSchedule(phase, nanobatches, tuple(alone), tuple(instances), fixed, exposed)
+    return LayerSchedule(phase, nanobatches, tuple(alone), tuple(instances), tuple(fixed), leading + exposed)
+
+
+def _next_layer(phase: str, lead: list[Segment], body: list[Segment],
+                tail: tuple[Any, ...]) -> list[tuple[Segment, bool]]:
+    """Steps of one more layer after a layer whose `tail` (the ops after its last collective) joins them.
+
+    Without a tail, nanobatch 0's first segment runs beside the previous layer's last collective as an
+    instance of its partition (its knobs). With one, the tail and the next layer's first segment are one
+    run of compute, one step (flag True): nanobatch 0's runs beside the previous layer's last collective as
+    today's model runs that collective beside the tail (NCCL's default comm SMs, issued at once), now
+    with a longer partner; the other nanobatches' are instances of the first segment's partition, launch
+    slots at its ops. A tail that ends in the next layer's leading collective (SP backward: the
+    output-gradient all-gather) is a step of its own on NCCL's default comm SMs for every nanobatch.
+    """
+    if lead:
+        if not tail:
+            raise InfeasibleConfigError(
+                f"cross-layer overlap does not cover {phase} layers that start and end with a collective; "
+                "plan without --cross-layer."
+            )
+        return [(Segment(tail, lead[0].collective, None, (0,)), False), *((seg, False) for seg in body)]
+    if not tail:
+        return [(seg, False) for seg in body]
+    first = body[0]
+    shifted = tuple(len(tail) + k for k in first.slot_positions)
+    merged = Segment(tail + first.compute, first.collective, first.partition, shifted)
+    return [(merged, True), *((seg, False) for seg in body[1:])]
+
+
+def _increment(more: LayerSchedule, one: LayerSchedule) -> LayerSchedule:
+    """`more` minus `one` (multisets of ops and instances): what one more layer adds to a chunk."""
+
+    def minus(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+        rest = list(a)
+        for x in b:
+            hit = next(k for k, y in enumerate(rest) if y == x)  # StopIteration: our own invariant broke
+            del rest[hit]
+        return tuple(rest)
+
+    return LayerSchedule(more.phase, more.nanobatches, minus(more.alone, one.alone),
+                         minus(more.instances, one.instances), minus(more.fixed, one.fixed),
+                         minus(more.exposed, one.exposed))
 
 
 def collective_kind(name: str) -> str:

@@ -83,6 +83,7 @@ class PlanningResult:
     gpus_per_stage: int
     methods: dict[MethodName, MethodFrontier]
     calibration_sha256: str | None = None
+    cross_layer: bool = False  # the 2-nanobatch options model cross-layer overlap (search/partition.py)
 
 
 def check_methods(methods: Sequence[str]) -> list[MethodName]:
@@ -199,10 +200,12 @@ def plan_methods(
     clocks_mhz: Sequence[int] | None = None,
     calibration_sha256: str | None = None,
     progress: Progress | None = None,
+    cross_layer: bool = False,
 ) -> PlanningResult:
     """Solve the frontier of every method on one pipeline DAG and choose the points to write.
 
     `progress(message, fraction)` is called as the work advances (fraction 0..1 of the whole run).
+    cross_layer: the 2-nanobatch options model cross-layer overlap (a model only: the runtime refuses it).
     """
     from kareus_megatron.search.options import build_options
     from kareus_megatron.search.pipeline import build_dag
@@ -240,7 +243,8 @@ def plan_methods(
             found[name] = _powercap_frontier(dag, model, par, kernel, p_blocked, gpus_per_stage)
             done += w
             continue
-        opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule)
+        opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule,
+                             cross_layer=cross_layer)
         say(f"{name}: frontier", done + 0.1 * w)
 
         def frontier_progress(f: float, d: float = done, w: float = w, n: str = name) -> None:
@@ -257,7 +261,7 @@ def plan_methods(
     return PlanningResult(
         gpu=gpu, model=model, par=par, schedule=schedule, orders=orders, dag=dag, p2p_time_s=p2p_s,
         dp_reduce_time_s=dp_s, p_blocked_w=p_blocked, gpus_per_stage=gpus_per_stage, methods=found,
-        calibration_sha256=calibration_sha256,
+        calibration_sha256=calibration_sha256, cross_layer=cross_layer,
     )
 
 

@@ -78,7 +78,7 @@ def cap_grid_w(kernel: KernelModel, model: Any, par: Any, n: int = DEFAULT_CAPS)
 
 def _costs(kernel: KernelModel, model: Any, par: Any, fmax: float) -> dict[OptionKey, tuple[float, float]]:
     """(time s, energy J) of every instruction on one GPU at a requested fmax (MHz), 1 nanobatch."""
-    adapter = OverlapCost(kernel)
+    adapter = OverlapCost(kernel, precision=par.precision)
     clocks = np.array([fmax])
     per_phase = {ph: adapter.alone(layer_ops(model, par, ph, 1), clocks) for ph in ("forward", "backward", "recompute")}
     out: dict[OptionKey, tuple[float, float]] = {}

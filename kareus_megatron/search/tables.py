@@ -8,7 +8,10 @@ on one GPU and every SM clock of the grid:
   collective);
 - ``partitions[name]``: a PartitionTable with the time and energy of every knob setting, summed over
   the instances of that partition in the layer (see search/partition.py; the layer's last collective
-  runs on NCCL's default SMs and belongs to ``alone_*``).
+  runs on NCCL's default SMs and belongs to ``alone_*``);
+- ``inner`` (cross-layer overlap only): the same tables for what each layer after a model chunk's first
+  adds (search/partition.py ``layer_schedule(.., cross_layer=True)``); a chunk of L layers costs the
+  layer table once plus ``inner`` L - 1 times (``PhaseTable.terms``).
 
 Every time and energy comes from the cost model (cost/overlap.py's OverlapCost, called once per op list
 with the whole grid broadcast), so a table costs a few numpy calls regardless of the grid size; this
@@ -27,7 +30,7 @@ from numpy.typing import NDArray
 from kareus_megatron.cost.collectives import comm_sms_grid
 from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.hardware.gpus import gpu_spec
-from kareus_megatron.search.partition import LayerSchedule, collective_kind, layer_schedule
+from kareus_megatron.search.partition import SP_COLLECTIVES, LayerSchedule, collective_kind, layer_schedule
 from kareus_megatron.workload.opgraph import layer_ops
 
 # Comm-SM knob values the Kareus authors searched on A100 (TP all-reduce 3..30 in steps of 3, CP
@@ -50,10 +53,15 @@ def comm_sms_range(gpu: Any, partition: str) -> np.ndarray:
 
     On a node with an NCCL algorithm table (Hopper NVSwitch: ring and NVLS, cost/collectives.py) the grid
     follows from where those algorithms saturate; elsewhere the Kareus A100 grid scaled by the SM count.
+    Sequence-parallel partitions (all-gather / reduce-scatter over TP) use the all-gather/reduce-scatter
+    algorithms' grid on such a node, and the TP A100 grid elsewhere.
     """
     kind = collective_kind(partition)
     cp = kind.startswith("cp_")
-    grid = comm_sms_grid(gpu, ("all_gather", "reduce_scatter", "send_recv") if cp else ("all_reduce",))
+    families: tuple[str, ...] = ("all_gather", "reduce_scatter", "send_recv") if cp else ("all_reduce",)
+    if kind in SP_COLLECTIVES:
+        families = ("all_gather", "reduce_scatter")
+    grid = comm_sms_grid(gpu, families)
     if grid is not None:
         return np.asarray(grid, dtype=np.int64)
     return scale_sms(gpu, CP_COMM_SMS_A100 if cp else TP_COMM_SMS_A100)
@@ -83,21 +91,45 @@ class PhaseTable:
     alone_energy_j: np.ndarray
     partitions: dict[str, PartitionTable]
     schedule: LayerSchedule
+    inner: PhaseTable | None = None  # cross-layer overlap: what each layer after a chunk's first adds
+
+    def terms(self, layers: int) -> list[tuple[int, PhaseTable]]:
+        """(multiplicity, table) pairs whose sum is a chunk of `layers` layers of this phase."""
+        if self.inner is None or layers == 1:
+            return [(layers, self)]
+        return [(1, self), (layers - 1, self.inner)]
 
 
 def phase_table(
     adapter: OverlapCost, model: Any, par: Any, phase: str, clocks_mhz: Sequence[int] | NDArray[np.integer[Any]],
-    nanobatches: int = 2,
+    nanobatches: int = 2, cross_layer: bool = False,
 ) -> PhaseTable:
-    """Knob tables of one layer of `phase` at every clock (1-nanobatch order and `nanobatches` overlap)."""
+    """Knob tables of one layer of `phase` at every clock (1-nanobatch order and `nanobatches` overlap).
+
+    cross_layer: also the table of the layers after a chunk's first with cross-layer overlap (``inner``).
+    """
     clocks = np.asarray(clocks_mhz, dtype=float)
-    gpu = adapter.gpu
-    default = np.array([adapter.default_sms], dtype=float)
     seq_t, seq_e = adapter.alone(layer_ops(model, par, phase, 1), clocks)  # Megatron's order
     seq = layer_schedule(phase, layer_ops(model, par, phase, 1), 1)
     if nanobatches == 1:
         return PhaseTable(phase, clocks, seq_t, seq_e, seq_t, seq_e, {}, seq)
-    sched = layer_schedule(phase, layer_ops(model, par, phase, nanobatches), nanobatches)
+    ops = layer_ops(model, par, phase, nanobatches)
+    sched = layer_schedule(phase, ops, nanobatches)
+    alone_t, alone_e, tables = _overlap_tables(adapter, sched, clocks)
+    inner = None
+    if cross_layer:
+        more = layer_schedule(phase, ops, nanobatches, cross_layer=True)
+        in_t, in_e, in_tables = _overlap_tables(adapter, more, clocks)
+        inner = PhaseTable(phase, clocks, seq_t, seq_e, in_t, in_e, in_tables, more)
+    return PhaseTable(phase, clocks, seq_t, seq_e, alone_t, alone_e, tables, sched, inner)
+
+
+def _overlap_tables(
+    adapter: OverlapCost, sched: LayerSchedule, clocks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict[str, PartitionTable]]:
+    """(time s, energy J) per clock of the work no knob changes, and the partition tables, of `sched`."""
+    gpu = adapter.gpu
+    default = np.array([adapter.default_sms], dtype=float)
     alone_t, alone_e = adapter.alone(sched.alone, clocks)
     for inst in sched.fixed:  # the last collective beside the tails, on NCCL's default SMs
         t, e = adapter.instance(inst, clocks, default)
@@ -116,4 +148,4 @@ def phase_table(
                 ti, ei = adapter.instance(inst, clocks, sms)
                 t, e = t + ti, e + ei
         tables[name] = PartitionTable(name, slots[name], sms.astype(np.int64), t, e, sched.count(name))
-    return PhaseTable(phase, clocks, seq_t, seq_e, alone_t, alone_e, tables, sched)
+    return alone_t, alone_e, tables

@@ -20,10 +20,10 @@ EXPECTED = {
         '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "calibrate": [
-        '--calibration', '--cp', '--debug', '--device', '--dp', '--dry-run', '--first-stage-layers', '--gpu',
-        '--gpu-index',
-        '--gpus-per-node', '--last-stage-layers', '--mbs', '--microbatches', '--model', '--nodes', '--out', '--output',
-        '--pp', '--precision',
+        '--calibration', '--cp', '--debug', '--device', '--dp', '--dry-run', '--first-stage-layers', '--force',
+        '--from-log', '--gpu', '--gpu-index', '--gpus-per-node', '--iterations', '--last-stage-layers', '--mbs',
+        '--microbatches', '--model', '--nodes', '--out', '--output',
+        '--plan', '--pp', '--precision',
         '--profile', '--ratios-only', '--recompute', '--run', '--seconds', '--seq', '--sequence-parallel', '--sp',
         '--tp', '--vp', '-o'
     ],
@@ -34,7 +34,7 @@ EXPECTED = {
         '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "plan": [
-        '--calibration', '--cp', '--debug', '--distributed-optimizer',
+        '--calibration', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
         '--gpus-per-node',
         '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',

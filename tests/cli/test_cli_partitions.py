@@ -69,7 +69,6 @@ def test_table_output_and_one_nanobatch(capsys):
         (["--nanobatches", "4"], "4 nanobatches"),
         (["--nanobatches", "1", "--overlap", "fwd_attn=3@qkv"], "needs --nanobatches 2"),
         (["--freq", "1411"], "1411 MHz"),
-        (["--sp"], "sequence parallelism"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, argv, needle):

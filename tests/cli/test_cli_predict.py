@@ -118,7 +118,8 @@ WORKLOAD_FLAGS = {"--gpu", "--model", "--tp", "--cp", "--pp", "--vp", "--dp", "-
 def test_cli_flags_are_deliberate():
     assert _flags("predict") == WORKLOAD_FLAGS | {"--freqs", "--format", "--distributed-optimizer", "--debug"}
     assert _flags("calibrate") == WORKLOAD_FLAGS | {"--profile", "--run", "--device", "--gpu-index", "--seconds",
-                                                    "--ratios-only", "-o", "--out", "--output", "--debug", "--dry-run"}
+                                                    "--ratios-only", "-o", "--out", "--output", "--debug", "--dry-run",
+                                                    "--from-log", "--plan", "--force", "--iterations"}
 
 
 def test_predict_and_plan_default_to_the_same_clock_grid(capsys):

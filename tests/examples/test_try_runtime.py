@@ -1,8 +1,9 @@
-"""`make try-runtime` end to end: plan the tiny GPT of examples/, train it on 2 gloo ranks under the plan
-(real megatron-core 1F1B schedule, simulated GPUs) and report measured against predicted."""
+"""`make try-runtime` end to end: plan the small GPT of examples/ for a layout and a method, train it on 2 gloo
+ranks under that plan (real megatron-core schedule, simulated GPUs) and report measured against predicted."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,22 +28,74 @@ def _make(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_try_runtime_plans_trains_and_reports_every_iteration(tmp_path: Path) -> None:
-    out = tmp_path / "try"
-    (out / "plan").mkdir(parents=True)
-    (out / "plan" / "stale.json").write_text("{}")  # an old try-out is replaced, not mixed in
-    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}")
+def _nanobatches(plan: Path) -> set[int]:
+    doc = json.loads(plan.read_text())
+    return {i["nanobatches"] for st in doc["stages"] for i in st["instructions"]}
+
+
+def _assert_complete(r: subprocess.CompletedProcess[str], out: Path, name: str, stages: int) -> None:
+    """Every iteration printed in order, the run log read whole, against the plan the run used."""
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     done = [int(k) for k in re.findall(rf"^iteration (\d+)/{ITERATIONS}\b", r.stdout, re.M)]
     assert done == list(range(1, ITERATIONS + 1))  # printed as each iteration ends, in order
-    assert not (out / "plan" / "stale.json").exists()
-    assert (out / "plan" / "plans" / "kareus-00.json").is_file()
-    assert (out / "run").is_dir()  # the run log: one file per rank
-    # the report read the run log of every iteration, against the plan the run used
-    assert re.search(rf"run log .*: {ITERATIONS} (complete )?iterations", r.stdout), r.stdout[-3000:]
-    assert "kareus-00.json (kareus, a100-sxm4-40gb" in r.stdout
-    for row in ("iteration time", "iteration energy", "stage 0 energy", "stage 1 energy"):
+    assert (out / "plan" / "plans" / f"{name}.json").is_file()
+    assert len(list((out / "run").iterdir())) >= 2  # the run log: one file per rank
+    assert re.search(rf"run log .*: {ITERATIONS} complete iterations \(0 partial", r.stdout), r.stdout[-3000:]
+    assert f"{name}.json ({name.rsplit('-', 1)[0]}, a40" in r.stdout
+    for row in ("iteration time", "iteration energy", *(f"stage {s} energy" for s in range(stages))):
         assert re.search(rf"^{row}\s+\S+ m?[sJ]\s", r.stdout, re.M), row
+
+
+def test_try_runtime_pp2_perseus_replaces_an_old_try_out(tmp_path: Path) -> None:
+    """The old default: 2 pipeline stages, a 1-nanobatch plan on megatron's own local spec."""
+    out = tmp_path / "try"
+    (out / "plan").mkdir(parents=True)
+    (out / "plan" / "stale.json").write_text("{}")  # an old try-out is replaced, not mixed in
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--pp 2", "METHOD=perseus")
+    _assert_complete(r, out, "perseus-00", stages=2)
+    assert not (out / "plan" / "stale.json").exists()
+    assert "layer spec: local" in r.stdout
+
+
+def test_try_runtime_tp2_sp_kareus_runs_two_nanobatches(tmp_path: Path) -> None:
+    out = tmp_path / "try"
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--tp 2 --sp", "METHOD=kareus")
+    _assert_complete(r, out, "kareus-00", stages=1)
+    assert 2 in _nanobatches(out / "plan" / "plans" / "kareus-00.json")  # the overlap really runs
+    assert json.loads((out / "plan" / "plans" / "kareus-00.json").read_text())["parallel"]["sequence_parallel"]
+    assert "layer spec: partitioned" in r.stdout
+
+
+def test_try_runtime_tp2_nanobatch_perseus(tmp_path: Path) -> None:
+    out = tmp_path / "try"
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--tp 2", "METHOD=nanobatch_perseus")
+    _assert_complete(r, out, "nanobatch_perseus-00", stages=1)
+    assert _nanobatches(out / "plan" / "plans" / "nanobatch_perseus-00.json") == {2}
+    assert "layer spec: partitioned" in r.stdout
+
+
+def test_try_runtime_cp2_megatron(tmp_path: Path) -> None:
+    """Context parallelism: megatron's local spec needs TE for it, so the partitioned layer runs (1 nanobatch)."""
+    out = tmp_path / "try"
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--cp 2", "METHOD=megatron")
+    _assert_complete(r, out, "megatron-00", stages=1)
+    assert json.loads((out / "plan" / "plans" / "megatron-00.json").read_text())["parallel"]["cp"] == 2
+    assert "layer spec: partitioned" in r.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("METHOD=bogus",), "kareus plan: error: unknown method(s) bogus"),
+    (("PARALLEL=--tp 2 --pp 2",), "kareus plan: error: 1 nodes × 2 GPUs = 2 GPUs is not a multiple of TP×CP×PP = 4"),
+    (("METHOD=megatron", "POINT=05"), "try-runtime: no plan megatron-05 in"),
+])
+def test_try_runtime_refuses_a_bad_method_layout_or_point_in_one_line(tmp_path: Path, args: tuple[str, ...],
+                                                                      message: str) -> None:
+    r = _make(f"OUT={tmp_path / 'try'}", *args, timeout_s=60)
+    assert r.returncode == 2
+    # make's own "Error 2" line ("make[1]: ***" when the suite itself runs under make, as `make test` does)
+    lines = [ln for ln in r.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", ln)]
+    assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+    assert not (tmp_path / "try" / "run").exists()  # nothing was trained
 
 
 def test_try_runtime_refuses_a_directory_that_is_not_a_try_out(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The runtime against every supported megatron-core series (kareus_megatron/versions.py), not only the
-pinned one: the real-schedule patch tests (test_megatron_patch.py, 2 gloo processes) rerun with the other
-series first on PYTHONPATH. 0.15.x comes from PyPI (`make install-test` puts it in .venv/alt/); 0.19.x has
-no PyPI release here, so its megatron/core comes from the vendored Megatron-LM snapshot."""
+pinned one: the real-schedule patch tests (test_megatron_patch.py, 2 gloo processes) and the SDPA core
+attention's numerics (test_sdpa_attention.py) rerun with the other series first on PYTHONPATH. 0.15.x
+comes from PyPI (`make install-test` puts it in .venv/alt/); 0.19.x has no PyPI release here, so its
+megatron/core comes from the vendored Megatron-LM snapshot."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from kareus_megatron.versions import supported_series
 ROOT = Path(__file__).resolve().parents[2]
 VENDOR = ROOT.parent / "shared" / "vendor"
 PINNED = "0.16.1"  # pyproject.toml's megatron-core: the suite itself runs against it
+# rerun against every other series: the real-schedule patch, and SDPAttention against that series'
+# DotProductAttention (fp32 numerics, TP=2)
+SERIES_TESTS = ("test_megatron_patch.py", "test_sdpa_attention.py")
 
 
 def _snapshot_core(tag: str, dest: Path) -> Path:
@@ -48,7 +52,7 @@ def test_the_patch_runs_on_every_supported_megatron_core(series, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
                KAREUS_TEST_MEGATRON_CORE=series.tested, PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=240",
-                        str(ROOT / "tests" / "runtime" / "test_megatron_patch.py")],
+                        *(str(ROOT / "tests" / "runtime" / f) for f in SERIES_TESTS)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"megatron-core {series.tested}:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
     assert " passed" in r.stdout and "skipped" not in r.stdout

@@ -57,7 +57,7 @@ def test_event_alignment_on_cpu_is_the_mark_latency_labelled_so(dry_run):
 
 
 @pytest.mark.parametrize("attention,core", [("local_attention", "DotProductAttention"),
-                                            ("sdpa_attention", "SdpaCoreAttention")])
+                                            ("sdpa_attention", "SDPAttention")])
 def test_partitioned_layer_matches_the_standard_layer(dry_run, attention, core):
     pl = dry_run[0]["partitioned_layer"]
     r = pl[attention]

@@ -127,7 +127,8 @@ class OwnedLocks:
 @runtime_checkable
 class SimulationHooks(Protocol):
     """What a simulated GPU offers beyond ``GPUDevice``. Times are ``time.monotonic()`` seconds; power is
-    the cost model's, busy while an instruction runs and the preset's blocked power otherwise."""
+    the cost model's, busy while an instruction runs (or the power the caller gives for that interval: a
+    simulated truth's, runtime/truth.py) and the preset's blocked power otherwise."""
 
     latency_s: float  # duration (s) of one simulated NVML clock call
 
@@ -142,12 +143,19 @@ class SimulationHooks(Protocol):
         ...
 
     def set_busy(self, busy: bool, t: float | None = None, compute_activity: float = ...,
-                 memory_activity: float = ...) -> None:
-        """An instruction runs (busy) or none does from time `t` (s; now if None)."""
+                 memory_activity: float = ..., power_w: float = ...) -> None:
+        """An instruction runs (busy) or none does from time `t` (s; now if None); a busy one draws
+        `power_w` W (NaN, the default: the power model's)."""
         ...
 
-    def busy_edges(self, edges: list[float]) -> None:
-        """``set_busy(busy, t)`` for each pair of the flat list (t0, busy0, t1, busy1, ...; busy 1.0/0.0)."""
+    def busy_edges(self, edges: list[float], power_w: list[float] | None = None) -> None:
+        """``set_busy(busy, t)`` for each pair of the flat list (t0, busy0, t1, busy1, ...; busy 1.0/0.0);
+        `power_w` (one per pair; NaN: the model's) is each busy edge's power (W)."""
+        ...
+
+    def use_power_model(self, spec: GPUSpec) -> None:
+        """Model power (W) with `spec`'s power-model fields from now on (same GPU and clocks; blocked power
+        included): how a simulated truth's power fields reach the device."""
         ...
 
     def schedule_sm_clock(self, mhz: int, t_issue: float) -> float:

@@ -4,17 +4,19 @@ It keeps the NVML contract: clocks must be among the preset's supported clocks, 
 blocks for a simulated NVML latency (default 15 ms, ``KAREUS_SIMULATED_LATENCY_MS``), and every clock
 change is appended with a timestamp to a JSONL log (``KAREUS_SIMULATED_LOG``). Energy (J) integrates
 the cost model's power ``hardware.power.power_w(spec, clock, compute_activity, memory_activity)`` over
-wall time while an instruction runs (*busy*) and the preset's blocked power ``spec.p_blocked_w`` while
-none runs. Timestamps are ``time.monotonic()`` seconds (one clock for every process on the machine).
-``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock calls fail as NVML does without root. A read-only
-simulated GPU (``read_only=True``, KAREUS_GPU_READ_ONLY=1) records set/reset calls and keeps running at
-its default clock. Temperature (°C) follows the power drawn: a first-order model, ambient
-SIM_AMBIENT_C plus SIM_RISE_C at the board power limit, time constant SIM_THERMAL_TAU_S. Beyond the
-``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
+wall time while an instruction runs (*busy*; or the power the caller gives for that busy interval, a
+simulated truth's, runtime/truth.py) and the preset's blocked power ``spec.p_blocked_w`` while none runs
+(``use_power_model`` swaps the preset's power fields for a truth's). Timestamps are ``time.monotonic()``
+seconds (one clock for every process on the machine). ``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock
+calls fail as NVML does without root. A read-only simulated GPU (``read_only=True``, KAREUS_GPU_READ_ONLY=1)
+records set/reset calls and keeps running at its default clock. Temperature (°C) follows the power drawn: a
+first-order model, ambient SIM_AMBIENT_C plus SIM_RISE_C at the board power limit, time constant
+SIM_THERMAL_TAU_S. Beyond the ``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
 
 DEFAULT_LATENCY_MS = 15.0
+_MODEL = math.nan  # a busy power override that is none: the power model's
 # Activity (fraction of peak) of a busy instruction when the caller gives none: the planner's cost model's
 # time-weighted mean over every op of the default job's forward and backward instructions at the maximum
 # clock (0.695 compute, 0.308 memory; tests/hardware/test_sim_activity.py recomputes them). The simulator
@@ -63,16 +66,9 @@ def latency_from_env() -> float:
 class SimulatedGPU(OwnedLocks):
     """A GPU simulated from its preset: clock log, NVML-like latency, modelled energy. Units: MHz, J, s."""
 
-    def __init__(
-        self,
-        spec: GPUSpec,
-        index: int = 0,
-        *,
-        log_path: str | os.PathLike[str] | None = None,
-        latency_s: float | None = None,
-        deny_clock_control: bool | None = None,
-        read_only: bool = False,
-    ) -> None:
+    def __init__(self, spec: GPUSpec, index: int = 0, *, log_path: str | os.PathLike[str] | None = None,
+                 latency_s: float | None = None, deny_clock_control: bool | None = None, read_only: bool = False
+                 ) -> None:
         """Open simulated GPU `index`; unset options come from the KAREUS_SIMULATED_* variables."""
         self.spec = spec
         self.index = index
@@ -92,6 +88,7 @@ class SimulatedGPU(OwnedLocks):
         self._mhz = self._default_mhz
         self._locked = False
         self._busy = False
+        self._busy_w = _MODEL  # the busy power (W) the caller gave; NaN: the power model's
         self._compute = DEFAULT_COMPUTE_ACTIVITY
         self._memory = DEFAULT_MEMORY_ACTIVITY
         self._t_last = time.monotonic()
@@ -122,6 +119,8 @@ class SimulatedGPU(OwnedLocks):
         """Power (W) of the present busy state at `mhz` MHz (default: the present clock)."""
         if not self._busy:
             return float(self.spec.p_blocked_w)
+        if self._busy_w == self._busy_w:  # the caller's power for this busy interval
+            return self._busy_w
         key = (self._mhz if mhz is None else mhz, self._compute, self._memory)
         p = self._power_cache.get(key)
         if p is None:  # the model is pure in its arguments: evaluate once per state
@@ -152,40 +151,41 @@ class SimulatedGPU(OwnedLocks):
         self._energy_j, self._t_last, self._mhz, n = self._integrate(t)
         del self._changes[:n]
 
-    def set_busy(
-        self,
-        busy: bool,
-        t: float | None = None,
-        compute_activity: float = DEFAULT_COMPUTE_ACTIVITY,
-        memory_activity: float = DEFAULT_MEMORY_ACTIVITY,
-    ) -> None:
-        """Mark an instruction as running (busy) or not from time `t` (time.monotonic(), s; now if None)."""
+    def set_busy(self, busy: bool, t: float | None = None, compute_activity: float = DEFAULT_COMPUTE_ACTIVITY,
+                 memory_activity: float = DEFAULT_MEMORY_ACTIVITY, power_w: float = _MODEL) -> None:
+        """Mark an instruction as running (busy) or not from time `t` (time.monotonic(), s; now if None); a
+        busy one draws `power_w` W (NaN: the power model at the clock and activities)."""
         with self._lock:
             self._advance(time.monotonic() if t is None else t)
-            self._busy = busy
+            self._busy, self._busy_w = busy, power_w if busy else _MODEL
             self._compute, self._memory = compute_activity, memory_activity
 
-    def busy_edges(self, edges: list[float]) -> None:
+    def busy_edges(self, edges: list[float], power_w: list[float] | None = None) -> None:
         """`set_busy(busy, t)` for each pair (t, busy) of the flat list `edges` (t0, busy0, t1, ...; busy
-        1.0 or 0.0), in time order, at the default activity (one lock; the clock's hot path)."""
+        1.0 or 0.0), in time order, at the default activity (one lock; the clock's hot path). `power_w`, one
+        entry per pair: a busy edge's power (W; NaN: the model's)."""
+        powers = itertools.repeat(_MODEL) if power_w is None else power_w
         with self._lock:
             self._compute, self._memory = DEFAULT_COMPUTE_ACTIVITY, DEFAULT_MEMORY_ACTIVITY
             it = iter(edges)
             if self._changes:  # a scheduled clock change falls among them: the general path
-                for t, b in zip(it, it):
+                for t, b, pw in zip(it, it, powers):
                     self._advance(t)
-                    self._busy = bool(b)
+                    self._busy, self._busy_w = bool(b), pw if b else _MODEL
                 return
+            p = self._power_w()  # the present state's, then each edge's power (W)
             busy: float = self._busy  # then each edge's busy value (1.0 or 0.0)
-            self._busy = True
-            p_busy, p_idle = self._power_w(), float(self.spec.p_blocked_w)
+            busy_w = self._busy_w
+            self._busy, self._busy_w = True, _MODEL
+            p_model, p_idle = self._power_w(), float(self.spec.p_blocked_w)
             t_last, energy = self._t_last, self._energy_j
-            for t, b in zip(it, it):
+            for t, b, pw in zip(it, it, powers):
                 if t > t_last:
-                    energy += (p_busy if busy else p_idle) * (t - t_last)
+                    energy += p * (t - t_last)
                     t_last = t
-                busy = b
-            self._t_last, self._energy_j, self._busy = t_last, energy, bool(busy)
+                busy, busy_w = b, pw if b else _MODEL
+                p = (pw if pw == pw else p_model) if b else p_idle
+            self._t_last, self._energy_j, self._busy, self._busy_w = t_last, energy, bool(busy), busy_w
 
     def schedule_sm_clock(self, mhz: int, t_issue: float) -> float:
         """Simulated time line (no waiting): a clock call issued at `t_issue` (time.monotonic(), s) locks
@@ -292,17 +292,18 @@ class SimulatedGPU(OwnedLocks):
 
     def temperature_c(self) -> float:
         """Simulated GPU temperature (°C): a first-order lag toward the temperature of the mean power drawn
-        since the last reading (see module doc)."""
+        since the last reading (see module doc). Commits nothing: edges that arrive later with earlier times
+        still count at their own times."""
         self._check_open()
         with self._lock:
-            self._advance(time.monotonic())
+            energy, t_now = self._integrate(time.monotonic())[:2]
             t0, e0 = self._temp_at
-            dt = self._t_last - t0
+            dt = t_now - t0
             if dt > 0:
-                p_w = (self._energy_j - e0) / dt
+                p_w = (energy - e0) / dt
                 target = SIM_AMBIENT_C + SIM_RISE_C * p_w / float(self.spec.power_limit_w)
                 self._temp_c = target + (self._temp_c - target) * math.exp(-dt / SIM_THERMAL_TAU_S)
-                self._temp_at = (self._t_last, self._energy_j)
+                self._temp_at = (t_now, energy)
             return self._temp_c
 
     def energy_j(self) -> float:
@@ -333,6 +334,13 @@ class SimulatedGPU(OwnedLocks):
         """Power limit (W) in force (read-only: the board limit; recorded calls change nothing)."""
         self._check_open()
         return self._power_limit_w
+
+    def use_power_model(self, spec: GPUSpec) -> None:
+        """Model power (W) with `spec`'s power fields from now on (a simulated truth's; the same GPU, clocks)."""
+        with self._lock:
+            self._advance(time.monotonic())
+            self.spec = spec
+        self._apply_power_limit(self._power_limit_w if self._limit_set else float(spec.power_limit_w))
 
     def _apply_power_limit(self, watts: float) -> None:
         with self._lock:

@@ -9,14 +9,18 @@ passes its begins to the control loop (``run``), which takes everything queued, 
 overtake the earlier ones (``skip``, reason ``stale``), skips a clock already locked (``unchanged``)
 and otherwise calls ``device.set_sm_clock_mhz`` (``nvmlDeviceSetGpuLockedClocks``). With a simulated
 GPU, its ``SimulationHooks`` are passed in explicitly and its input goes to timeline.py instead, which
-decides at the records' own times.
+decides at the records' own times; with KAREUS_SIMULATED_TRUTH set, ``probe`` first gives it the truth's
+power fields (runtime/truth.py ``apply_truth_power``; a bad truth is the ``error`` reply).
 
 Clocks are reset when the client closes or asks for it, when the controller is stopped (SIGTERM/SIGINT
 in the side process), and when the trainer is gone (stdin closes, or ``parent_alive`` turns False,
 checked every 0.2 s). A powercap plan's board power limit (W, ``power_limit_w``) is set right after the
 probe and restored on the same ways out, after the clock reset (``device.reset_power_limit``); such a
 plan locks no clock (its begins only mark a simulated GPU busy).
-Replies: ``mark`` -> ``mark`` {seq, t, energy_j} (at once; a lazy one is held
+Replies: ``mark`` -> ``mark`` {seq, t, energy_j, temperature_c, sm_clock_mhz, stale, errors} (decisions.py;
+NVML reads the temperature at each mark; a simulated GPU once per batch, after the whole batch is on its
+time line, at most every TEMPERATURE_EVERY_S: its sensor integrates up to the present, so a reading among
+a batch's records would move the time line past records not yet applied) (at once; a lazy one is held
 until HOLD_MARKS are due or an ``answer`` asks for them), ``reset`` {seq} -> ``ack``, ``close`` {seq} ->
 ``ack`` {counts}; on start (``probe``) ``ready`` {gpu, backend, supported, busy_events, latency_s, pid,
 read_only} or ``error`` {type, message, busy_events}.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +45,10 @@ from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, route_control
 from kareus_megatron.runtime.clock.timeline import SimulatedTimeLine
 from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, FrameReader
+from kareus_megatron.runtime.truth import apply_truth_power
 
 _POLL_S = 0.2
+TEMPERATURE_EVERY_S = 1.0  # a simulated GPU's sensor is read at most this often (s; its thermal lag is ~20 s)
 Reply = Callable[[dict[str, Any]], None]
 
 
@@ -74,9 +81,11 @@ class ClockController:
         self._take_records: Callable[[list[Any], list[Any], list[dict[str, Any]], list[dict[str, Any]]], bool]
         if simulation is None:
             self._take_records, self._reset_clocks, self._settle = self._take_wall, device.reset_clocks, _nothing
+            self.decisions.read_temperature_c = device.temperature_c  # at every mark, beside the energy
         else:
             line = SimulatedTimeLine(device, simulation, self.decisions)
             self._take_records, self._reset_clocks, self._settle = line.take, line.reset_clocks, line.settle
+        self._temperature: tuple[float, float | None] = (float("-inf"), None)  # simulated: (read at s, °C)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -94,6 +103,11 @@ class ClockController:
         message."""
         sim = self.simulation
         read_only = self.device.read_only
+        try:
+            if sim is not None:  # a simulated truth (KAREUS_SIMULATED_TRUTH): its power fields, blocked power too
+                apply_truth_power(sim, self.device.spec)
+        except KareusError as e:
+            return {"op": "error", "type": type(e).__name__, "message": str(e), "busy_events": True}
         try:
             self.device.check_clock_permission()
             self.decisions.reset(self.device.spec.max_sm_clock_mhz, "start")
@@ -134,7 +148,10 @@ class ClockController:
         progress never delays them; clock changes, resets and close go to the control loop in order."""
         rest: list[Any] = []
         answers: list[dict[str, Any]] = []
+        n_held = len(self._held)
         release = self._take_records(items, rest, answers, self._held)
+        if self.simulation is not None and (answers or len(self._held) > n_held):
+            self._stamp_temperature(answers + self._held[n_held:])
         # Lazy marks (a CPU client reads them only when it publishes) leave in groups of HOLD_MARKS, or
         # when asked (``answer``), or before a reset/close is acknowledged.
         if self._held and (len(self._held) >= HOLD_MARKS or release):
@@ -146,6 +163,16 @@ class ClockController:
                 self._reply(answer)
         if rest:
             self._inbox.put_nowait(rest)
+
+    def _stamp_temperature(self, answers: list[dict[str, Any]]) -> None:
+        """A simulated GPU: put its temperature (°C; read at most every TEMPERATURE_EVERY_S) on `answers`."""
+        now = time.monotonic()
+        at, value = self._temperature
+        if now - at >= TEMPERATURE_EVERY_S:
+            value = self.decisions.temperature_c(self.device.temperature_c)
+            self._temperature = (now, value)
+        for answer in answers:
+            answer["temperature_c"] = value
 
     def _take_wall(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
                    held: list[dict[str, Any]]) -> bool:
@@ -163,7 +190,7 @@ class ClockController:
             last = None
             overtaken = 0
             it = iter(item)
-            for code, t, _idle, a, b, c, d in zip(it, it, it, it, it, it, it):
+            for code, t, _idle, a, b, c, d, _e in zip(it, it, it, it, it, it, it, it):
                 if code == CODE_BEGIN:
                     if each:
                         rest.append((int(c), int(a), int(b), int(d)))  # mhz, iteration, index, kind

@@ -3,7 +3,11 @@
 A *begin* is ``(mhz, iteration, index, kind)`` (kind: index into ``wire.KINDS``). Decisions are
 ``set`` (the clock was locked), ``skip`` with reason ``stale`` (a later instruction had begun before the
 call could be made) or ``unchanged`` (that clock is locked already), ``reset`` (with a reason) and
-``error``. Log lines are ``{"t", "pid", "gpu", "event", "mhz", "reason"?, "iteration", "index", "kind"}``
+``error``. The answer to a *mark* (a measurement point) carries, besides its time (s) and energy (J),
+what the run log records per iteration: the GPU temperature (°C; ``temperature_c``, null when unknown),
+the clock locked then (``sm_clock_mhz``, MHz; null when none is locked) and the running ``stale`` and
+``errors`` counts (the meter takes their differences between an iteration's two marks).
+Log lines are ``{"t", "pid", "gpu", "event", "mhz", "reason"?, "iteration", "index", "kind"}``
 (t: ``time.monotonic()`` s). With NVML the controller writes them to its own log (``--log``); a
 simulated GPU keeps one log for everything and writes its own ``set``/``reset`` lines (with
 ``t_issue``/``t_done`` on its time line), so only ``skip`` and ``error`` come from here.
@@ -58,6 +62,9 @@ class Decisions:
         self.locked_mhz: int | None = None
         self.clock_control = True  # False once the start probe found no permission
         self.counts = {"applied": 0, "stale": 0, "unchanged": 0, "errors": 0}
+        # Read at every mark (NVML: device.temperature_c); None: not read there (a simulated GPU's time
+        # line stamps its answers itself, timeline.py) or no sensor (after a failed reading).
+        self.read_temperature_c: Callable[[], float] | None = None
 
     def _write(self, event: str, **fields: Any) -> None:
         assert self._file is not None
@@ -116,15 +123,31 @@ class Decisions:
         if self._own is not None:
             self._own("reset", mhz=mhz, reason=reason)
 
+    def temperature_c(self, read: Callable[[], float] | None) -> float | None:
+        """`read()` (GPU temperature, °C), or None when `read` is None or fails (then logged once and no
+        longer read at marks)."""
+        if read is None:
+            return None
+        try:
+            return float(read())
+        except KareusError as e:
+            self.read_temperature_c = None  # a sensor that fails once is not asked at every mark
+            self.error(f"reading the temperature: {e}")
+            return None
+
     def mark(self, seq: int, t: float, read_energy_j: Callable[..., float], *args: float) -> dict[str, Any]:
         """The ``mark`` reply for measurement point `seq` at `t` (s): energy (J) ``read_energy_j(*args)``,
-        NaN (and an error line) when the reading fails."""
+        NaN (and an error line) when the reading fails; temperature (°C), locked clock (MHz) and the
+        stale/errors counts so far (see the module doc)."""
         try:
             energy = float(read_energy_j(*args))
         except KareusError as e:
             energy = float("nan")
             self.error(str(e))
-        return {"op": "mark", "seq": seq, "t": t, "energy_j": energy}
+        counts = self.counts
+        return {"op": "mark", "seq": seq, "t": t, "energy_j": energy,
+                "temperature_c": self.temperature_c(self.read_temperature_c), "sm_clock_mhz": self.locked_mhz,
+                "stale": counts["stale"], "errors": counts["errors"]}
 
     def close(self) -> None:
         """Close the controller's own log file (a simulated GPU closes its log itself)."""

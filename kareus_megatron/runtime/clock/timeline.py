@@ -4,7 +4,8 @@ On a CPU host the trainer's records arrive in batches, long after the fact. A si
 account for that (``SimulationHooks``): busy/idle edges are integrated at their own times, a mark is
 answered with the energy at its own time, and a clock call is *scheduled*: issued at the begin's own
 time if the simulated device is free then, else when it becomes free; a begin still waiting when a
-later one begins is skipped as stale. So the decisions are those of a controller that saw every message
+later one begins is skipped as stale. A begin's power field (wire.py, e; a simulated truth's busy power in
+W, NaN: the device's model) goes with its busy edge. So the decisions are those of a controller that saw every message
 at its own time, however late and batched the messages arrive. The wall-time (NVML) path is in
 controller.py and never comes here.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from kareus_megatron.errors import KareusError
 from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.runtime.clock.decisions import Begin, Decisions, route_control
-from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_END
+from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_END, NO_POWER
 
 
 class SimulatedTimeLine:
@@ -41,6 +42,7 @@ class SimulatedTimeLine:
         schedule = dec.clock_control  # without clock control begins only mark the device busy
         release = False
         edges: list[float] = []  # t0, busy0, t1, busy1, ... (busy as 1.0 / 0.0)
+        powers: list[float] = []  # one per edge: a busy edge's power (W; NaN: the device's model)
         t = None
         with self._lock:
             for item in items:
@@ -48,25 +50,28 @@ class SimulatedTimeLine:
                     release = route_control(item, rest) or release
                     continue
                 it = iter(item)
-                for code, t, idle, a, b, c, d in zip(it, it, it, it, it, it, it):
+                for code, t, idle, a, b, c, d, e in zip(it, it, it, it, it, it, it, it):
                     if idle == idle:  # not NaN: the previous instruction ended then
                         edges += (idle, 0.0)
+                        powers.append(NO_POWER)
                     if code == CODE_BEGIN:
                         edges += (t, 1.0)
+                        powers.append(e)
                         if schedule:
                             self._begin((int(c), int(a), int(b), int(d)), t)  # mhz, iteration, index, kind
                     elif code == CODE_END:
                         edges += (t, 0.0)
+                        powers.append(NO_POWER)
                     else:  # a mark: its energy includes every edge and clock change before it
                         self._catch_up(t)
                         if edges:
-                            sim.busy_edges(edges)
-                            edges = []
+                            sim.busy_edges(edges, powers)
+                            edges, powers = [], []
                         (held if b else answers).append(dec.mark(int(a), t, sim.energy_j_at, t))
             if t is not None:
                 self._catch_up(t)  # every record up to t has arrived: a call due by then is made
             if edges:
-                sim.busy_edges(edges)
+                sim.busy_edges(edges, powers)
         return release
 
     def _begin(self, begin: Begin, t: float) -> None:

@@ -40,11 +40,13 @@ def coalesce_from_env(default_s: float) -> float:
 
 
 class MarkTicket:
-    """The answer to one ``mark``: GPU-aligned time (time.monotonic(), s) and energy (J) at that point.
+    """The answer to one ``mark``: GPU-aligned time (time.monotonic(), s) and energy (J) at that point;
+    ``info`` is the controller's whole answer (temperature_c °C, sm_clock_mhz MHz, stale and errors counts:
+    decisions.py), None when there was none.
 
     Made at every iteration boundary, so it is small: waiting uses the transport's shared condition."""
 
-    __slots__ = ("seq", "_transport", "done", "t", "energy_j")
+    __slots__ = ("seq", "_transport", "done", "t", "energy_j", "info")
 
     def __init__(self, seq: int, transport: Transport | None = None) -> None:
         self.seq = seq
@@ -52,6 +54,7 @@ class MarkTicket:
         self.done = transport is None
         self.t: float | None = None
         self.energy_j: float | None = None if transport is not None else _NAN
+        self.info: dict[str, Any] | None = None
 
     def wait(self, timeout: float | None = 10.0) -> bool:
         """Wait for the answer; True once it has arrived."""
@@ -148,7 +151,7 @@ class Transport:
         elif op == "mark":
             ticket = self._tickets.pop(msg["seq"], None)
             if ticket is not None:
-                self._fill([ticket], [(msg.get("t"), float(msg["energy_j"]))])
+                self._fill([ticket], [(msg.get("t"), float(msg["energy_j"]))], msg)
         elif op == "ack":
             if "counts" in msg:
                 self.counts = msg["counts"]
@@ -169,10 +172,11 @@ class Transport:
         for ev in acks:
             ev.set()
 
-    def _fill(self, tickets: list[MarkTicket], answers: list[tuple[float | None, float]]) -> None:
+    def _fill(self, tickets: list[MarkTicket], answers: list[tuple[float | None, float]],
+              info: dict[str, Any] | None = None) -> None:
         with self._answered:
             for ticket, (t, energy_j) in zip(tickets, answers):
-                ticket.t, ticket.energy_j, ticket.done = t, energy_j, True
+                ticket.t, ticket.energy_j, ticket.info, ticket.done = t, energy_j, info, True
             self._answered.notify_all()
 
     # -- marks and requests (any thread) -----------------------------------------------------
@@ -219,8 +223,9 @@ class Transport:
         return True
 
     # -- per transport -----------------------------------------------------------------------
-    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
-        """Training thread: instruction `index` of `iteration` (`kind`) begins at `mhz` MHz."""
+    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str, power_w: float = _NAN) -> None:
+        """Training thread: instruction `index` of `iteration` (`kind`) begins at `mhz` MHz; a simulated GPU
+        draws `power_w` W while it runs (NaN: its own power model; wire.py's begin record, field e)."""
         raise NotImplementedError
 
     def instruction_ends(self) -> None:

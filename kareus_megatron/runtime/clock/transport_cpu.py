@@ -23,7 +23,7 @@ from typing import Any
 
 from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.clock.transport import KIND_CODE, MarkTicket, Transport
-from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, NO_TIME, encode_control, encode_records
+from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, NO_POWER, NO_TIME, encode_control, encode_records
 
 CPU_COALESCE_S = 0.25  # default gathering window (s)
 MIN_WAKE_S = 0.005  # the sender thread sleeps at least this long between looks (s)
@@ -54,20 +54,22 @@ class CpuTransport(Transport):
         super().read_replies(lines)
 
     # -- training thread ---------------------------------------------------------------------
-    def _append(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0) -> None:
+    def _append(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0,
+                e: float = 0.0) -> None:
         now = monotonic()
         idle, self._idle_from = self._idle_from, NO_TIME  # the previous instruction's end rides along
         recs = self._recs
         if not recs:
             self._out_since = now
-        recs.extend((code, now, idle, a, b, c, d))
+        recs.extend((code, now, idle, a, b, c, d, e))
         if self._parked:
             self._doorbell.set()
 
-    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
-        """Append "instruction `index` of `iteration` (`kind`) begins now at `mhz` MHz" (training thread)."""
+    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str, power_w: float = NO_POWER) -> None:
+        """Append "instruction `index` of `iteration` (`kind`) begins now at `mhz` MHz" (training thread;
+        `power_w`: a simulated truth's busy power, W)."""
         if self.sending:
-            self._append(CODE_BEGIN, iteration, index, mhz, KIND_CODE.get(kind, -1))
+            self._append(CODE_BEGIN, iteration, index, mhz, KIND_CODE.get(kind, -1), power_w)
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends now" (training thread): no record, no queue operation."""

@@ -24,9 +24,17 @@ from time import monotonic
 from typing import Any
 
 from kareus_megatron.runtime.clock.transport import KIND_CODE, Transport
-from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_END, CODE_MARK, NO_TIME, encode_control, encode_records
+from kareus_megatron.runtime.clock.wire import (
+    CODE_BEGIN,
+    CODE_END,
+    CODE_MARK,
+    NO_POWER,
+    NO_TIME,
+    encode_control,
+    encode_records,
+)
 
-# A queued message: (CUDA event or None, record without t (code, a, b, c, d) or a control dict);
+# A queued message: (CUDA event or None, record without t (code, a, b, c, d, e) or a control dict);
 # None stops the forwarder.
 Item = tuple[Any, tuple[float, ...] | dict[str, Any]] | None
 
@@ -42,8 +50,8 @@ class _Outgoing:
         return bool(self._parts or self._recs)
 
     def record(self, msg: tuple[float, ...], t: float) -> None:
-        code, a, b, c, d = msg
-        self._recs.extend((code, t, NO_TIME, a, b, c, d))
+        code, a, b, c, d, e = msg
+        self._recs.extend((code, t, NO_TIME, a, b, c, d, e))
 
     def control(self, msg: dict[str, Any]) -> None:
         self._flush_records()
@@ -112,18 +120,19 @@ class GpuTransport(Transport):
         self._ring_each = coalesce_s <= 0  # no gathering: every message wakes the forwarder
 
     # -- training thread ---------------------------------------------------------------------
-    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str) -> None:
-        """Queue "instruction `index` of `iteration` (`kind`) begins at `mhz` MHz" at a new event."""
+    def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str, power_w: float = NO_POWER) -> None:
+        """Queue "instruction `index` of `iteration` (`kind`) begins at `mhz` MHz" at a new event (`power_w`:
+        a simulated truth's busy power, W)."""
         if self.sending:
-            self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, KIND_CODE.get(kind, -1))))
+            self._put((self._event_factory(), (CODE_BEGIN, iteration, index, mhz, KIND_CODE.get(kind, -1), power_w)))
 
     def instruction_ends(self) -> None:
         """Queue "the running instruction ends" at a new event (only a simulated GPU needs it)."""
         if self.sending_ends:
-            self._put((self._event_factory(), (CODE_END, 0.0, 0.0, 0.0, 0.0)))
+            self._put((self._event_factory(), (CODE_END, 0.0, 0.0, 0.0, 0.0, 0.0)))
 
     def _send_mark(self, seq: int) -> None:
-        self._put((self._event_factory(), (CODE_MARK, seq, 0.0, 0.0, 0.0)))  # answered at once
+        self._put((self._event_factory(), (CODE_MARK, seq, 0.0, 0.0, 0.0, 0.0)))  # answered at once
 
     def _send_control(self, msg: dict[str, Any]) -> None:
         self._put((None, msg), ring=True)

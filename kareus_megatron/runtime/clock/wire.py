@@ -1,9 +1,11 @@
 """Wire format from the clock client's transports (training side) to the clock controller.
 
 The frequent messages are fixed-size *records* of RECORD_FIELDS float64 (code, t, idle_from, a, b, c,
-d), sent in blocks ``b"R <n>\\n"`` followed by n records (``encode_records``):
+d, e), sent in blocks ``b"R <n>\\n"`` followed by n records (``encode_records``):
 
 - *begin* (CODE_BEGIN): instruction a=iteration, b=index began at t at c=mhz MHz; d=kind (KINDS index);
+  e=the power (W) a simulated GPU draws while it runs (NaN: the device's own model; set only by a
+  simulated truth, runtime/truth.py);
 - *end* (CODE_END): the running instruction ended at t (only a simulated GPU needs it: busy vs
   blocked power);
 - *mark* (CODE_MARK): a measurement point at t, a=seq; b=1 when the answer may be held (lazy).
@@ -11,7 +13,7 @@ d), sent in blocks ``b"R <n>\\n"`` followed by n records (``encode_records``):
 ``idle_from`` (NaN: none) is the end of the previous instruction, sent along with the next record. Times
 are ``time.monotonic()`` seconds. The rare messages (answer, reset, close, parent_gone) are one JSON
 object per line (``encode_control``). Records keep the side channel cheap on a busy CPU: a trainer
-appends 7 floats per instruction, the controller reads a block with one ``array.frombytes``.
+appends 8 floats per instruction, the controller reads a block with one ``array.frombytes``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ import math
 from array import array
 from typing import Any
 
-RECORD_FIELDS = 7  # code, t (s, time.monotonic()), idle_from (s; NaN: none), a, b, c, d
+RECORD_FIELDS = 8  # code, t (s, time.monotonic()), idle_from (s; NaN: none), a, b, c, d, e
 CODE_BEGIN, CODE_END, CODE_MARK = 1.0, 2.0, 3.0
 KINDS = ("forward", "backward")  # instruction kinds a begin record can name (d = index)
 NO_TIME = math.nan
+NO_POWER = math.nan  # a begin's e field: the simulated GPU's own power model
 
 
-def begin_record(t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME
-                 ) -> tuple[float, ...]:
-    """The record of "instruction `index` of `iteration` (`kind`) begins at `t` at `mhz` MHz"."""
-    return (CODE_BEGIN, t, idle_from, iteration, index, mhz, KINDS.index(kind))
+def begin_record(t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME,
+                 power_w: float = NO_POWER) -> tuple[float, ...]:
+    """The record of "instruction `index` of `iteration` (`kind`) begins at `t` at `mhz` MHz" (a simulated
+    GPU draws `power_w` W while it runs; NaN: its own model)."""
+    return (CODE_BEGIN, t, idle_from, iteration, index, mhz, KINDS.index(kind), power_w)
 
 
 def encode_records(records: Any) -> bytes:

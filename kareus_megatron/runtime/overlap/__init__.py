@@ -2,14 +2,17 @@
 
 Public API:
 
-- ``get_partitioned_gpt_layer_spec(**local_spec_kwargs)``: layer spec for ``GPTModel`` (needs megatron-core).
+- ``get_partitioned_gpt_layer_spec(core_attention="sdpa", **local_spec_kwargs)``: layer spec for ``GPTModel``
+  (needs megatron-core); core attention "sdpa" (``SDPAttention``) or "local" (megatron's DotProductAttention).
+- ``get_sdpa_gpt_layer_spec(**local_spec_kwargs)``: megatron's local spec with only ``SDPAttention`` swapped in
+  (no nanobatching; needs no overlap engine).
 - ``setup_overlap(plan, ...)``: per-rank set-up (plan check, NCCL SM-limited communicators, hooks listener).
 - ``validate_plan_for_layer(plan, ...)``: raise PlanError if the plan's knobs do not fit the layer.
 - ``check_model_for_plan(model, plan)``: PlanMismatchError if a 2-nanobatch plan meets a standard model.
 - ``get_engine()`` / ``set_engine()``, ``LayerSettings`` / ``Knobs``: settings for tests and benchmarks.
 - ``overlap_violations(events)``: check a trace for the planned overlap structure.
 
-``PartitionedTransformerLayer`` and the spec are loaded lazily so that plan checks need no megatron.
+``PartitionedTransformerLayer``, ``SDPAttention`` and the specs are loaded lazily so that plan checks need no megatron.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ __all__ = [
     "LayerSettings",
     "OverlapState",
     "PartitionedTransformerLayer",
+    "SDPAttention",
     "comm_sms_values",
     "get_engine",
     "get_partitioned_gpt_layer_spec",
+    "get_sdpa_gpt_layer_spec",
     "overlap_violations",
     "set_engine",
     "settings_from_instruction",
@@ -46,6 +51,8 @@ _LAZY = {
     "PartitionedTransformerLayer": "kareus_megatron.runtime.overlap.layer",
     "check_model_for_plan": "kareus_megatron.runtime.overlap.layer",
     "get_partitioned_gpt_layer_spec": "kareus_megatron.runtime.overlap.layer",
+    "SDPAttention": "kareus_megatron.runtime.overlap.attention",
+    "get_sdpa_gpt_layer_spec": "kareus_megatron.runtime.overlap.attention",
     "get_engine": "kareus_megatron.runtime.overlap.engine",
     "set_engine": "kareus_megatron.runtime.overlap.engine",
     "setup_overlap": "kareus_megatron.runtime.overlap.engine",

@@ -1,4 +1,6 @@
-"""TP collectives of the overlap engine: async all-reduce on a communicator chosen by comm SM count.
+"""Collectives of the overlap engine: async TP all-reduce (and, with sequence parallelism, all-gather and
+reduce-scatter along dim 0), and context parallelism's K/V all-gather and dK/dV reduce-scatter over the CP
+group (``cp_all_gather`` / ``cp_reduce_scatter``), on a communicator chosen by comm SM count.
 
 On NCCL, SMs given to a collective are set per communicator: ``ProcessGroupNCCL.Options().config``
 ``max_ctas``/``min_ctas`` (NCCL >= 2.17 runs one CTA per SM). Communicators cannot change this after
@@ -21,8 +23,9 @@ current (compute) stream wait for it, so the collective starts when the compute 
 where it was issued: the launch slot.
 
 ``Communicator(delay_s=..., delay_s_per_byte=...)`` slows every collective by a fixed delay (s) plus a
-delay per byte reduced (s/byte) to emulate a slow link on CPU (benchmarks only): collectives then run in
-issue order on one helper thread that sleeps, then reduces.
+delay per byte (s/byte; the all-reduced or reduce-scattered input, the all-gathered output) to emulate
+a slow link on CPU (benchmarks only): collectives then run in issue order on one helper thread that
+sleeps, then communicates.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def build_sm_groups(comm_sms: Iterable[int], tp_group: dist.ProcessGroup) -> dic
 
 
 class Communicator:
-    """Issues the engine's TP all-reduces, on the communicator for the requested comm SM count."""
+    """Issues the engine's TP collectives, on the communicator for the requested comm SM count."""
 
     def __init__(
         self,
@@ -136,9 +139,11 @@ class Communicator:
         sm_groups: dict[int, dist.ProcessGroup] | None = None,
         delay_s: float = 0.0,
         delay_s_per_byte: float = 0.0,
+        cp_sm_groups: dict[int, dist.ProcessGroup] | None = None,
     ) -> None:
         self.tp_group = tp_group
         self.sm_groups = dict(sm_groups or {})
+        self.cp_sm_groups = dict(cp_sm_groups or {})  # CP groups by SM count (build_sm_groups on the CP group)
         self.delay_s = delay_s
         self.delay_s_per_byte = delay_s_per_byte
         self._pool: ThreadPoolExecutor | None = None
@@ -169,16 +174,71 @@ class Communicator:
         group, applied = self.group_for(comm_sms, layer_group)
         if self.world(group) == 1:
             return Pending(None), applied
+        return self._start(lambda a: dist.all_reduce(tensor, group=group, async_op=a), tensor), applied
+
+    def all_gather(
+        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None,
+        layer_group: dist.ProcessGroup | None = None,
+    ) -> tuple[Pending, bool]:
+        """Start gathering `tensor` of every rank into `out` along dim 0 (rank order; sequence parallelism's
+        all-gather, ``out`` is world × `tensor`'s first dim); return it pending and whether SMs were limited."""
+        group, applied = self.group_for(comm_sms, layer_group)
+        if self.world(group) == 1:
+            out.copy_(tensor)
+            return Pending(None), applied
+        return self._start(lambda a: dist.all_gather_into_tensor(out, tensor, group=group, async_op=a), out), applied
+
+    def reduce_scatter(
+        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None,
+        layer_group: dist.ProcessGroup | None = None,
+    ) -> tuple[Pending, bool]:
+        """Start summing `tensor` over the ranks and keeping this rank's dim-0 slice in `out` (sequence
+        parallelism's reduce-scatter); return it pending and whether SMs were limited."""
+        group, applied = self.group_for(comm_sms, layer_group)
+        if self.world(group) == 1:
+            out.copy_(tensor)
+            return Pending(None), applied
+        return self._start(lambda a: dist.reduce_scatter_tensor(out, tensor, group=group, async_op=a), tensor), applied
+
+    def cp_all_gather(
+        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None, cp_group: dist.ProcessGroup | None
+    ) -> tuple[Pending, bool]:
+        """Start context parallelism's K/V all-gather: `tensor` of every rank of `cp_group` into `out` along
+        dim 0 (rank order), on the CP communicator for `comm_sms`; return it pending and whether SMs were
+        limited."""
+        group, applied = self._cp_group_for(comm_sms, cp_group)
+        return self.all_gather(out, tensor, None, group)[0], applied
+
+    def cp_reduce_scatter(
+        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None, cp_group: dist.ProcessGroup | None
+    ) -> tuple[Pending, bool]:
+        """Start context parallelism's dK/dV reduce-scatter over `cp_group` (sum, this rank's dim-0 slice into
+        `out`); return it pending and whether SMs were limited."""
+        group, applied = self._cp_group_for(comm_sms, cp_group)
+        return self.reduce_scatter(out, tensor, None, group)[0], applied
+
+    def _cp_group_for(
+        self, comm_sms: int | None, cp_group: dist.ProcessGroup | None
+    ) -> tuple[dist.ProcessGroup | None, bool]:
+        if comm_sms is not None and comm_sms in self.cp_sm_groups:
+            return self.cp_sm_groups[comm_sms], True
+        return cp_group, False
+
+    def _start(self, collective, tensor: torch.Tensor) -> Pending:
+        """Run ``collective(async_op)``: async now, or after the slow-link delay for `tensor`'s bytes on the
+        helper thread (collectives then run in issue order)."""
         if self.delay_s <= 0 and self.delay_s_per_byte <= 0:
-            return Pending(dist.all_reduce(tensor, group=group, async_op=True)), applied
+            return Pending(collective(True))
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kareus-slow-link")
-        return Pending(None, self._pool.submit(self._slow_all_reduce, tensor, group)), applied
+        delay = self.delay_s + self.delay_s_per_byte * tensor.numel() * tensor.element_size()
+        return Pending(None, self._pool.submit(self._slow, collective, delay))
 
-    def _slow_all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        time.sleep(self.delay_s + self.delay_s_per_byte * tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, group=group)
+    @staticmethod
+    def _slow(collective, delay_s: float) -> None:
+        time.sleep(delay_s)
+        collective(False)
 
     def close(self) -> None:
         """Stop the slow-link helper thread, if any."""

@@ -4,7 +4,9 @@ Terms (names from ``kareus_megatron.vocab``):
 
 - *nanobatches*: 1 (the microbatch runs whole, collectives blocking) or 2 (halves of the microbatch along
   the batch dimension, collectives of one half overlapped with compute of the other).
-- *partition knobs*: per partition (``fwd_attn``, ``fwd_mlp``, ``bwd_mlp``, ``bwd_attn``) the SM count of
+- *partition knobs*: per partition (``fwd_attn``, ``fwd_mlp``, ``bwd_mlp``, ``bwd_attn``; with sequence
+  parallelism the ``*_sp_*`` partitions of vocab.SP_PARTITION_SLOTS; with context parallelism also
+  ``fwd_cp_kv`` / ``bwd_cp_kv``, the K/V all-gather and dK/dV reduce-scatter, see ``cp_engine_slots``) the SM count of
   the collective kernel (``comm_sms``; on NCCL the communicator's CTA limit) and the launch slot (the
   compute op of the other nanobatch just before which the pending collective is issued).
 - *phase*: ``forward``, ``backward``, or ``recompute`` (a forward run inside a backward instruction, under
@@ -22,7 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kareus_megatron.errors import PlanError
-from kareus_megatron.vocab import TP_PARTITION_SLOTS
+from kareus_megatron.vocab import (
+    CP_PARTITION_SLOTS,
+    ENGINE_PARTITION_SLOTS,
+    PARTITION_SLOTS,
+    SP_PARTITION_SLOTS,
+    TP_PARTITION_SLOTS,
+)
 
 if TYPE_CHECKING:
     from kareus_megatron.plan.schema import Instruction, Plan
@@ -39,7 +47,22 @@ class Knobs:
 
 def default_knobs(partition: str) -> Knobs:
     """Knobs used when a plan gives none for `partition`: issue at the segment's first op."""
-    return Knobs(comm_sms=None, launch_slot=TP_PARTITION_SLOTS[partition][0])
+    return Knobs(comm_sms=None, launch_slot=PARTITION_SLOTS[partition][0])
+
+
+def cp_engine_slots() -> dict[str, tuple[str, ...]]:
+    """Partition → launch slots the engine runs with context parallelism (no SP): the CP K/V partitions and
+    the TP all-reduce ones, whose attn segments keep only the ops after the K/V collective's cut (as the
+    planner's segments do: search/partition.py split_segments)."""
+    fwd_cut, bwd_cut = CP_PARTITION_SLOTS["fwd_cp_kv"], CP_PARTITION_SLOTS["bwd_cp_kv"]
+    return {
+        "fwd_cp_kv": fwd_cut,
+        "fwd_attn": tuple(o for o in TP_PARTITION_SLOTS["fwd_attn"] if o not in fwd_cut),
+        "fwd_mlp": TP_PARTITION_SLOTS["fwd_mlp"],
+        "bwd_mlp": TP_PARTITION_SLOTS["bwd_mlp"],
+        "bwd_cp_kv": bwd_cut,
+        "bwd_attn": tuple(o for o in TP_PARTITION_SLOTS["bwd_attn"] if o not in bwd_cut),
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +85,7 @@ def settings_from_instruction(instr: Instruction, index: int | None = None) -> L
     knobs = {
         name: Knobs(comm_sms=k.comm_sms, launch_slot=k.launch_slot)
         for name, k in instr.partitions.items()
-        if name in TP_PARTITION_SLOTS
+        if name in PARTITION_SLOTS
     }
     return LayerSettings(
         nanobatches=instr.nanobatches,
@@ -94,15 +117,17 @@ class OverlapState:
         return "recompute" if self.settings.kind == "backward" else "forward"
 
 
-def comm_sms_values(plan: Plan) -> list[int]:
-    """Distinct comm SM counts (sorted) that `plan`'s TP partitions use: one communicator each on NCCL."""
+def comm_sms_values(plan: Plan, cp: bool = False) -> list[int]:
+    """Distinct comm SM counts (sorted) that `plan`'s TP partitions (`cp`: its CP K/V partitions) use: one
+    communicator each on NCCL (TP groups; with `cp`, CP groups)."""
+    names = CP_PARTITION_SLOTS if cp else ENGINE_PARTITION_SLOTS
     return sorted(
         {
             k.comm_sms
             for st in plan.stages
             for ins in st.instructions
             for name, k in ins.partitions.items()
-            if name in TP_PARTITION_SLOTS
+            if name in names
         }
     )
 
@@ -117,9 +142,12 @@ def validate_plan_for_layer(
 ) -> None:
     """Check that `plan`'s overlap knobs fit the partitioned layer; raise a one-line PlanError if not.
 
-    Checks every instruction: nanobatches divide the micro-batch size, each partition is one this
-    engine runs (TP all-reduce partitions), its launch slot is an op of that partition's segment, and
-    ``comm_sms`` is below the GPU's SM count (``gpu_sm_count``; skipped when unknown, e.g. on CPU).
+    Refuses a plan predicted with cross-layer overlap (``plan.cross_layer``: a planner model the engine
+    does not run yet). Checks every instruction: nanobatches divide the micro-batch size, each partition is one this
+    engine runs for the layout (TP all-reduce partitions; with sequence parallelism the SP ones; with context
+    parallelism the TP and CP K/V ones of ``cp_engine_slots``), its
+    launch slot is an op of that partition's segment, and ``comm_sms`` is below the GPU's SM count
+    (``gpu_sm_count``; skipped when unknown, e.g. on CPU).
     Live values (micro-batch size, CP, sequence parallelism) default to the plan's own layout.
     """
     layout = plan.parallel
@@ -127,16 +155,15 @@ def validate_plan_for_layer(
     cp = layout.cp if cp is None else cp
     sp = layout.sequence_parallel if sequence_parallel is None else sequence_parallel
     uses_overlap = any(i.nanobatches > 1 for s in plan.stages for i in s.instructions)
-    if uses_overlap and cp > 1:
+    if plan.cross_layer:
+        raise PlanError("the overlap engine does not run cross-layer overlap yet; re-plan without --cross-layer")
+    if uses_overlap and cp > 1 and sp:
         raise PlanError(
-            f"plan uses 2 nanobatches with cp={cp}; the overlap engine runs TP all-reduce partitions only "
-            "(no context parallelism yet). Plan with cp=1 or nanobatches=1."
+            f"plan uses 2 nanobatches with cp={cp} and sequence parallelism; the overlap engine runs context "
+            "parallelism without --sp only. Plan without --sp, with cp=1, or with nanobatches=1."
         )
-    if uses_overlap and sp:
-        raise PlanError(
-            "plan uses 2 nanobatches with sequence parallelism; the overlap engine runs TP all-reduce "
-            "partitions only. Plan without sequence parallelism or with nanobatches=1."
-        )
+    engine_slots = cp_engine_slots() if cp > 1 else SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS
+    other = "with" if sp else "without"  # the --sp of a plan that fits this live layout
     for st in plan.stages:
         for pos, ins in enumerate(st.instructions):
             where = f"stage {st.pp_rank} instruction {pos} ({ins.kind} mb {ins.microbatch})"
@@ -146,12 +173,14 @@ def validate_plan_for_layer(
                     "use 1, or a micro-batch size divisible by 2."
                 )
             for name, k in ins.partitions.items():
-                if name not in TP_PARTITION_SLOTS:
+                if name not in engine_slots:
                     raise PlanError(
-                        f"{where}: partition {name!r} is not run by the overlap engine; "
-                        f"supported: {', '.join(TP_PARTITION_SLOTS)}. Re-plan with cp=1 or use nanobatches=1."
+                        f"{where}: partition {name!r} is not run by the overlap engine for this layout "
+                        f"(cp={cp}, {'with' if sp else 'without'} sequence parallelism); supported: "
+                        f"{', '.join(engine_slots)}. Re-plan for this layout (cp={cp}, {other} --sp) or use "
+                        "nanobatches=1."
                     )
-                slots = TP_PARTITION_SLOTS[name]
+                slots = engine_slots[name]
                 if k.launch_slot not in slots:
                     raise PlanError(
                         f"{where}: partition {name} launch_slot {k.launch_slot!r} is not an op of its "

@@ -2,7 +2,8 @@
 
 ``setup_overlap`` is called once per rank after megatron-core's ``initialize_model_parallel``: it checks
 the plan against the layer (``validate_plan_for_layer``; PlanError on a misfit), creates one TP
-communicator per distinct comm SM count on NCCL, and registers the hooks listener that switches the
+communicator per distinct comm SM count on NCCL (and one CP communicator per SM count of the CP
+partitions), and registers the hooks listener that switches the
 layers' settings before every planned instruction. Layers built with ``get_partitioned_gpt_layer_spec``
 read ``get_engine()`` at every call, so they can be built before or after the set-up.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.runtime import hooks
 from kareus_megatron.runtime.overlap.comm import Communicator, build_sm_groups
@@ -134,12 +135,19 @@ def setup_overlap(
         tp_group = parallel_state.get_tensor_model_parallel_group()
     wanted = set(comm_sms) | (set(comm_sms_values(plan)) if plan is not None else set())
     sm_groups = build_sm_groups(wanted, tp_group)
+    cp_wanted = set(comm_sms_values(plan, cp=True)) if plan is not None else set()
+    cp_sm_groups: dict[int, Any] = {}
+    if cp_wanted:  # the CP K/V collectives' communicators, one per SM count (NCCL; {} on gloo)
+        from megatron.core import parallel_state
+
+        cp_sm_groups = build_sm_groups(cp_wanted, parallel_state.get_context_parallel_group())
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     if trace is False and os.environ.get("KAREUS_OVERLAP_TRACE"):
         trace = os.environ["KAREUS_OVERLAP_TRACE"]
     engine = OverlapEngine(
         state=OverlapState(settings),
-        comm=Communicator(tp_group=tp_group, sm_groups=sm_groups, delay_s=delay_s, delay_s_per_byte=delay_s_per_byte),
+        comm=Communicator(tp_group=tp_group, sm_groups=sm_groups, cp_sm_groups=cp_sm_groups, delay_s=delay_s,
+                          delay_s_per_byte=delay_s_per_byte),
         tracer=Tracer(enabled=bool(trace), rank=rank),
     )
     set_engine(engine)

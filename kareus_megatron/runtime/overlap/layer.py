@@ -1,23 +1,27 @@
 """A megatron-core transformer layer that runs each microbatch as nanobatches with TP collectives overlapped.
 
 ``PartitionedTransformerLayer`` subclasses megatron-core's ``TransformerLayer`` and keeps its submodules
-(input/pre-MLP norms, ``SelfAttention`` with ColumnParallelLinear qkv, ``DotProductAttention`` core and
-RowParallelLinear proj, ``MLP`` with fc1/fc2), parameters, state-dict keys and initialisation, so a model
-built with ``get_partitioned_gpt_layer_spec()`` loads the same checkpoints as one built with
-``get_gpt_layer_local_spec()``. Only ``forward`` changes: the parallel linears run with their own TP
-communication switched off (``explicit_expert_comm``, set only for the duration of the call), and the
-engine's schedule (``schedule.py``) issues the all-reduces itself, asynchronously, at the planned
-launch slots. Forward hooks on the submodules report op boundaries (qkv, rope, attention, proj, fc1,
+(input/pre-MLP norms, ``SelfAttention`` with ColumnParallelLinear qkv, a core attention (by default
+``attention.SDPAttention`` on torch's scaled_dot_product_attention; ``core_attention="local"``: megatron's
+unfused ``DotProductAttention``) and RowParallelLinear proj, ``MLP`` with fc1/fc2), parameters, state-dict
+keys and initialisation, so a model built with ``get_partitioned_gpt_layer_spec()`` loads the same
+checkpoints as one built with ``get_gpt_layer_local_spec()``. Only ``forward`` changes: the parallel linears
+run with their own TP communication switched off (``explicit_expert_comm``, set only for the duration of the
+call), and the engine's schedule (``schedule.py``) issues the all-reduces itself, asynchronously, at the
+planned launch slots. Forward hooks on the submodules report op boundaries (qkv, rope, attention, proj, fc1,
 activation, fc2) and place backward markers there.
 
 Supported: TP all-reduce partitions (TP >= 1), 1 or 2 nanobatches, full activation recompute (megatron's
 ``recompute_granularity="full"``), pipeline parallelism (1F1B and interleaved), megatron DDP, dense GPT
 and Llama-like layers (GELU/SwiGLU, LayerNorm/RMSNorm, RoPE, GQA, QK-norm), dropout (valid, but the
-random draws differ from the unsplit layer's). Refused at build time: sequence parallelism, context
-parallelism, selective recompute, MoE. Not yet: Transformer-Engine modules (a TE variant keeps this
-class and swaps the submodules: the schedule needs only the linears' TP communication switched off and
-forward hooks at the op boundaries). Calls with an inference context, cross attention or packed
-sequences fall back to the standard layer's forward.
+random draws differ from the unsplit layer's), sequence parallelism (all-gather / reduce-scatter
+partitions, ``schedule_sp.py``), context parallelism with SDPAttention (K/V all-gather and dK/dV
+reduce-scatter partitions over the CP group, ``schedule_cp.py``; TP × CP, not with SP). Refused at build
+time: CP with SP or with an attention output gate, selective recompute, MoE.
+Not yet: Transformer-Engine modules (a TE variant keeps this class and swaps the submodules: the
+schedule needs only the linears' TP communication switched off and forward hooks at the op boundaries).
+Calls with an inference context, cross attention or packed sequences fall back to the standard layer's
+forward.
 """
 
 from __future__ import annotations
@@ -32,8 +36,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from kareus_megatron.errors import InfeasibleConfigError, PlanMismatchError
+from kareus_megatron.runtime.overlap.attention import (
+    CORE_ATTENTION_SDPA,
+    SDPAttention,
+    core_attention_class,
+    swap_core_attention,
+)
 from kareus_megatron.runtime.overlap.engine import get_engine
+from kareus_megatron.runtime.overlap.norm import sp_capable_norms
 from kareus_megatron.runtime.overlap.schedule import LayerRun, PartitionedLayerFn
+from kareus_megatron.runtime.overlap.schedule_cp import CPLayerRun
+from kareus_megatron.runtime.overlap.schedule_sp import SPLayerRun
 
 
 class PartitionedTransformerLayer(TransformerLayer):
@@ -42,6 +55,8 @@ class PartitionedTransformerLayer(TransformerLayer):
     def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
         _refuse(_config_problems(config))  # before megatron builds anything (its own asserts are less clear)
         super().__init__(config, submodules, *args, **kwargs)
+        if not hasattr(self, "tp_group"):  # megatron-core 0.15 keeps it in pg_collection only
+            self.tp_group = self.pg_collection.tp
         _refuse(_module_problems(self))
         attn, mlp = self.self_attention, self.mlp
         self._linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
@@ -102,6 +117,9 @@ class PartitionedTransformerLayer(TransformerLayer):
             run = self._run
             if run is None:
                 return None
+            cp_pre = getattr(run, "core_attention_pre", None)  # context parallelism: schedule_cp.CPLayerRun
+            if cp_pre is not None:
+                return cp_pre(args, kwargs)
             run.forward_op("attention")
             args = list(args)
             for i, key in ((0, "query"), (1, "key")):  # q and k after rope: backward slot "rope"
@@ -145,7 +163,11 @@ class PartitionedTransformerLayer(TransformerLayer):
         }
         params = [p for p in self.parameters() if p.requires_grad]
         grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(params))
-        run = LayerRun(self, engine, settings, state.forward_phase(), grad=grad)
+        cfg = self.config
+        sp = getattr(cfg, "sequence_parallel", False) and getattr(cfg, "tensor_model_parallel_size", 1) > 1
+        cp = getattr(cfg, "context_parallel_size", 1) > 1
+        run = (CPLayerRun if cp else SPLayerRun if sp else LayerRun)(self, engine, settings, state.forward_phase(),
+                                                                     grad=grad)
         if grad:
             out = PartitionedLayerFn.apply(run, attn_kwargs, hidden_states, *params)
         else:
@@ -156,10 +178,11 @@ class PartitionedTransformerLayer(TransformerLayer):
 def _config_problems(config: Any) -> list[str]:
     """Configuration settings the overlap engine does not run yet."""
     problems = []
-    if getattr(config, "sequence_parallel", False):
-        problems.append("sequence_parallel=True")
     if getattr(config, "context_parallel_size", 1) > 1:
-        problems.append(f"context_parallel_size={config.context_parallel_size}")
+        if getattr(config, "sequence_parallel", False) and getattr(config, "tensor_model_parallel_size", 1) > 1:
+            problems.append(f"context_parallel_size={config.context_parallel_size} with sequence_parallel")
+        if getattr(config, "attention_output_gate", False):
+            problems.append("attention_output_gate with context parallelism")
     if getattr(config, "recompute_granularity", None) == "selective":
         problems.append("recompute_granularity='selective' (use 'full' or none)")
     if getattr(config, "num_moe_experts", None):
@@ -174,6 +197,8 @@ def _module_problems(layer: TransformerLayer) -> list[str]:
         hasattr(attn, a) for a in ("linear_qkv", "core_attention", "linear_proj")
     ):
         return ["a non-standard attention/MLP module"]
+    if getattr(layer.config, "context_parallel_size", 1) > 1 and not isinstance(attn.core_attention, SDPAttention):
+        return [f"context parallelism with {type(attn.core_attention).__name__} (use core_attention='sdpa')"]
     return [f"{type(lin).__name__} without skip_bias_add" for lin in (attn.linear_proj, mlp.linear_fc2)
             if not getattr(lin, "skip_bias_add", False)]
 
@@ -199,12 +224,20 @@ def check_model_for_plan(model: Any, plan: Any) -> int:
     return count
 
 
-def get_partitioned_gpt_layer_spec(**local_spec_kwargs: Any) -> ModuleSpec:
+def get_partitioned_gpt_layer_spec(core_attention: str = CORE_ATTENTION_SDPA, **local_spec_kwargs: Any) -> ModuleSpec:
     """megatron-core's local GPT layer spec with the layer module swapped for the partitioned layer.
 
-    Arguments are those of ``get_gpt_layer_local_spec`` (e.g. ``normalization="RMSNorm"``).
+    ``core_attention``: "sdpa" (default; attention.SDPAttention on torch's scaled_dot_product_attention)
+    or "local" (megatron's unfused DotProductAttention). Other arguments are those of
+    ``get_gpt_layer_local_spec`` (e.g. ``normalization="RMSNorm"``). Both load the same state dicts.
+    Where megatron would build its torch-norm fallback (no Apex/TE), the norms are ``norm.SPTorchNorm``:
+    the same torch modules, also usable with sequence parallelism.
     """
+    core_cls = core_attention_class(core_attention)
     spec = get_gpt_layer_local_spec(**local_spec_kwargs)
     if local_spec_kwargs.get("num_experts") or local_spec_kwargs.get("multi_latent_attention"):
         raise InfeasibleConfigError("the partitioned layer supports dense GPT layers only (no MoE, no MLA)")
+    if core_cls is not None:
+        spec = swap_core_attention(spec, core_cls)
+    spec = sp_capable_norms(spec)  # megatron's torch-norm fallback refuses sequence parallelism
     return ModuleSpec(module=PartitionedTransformerLayer, params=dict(spec.params), submodules=spec.submodules)

@@ -28,6 +28,9 @@ slots inside a piece). Parameter gradients of all pieces are summed and returned
 gradient hooks (megatron DDP) see one accumulation per parameter per microbatch, as with the
 standard layer. The nanobatch structure of the backward is that of its forward (the graph is built
 then); with a 1-nanobatch backward instruction after a 2-nanobatch forward the pieces run serially.
+With sequence parallelism the layer runs ``schedule_sp.SPLayerRun`` instead (all-gather / reduce-scatter
+units on the same partner, launch-slot and wait machinery), with context parallelism
+``schedule_cp.CPLayerRun`` (K/V all-gather and dK/dV reduce-scatter units).
 """
 
 from __future__ import annotations
@@ -47,11 +50,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Coll:
-    """One TP all-reduce of one nanobatch (in place on ``buf``)."""
+    """One collective of one nanobatch: a TP all-reduce in place on ``buf``, or from ``src`` into ``buf`` along
+    dim 0 (``kind``: sequence parallelism's ``all_gather`` / ``reduce_scatter`` over the TP group, context
+    parallelism's ``cp_all_gather`` / ``cp_reduce_scatter`` over the CP group)."""
 
     name: str
     nb: int
     buf: torch.Tensor
+    kind: str = "all_reduce"
+    src: torch.Tensor | None = None
     partition: str = ""
     slot: str | None = None
     comm_sms: int | None = None
@@ -79,6 +86,15 @@ class _NB:
     out: Any = None
     colls: dict[str, _Coll] = field(default_factory=dict)
     d_h1_res: Any = None
+    # context parallelism (schedule_cp.py): q, k, v after rope, their leaves, attention kwargs, K head size, dQ
+    q: Any = None
+    k: Any = None
+    v: Any = None
+    q_in: Any = None
+    kv_in: Any = None
+    kw: Any = None
+    hn: Any = None
+    d_q: Any = None
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -113,6 +129,8 @@ class _Marker(torch.autograd.Function):
 class LayerRun:
     """One call of a partitioned layer: its schedule, pending collectives and trace context."""
 
+    cp_group: Any = None  # the context-parallel group (schedule_cp.CPLayerRun)
+
     def __init__(self, layer: Any, engine: OverlapEngine, settings: LayerSettings, phase: str, grad: bool):
         self.layer = layer
         self.engine = engine
@@ -126,6 +144,7 @@ class LayerRun:
         self.cur_partition = ""
         self.partner: _Coll | None = None
         self._seen: set[tuple[int, str]] = set()
+        self._need: _Coll | None = None  # waited just before the next op (after its partner is issued)
 
     # ------------------------------------------------------------------ trace and collectives
     def _emit(self, kind: str, **fields: Any) -> None:
@@ -136,10 +155,20 @@ class LayerRun:
         )
 
     def _issue(self, c: _Coll) -> None:
-        c.pending, applied = self.engine.comm.all_reduce(c.buf, c.comm_sms, self.layer.tp_group)
+        comm, group = self.engine.comm, self.layer.tp_group
+        if c.kind == "all_reduce":
+            c.pending, applied = comm.all_reduce(c.buf, c.comm_sms, group)
+        elif c.kind == "all_gather":
+            c.pending, applied = comm.all_gather(c.buf, c.src, c.comm_sms, group)
+        elif c.kind == "cp_all_gather":  # context parallelism's K/V (schedule_cp.py)
+            c.pending, applied = comm.cp_all_gather(c.buf, c.src, c.comm_sms, self.cp_group)
+        elif c.kind == "cp_reduce_scatter":
+            c.pending, applied = comm.cp_reduce_scatter(c.buf, c.src, c.comm_sms, self.cp_group)
+        else:
+            c.pending, applied = comm.reduce_scatter(c.buf, c.src, c.comm_sms, group)
         self._emit(
             "issue", coll=c.name, nb=c.nb, partition=c.partition, slot=c.slot, comm_sms=c.comm_sms,
-            sm_limit_applied=applied,
+            sm_limit_applied=applied, collective=c.kind,
         )
 
     def _wait(self, c: _Coll) -> None:
@@ -165,6 +194,8 @@ class LayerRun:
         if self.partner is not None and self.partner.slot == name:
             c, self.partner = self.partner, None
             self._issue(c)
+        if needs is None:
+            needs, self._need = self._need, None
         if needs is not None:
             self._wait(needs)
         self._emit("op", nb=self.cur_nb, op=name, partition=self.cur_partition)

@@ -9,7 +9,9 @@ One event per line of the JSON ``events`` list, in program order (``seq``), with
 - ``issue`` / ``wait``: a collective (``coll``, e.g. ``L1.fwd.attn.nb0``) of nanobatch ``nb`` is issued
   (async) or waited for; ``partition`` names the partition it overlaps (``""`` for the layer's last
   collective, which has no partner segment); ``comm_sms`` is the requested SM count and
-  ``sm_limit_applied`` whether the backend honoured it (NCCL yes, gloo no).
+  ``sm_limit_applied`` whether the backend honoured it (NCCL yes, gloo no); issue events also name the
+  ``collective`` (``all_reduce``, or with sequence parallelism ``all_gather`` / ``reduce_scatter``; the
+  backward's leading all-gathers of the output gradient have no partition: exposed).
 
 Every event also carries ``phase`` (forward/backward/recompute), ``layer`` (megatron layer_number),
 ``mb`` and ``instr`` (the plan instruction's microbatch and index, None outside a plan).

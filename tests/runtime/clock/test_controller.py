@@ -82,7 +82,8 @@ def test_marks_read_the_energy_counter_and_lazy_ones_wait():
     ctl = ClockController(_plain_device(), replies.append, simulation=None)
     ctl.probe()
     t = time.monotonic()
-    ctl.feed(encode_records([3.0, t, float("nan"), 1.0, 0.0, 0.0, 0.0, 3.0, t, float("nan"), 2.0, 1.0, 0.0, 0.0]))
+    ctl.feed(encode_records([3.0, t, float("nan"), 1.0, 0.0, 0.0, 0.0, 0.0,
+                             3.0, t, float("nan"), 2.0, 1.0, 0.0, 0.0, 0.0]))
     assert [r["seq"] for r in replies] == [1]  # the lazy mark (b = 1) is held
     ctl.feed(encode_control({"op": "answer"}))
     assert [r["seq"] for r in replies] == [1, 2] and all(r["energy_j"] >= 0 and r["t"] == t for r in replies)

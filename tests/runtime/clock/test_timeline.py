@@ -64,8 +64,9 @@ def test_marks_count_busy_time_at_their_own_time(tmp_path):
     time.sleep(0.06)
     nan = float("nan")
     # mark 1 at t0; instruction 0 runs t0+10 ms .. t0+40 ms (its end rides along with mark 2)
-    ctl.feed(encode_records([CODE_MARK, t0, nan, 1.0, 0.0, 0.0, 0.0, *begin_record(t0 + 0.01, 0, 0, 1410, "forward"),
-                             CODE_MARK, t0 + 0.05, t0 + 0.04, 2.0, 0.0, 0.0, 0.0]))
+    ctl.feed(encode_records([CODE_MARK, t0, nan, 1.0, 0.0, 0.0, 0.0, 0.0,
+                             *begin_record(t0 + 0.01, 0, 0, 1410, "forward"),
+                             CODE_MARK, t0 + 0.05, t0 + 0.04, 2.0, 0.0, 0.0, 0.0, 0.0]))
     e1, e2 = (r["energy_j"] for r in replies)
     want = float(power_w(spec, 1410, ACT_C, ACT_M)) * 0.03 + spec.p_blocked_w * 0.02
     assert e2 - e1 == pytest.approx(want, rel=1e-6)

@@ -21,7 +21,7 @@ from kareus_megatron.runtime.clock.wire import (
 def test_wire_format_round_trip_in_any_chunks():
     t = time.monotonic()
     items = [[*begin_record(t, 3, 2, 1200, "forward", t - 1e-3), *begin_record(t, 3, 3, 990, "backward")],
-             {"op": "reset", "seq": 7}, [CODE_MARK, t, NO_TIME, 5.0, 1.0, 0.0, 0.0], {"op": "answer"}]
+             {"op": "reset", "seq": 7}, [CODE_MARK, t, NO_TIME, 5.0, 1.0, 0.0, 0.0, 0.0], {"op": "answer"}]
     data = b"".join(encode_records(i) if isinstance(i, list) else encode_control(i) for i in items)
     for step in (1, 3, 8, 57, len(data)):  # however the pipe splits the stream
         reader, got = FrameReader(), []
@@ -34,7 +34,8 @@ def test_wire_format_round_trip_in_any_chunks():
 
 
 _record = st.tuples(st.sampled_from([1.0, 2.0, 3.0]), st.floats(0, 1e6), st.one_of(st.just(NO_TIME), st.floats(0, 1e6)),
-                    st.integers(0, 10_000), st.integers(0, 500), st.integers(0, 2000), st.integers(0, 1))
+                    st.integers(0, 10_000), st.integers(0, 500), st.integers(0, 2000), st.integers(0, 1),
+                    st.one_of(st.just(NO_TIME), st.floats(0, 1e3)))
 _control = st.fixed_dictionaries({"op": st.sampled_from(["answer", "reset", "close"]), "seq": st.integers(0, 10**9)})
 
 
@@ -60,7 +61,7 @@ def test_frame_reader_reassembles_any_split(items, cuts):
             assert [x != x for x in g] == [x != x for x in w]
 
 
-@pytest.mark.parametrize("bad", [b"x 1 2\n", b"R 1\n" + bytes(56) + b"garbage\n", b"R -3\n", b"R two\n"])
+@pytest.mark.parametrize("bad", [b"x 1 2\n", b"R 1\n" + bytes(64) + b"garbage\n", b"R -3\n", b"R two\n"])
 def test_frame_reader_rejects_unknown_lines(bad):
     with pytest.raises(ValueError, match="clock controller message"):
         FrameReader().feed(bad)

@@ -1,4 +1,5 @@
-"""benchmarks/overlap_gpu.py: imports without a GPU, its dry run measures, predicts and calibrates on CPU."""
+"""benchmarks/overlap_gpu.py: imports without a GPU, its dry run measures, predicts and calibrates on CPU;
+overlap_cpu.py --cp: the CP collectives are issued at their planned slots."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def test_dry_run_measures_predicts_and_writes_calibration(bench, tmp_path):
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert doc["dry_run"] and doc["tp"] == 2 and len(rows) == 4 + 4 * 2
+    assert doc["core_attention"] == "sdpa"  # the measured layer's default: torch SDPA
+    assert set(doc["attention_op"]) == {"local_s", "sdpa_s"} and min(doc["attention_op"].values()) > 0
     for r in rows:
         for k in ("measured_time_s", "measured_energy_j", "predicted_time_s", "predicted_energy_j"):
             assert math.isfinite(r[k]), (k, r)
@@ -79,3 +82,24 @@ def test_runtime_package_does_not_import_the_planner():
         "assert 'megatron' not in sys.modules"
     )
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, cwd=ROOT)
+
+
+def test_cpu_benchmark_cp_mode_traces_each_cp_collective_at_its_slot(capsys):
+    """benchmarks/overlap_cpu.py --cp, tiny layer: 2 gloo ranks at CP=2 run every delay model, and the traced
+    2-nanobatch run issues the 4 CP collectives (K/V all-gather, dK/dV reduce-scatter, per nanobatch) at their
+    planned slots. Timings are not asserted (a shared machine)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    cpu_bench = importlib.import_module("overlap_cpu")
+    args = ["--cp", "--hidden", "64", "--heads", "4", "--seq", "32", "--mbs", "2", "--reps", "1", "--delay-ms", "1"]
+    assert cpu_bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "gloo CP=2 (TP=1)" in out and "fixed 1 ms" in out and "1 ms per microbatch" in out
+    traces = [line for line in out.splitlines() if line.startswith("trace rank")]
+    assert len(traces) == 2
+    for line in traces:
+        assert "4 CP collectives issued" in line and line.endswith("overlap violations: none"), line
+        assert "fwd_cp_kv@input_norm" in line and "bwd_cp_kv@pre_mlp_norm" in line, line
+    with pytest.raises(SystemExit) as e:  # refused before anything is spawned
+        cpu_bench.main(["--cp", "--sp"])
+    assert e.value.code == 2

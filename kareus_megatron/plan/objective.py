@@ -1,0 +1,96 @@
+"""What an automatically chosen plan optimises (``--kareus-objective``), and the point of a frontier that meets it.
+
+Objectives (time = predicted iteration time, s; energy = predicted iteration energy, J, the whole job):
+
+- ``iso-time`` (default): the least energy at the max-clock plan's time (the ``megatron`` point of the same
+  frontier, i.e. the same calibrated model), so training is no slower than without kareus;
+- ``min-energy``: the least energy at any time;
+- ``max-time=S``: the least energy with time <= S seconds;
+- ``energy=J``: the fastest plan with energy <= J joules.
+
+``select_point`` picks the point from one method's frontier points (plan/points.py ``FrontierPoint``); an
+objective no point meets is an ObjectiveError naming the closest the frontier gets. A training job that
+meets one keeps running at its current plan (runtime/auto.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.plan.points import FrontierPoint
+
+ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY = "iso-time", "min-energy", "max-time", "energy"
+OBJECTIVES = (ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY)
+SYNTAX = "iso-time, min-energy, max-time=S (seconds) or energy=J (joules)"
+TIME_SLACK = 1e-9  # relative: a point at the bound's time (to rounding) meets it
+
+
+class ObjectiveError(ConfigError):
+    """No point of the frontier meets the objective."""
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """A parsed objective: its kind and, for max-time / energy, the bound (s / J)."""
+
+    kind: str
+    bound: float | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.bound is None else f"{self.kind}={self.bound:g}"
+
+
+def parse_objective(text: str, flag: str = "--kareus-objective") -> Objective:
+    """Parse `text` (see the module doc); ConfigError naming `flag` otherwise."""
+    raw = str(text).strip()
+    kind, sep, value = raw.partition("=")
+    kind = kind.strip()
+    if kind in (ISO_TIME, MIN_ENERGY) and not sep:
+        return Objective(kind)
+    if kind in (MAX_TIME, ENERGY) and sep:
+        try:
+            bound = float(value)
+        except ValueError:
+            bound = math.nan
+        if not (math.isfinite(bound) and bound > 0):
+            unit = "seconds" if kind == MAX_TIME else "joules"
+            raise ConfigError(f"{flag} {raw!r}: {kind} needs a positive number of {unit}, e.g. {kind}=1.5")
+        return Objective(kind, bound)
+    raise ConfigError(f"{flag} {raw!r} is not an objective; use {SYNTAX}")
+
+
+def select_point(points: Sequence[FrontierPoint], objective: Objective,
+                 reference_time_s: float | None = None) -> FrontierPoint:
+    """The point of `points` (one method's frontier) that meets `objective` best.
+
+    `reference_time_s`: the max-clock plan's predicted time (s), needed by iso-time.
+    """
+    if not points:
+        raise ObjectiveError("the frontier has no points")
+    kind = objective.kind
+    if kind == MIN_ENERGY:
+        return min(points, key=lambda p: (p.energy_j, p.time_s))
+    if kind in (ISO_TIME, MAX_TIME):
+        if kind == ISO_TIME:
+            if reference_time_s is None:
+                raise ValueError("iso-time needs the max-clock plan's time")
+            bound = reference_time_s
+        else:
+            assert objective.bound is not None
+            bound = objective.bound
+        ok = [p for p in points if p.time_s <= bound * (1 + TIME_SLACK)]
+        if not ok:
+            fastest = min(p.time_s for p in points)
+            raise ObjectiveError(f"objective {objective}: no plan is as fast as {bound:.6g} s per iteration; the "
+                                 f"fastest is {fastest:.6g} s")
+        return min(ok, key=lambda p: (p.energy_j, p.time_s))
+    assert kind == ENERGY and objective.bound is not None
+    ok = [p for p in points if p.energy_j <= objective.bound]
+    if not ok:
+        least = min(p.energy_j for p in points)
+        raise ObjectiveError(f"objective {objective}: no plan uses as little as {objective.bound:.6g} J per "
+                             f"iteration; the least is {least:.6g} J")
+    return min(ok, key=lambda p: (p.time_s, p.energy_j))

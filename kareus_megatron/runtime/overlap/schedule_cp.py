@@ -1,0 +1,227 @@
+"""The nanobatch schedule of one partitioned-layer call with context parallelism (CP), forward and backward.
+
+With CP (megatron's ``context_parallel_size`` > 1) each rank holds 2 of the 2·CP load-balanced chunks of every
+sequence (cp_attention.py); the attention needs the K and V of the whole sequence. The attn segment is cut
+at the K/V collective (names from ``kareus_megatron.vocab``, as the planner's op graph cuts it,
+``workload/opgraph.py``):
+
+forward (and recompute), units in order, each one nanobatch at a time (nanobatch 0, then 1):
+
+- ``cp_kv``: input_norm, qkv, rope; then the all-gather of this nanobatch's K and V (one tensor, K and V
+  side by side) over the CP group, partition ``fwd_cp_kv`` (kind ``cp_all_gather``);
+- ``attn``: waits that all-gather before the attention op; attention (SDPAttention on the local queries
+  and the gathered K/V), proj; TP all-reduce of the proj output, partition ``fwd_attn`` (launch slots
+  attention, proj only: the ops after the cut);
+- ``mlp``: as without CP (``fwd_mlp``), then each output bias-dropout-add waits its own all-reduce.
+
+Backward, units ``mlp`` (``bwd_mlp``), ``cp_kv`` (pre_mlp_norm, proj, attention: the attention backward
+gives dQ and the dK/dV of every rank's gathered keys, reduce-scattered over the CP group back to their
+owners, kind ``cp_reduce_scatter``, partition ``bwd_cp_kv``), ``attn`` (waits the reduce-scatter before
+rope; rope, qkv; TP all-reduce of d qkv-input, ``bwd_attn``, slots rope and qkv) and the tail (input_norm).
+As in schedule.py, each unit's collective is issued before the planned op of the next unit (the other
+nanobatch's), or with 1 nanobatch at once; a planned slot that is not an op of the unit (a TP slot before
+the cut) launches at the unit's first op.
+
+The attention module is called in two steps so that the other nanobatch can run between them: megatron's
+``SelfAttention.forward`` runs up to the core attention (qkv, rope: its own code, every version's rope
+and QK-norm handling kept), where the layer's core-attention hook takes q, k, v and stops it (``_Captured``,
+caught here); the attn unit then calls the core attention and ``linear_proj`` itself (what
+``SelfAttention.forward`` does after the core attention for unpacked, ungated attention; output gates are
+refused at build time). TP × CP: the TP collectives run on the layer's TP group, the K/V ones on the CP group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kareus_megatron.runtime.overlap.config import cp_engine_slots
+from kareus_megatron.runtime.overlap.schedule import LayerRun, _Coll, _leaf, _split_batch
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by the core-attention hook to stop SelfAttention.forward once q, k, v exist."""
+
+
+def cp_group_of(layer: Any) -> Any:
+    """The context-parallel group of `layer` (its attention's process groups, else megatron's global one)."""
+    group = getattr(getattr(layer.self_attention, "pg_collection", None), "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
+
+
+class CPLayerRun(LayerRun):
+    """One call of a partitioned layer under context parallelism (see module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cp_group = cp_group_of(self.layer)
+        self._unit_ops = cp_engine_slots()
+        self._capture = False
+        self._captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _schedule(self, c: _Coll, nb: int, partition: str, overlap: bool) -> None:
+        super()._schedule(c, nb, partition, overlap)
+        ops = self._unit_ops.get(partition, ())
+        if self.partner is c and ops and c.slot not in ops:
+            c.slot = ops[0]
+
+    def core_attention_pre(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Core-attention forward pre-hook (layer.py): capture q, k, v and stop, or report the attention op."""
+        if not self._capture:
+            self.op("attention")
+            return None
+        vals = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value")[len(args):] if k in kwargs]
+        q, k, v = vals[:3]
+        self._captured = (self.mark(q, "rope"), self.mark(k, "rope"), v)
+        raise _Captured
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
+        """Run the layer on `x` ([s/cp, b, h], megatron's CP layout) as `n` nanobatches; return [s/cp, b, h]."""
+        n, lay, tag = self.n, self.layer, f"L{self.layer.layer_number}.fwd"
+        attn = lay.self_attention
+        xs = x.chunk(n, dim=1)
+        masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
+        cp = self.engine.comm.world(self.cp_group)
+        units = [(nb, seg) for seg in ("cp_kv", "attn", "mlp") for nb in range(n)]
+        prev: _Coll | None = None
+        for nb, seg in units:
+            part = f"fwd_{seg}"
+            if prev is not None:
+                self._schedule(prev, nb, part, overlap=n > 1)
+            self._enter(nb, part if self.partner is not None else "")
+            st = self.nbs[nb]
+            if seg == "cp_kv":
+                st.x = _leaf(xs[nb], self.grad)
+                self.op("input_norm")
+                st.ln1 = lay.input_layernorm(st.x)
+                st.ln1_in = _leaf(st.ln1, self.grad)
+                st.kw = dict(attn_kwargs, attention_mask=masks[nb])
+                self._capture, self._captured = True, None
+                try:
+                    with lay.local_comm(), lay.active(self):
+                        attn(st.ln1_in, **st.kw)
+                except _Captured:
+                    pass
+                finally:
+                    self._capture = False
+                if self._captured is None:
+                    raise RuntimeError("the core-attention hook did not run: not a standard SelfAttention")
+                st.q, st.k, st.v = self._captured
+                st.hn = st.k.shape[-1]
+                src = torch.cat([st.k.detach(), st.v.detach()], dim=-1).contiguous()
+                c = _Coll(f"{tag}.cp_kv.nb{nb}", nb, src.new_empty((src.shape[0] * cp, *src.shape[1:])),
+                          kind="cp_all_gather", src=src)
+            elif seg == "attn":
+                st.q_in = _leaf(st.q, self.grad)
+                st.kv_in = _leaf(st.colls["fwd.cp_kv"].buf, self.grad)
+                self._need = st.colls["fwd.cp_kv"]  # waited at the attention op (core_attention_pre)
+                with lay.local_comm(), lay.active(self):
+                    ctx = attn.core_attention(st.q_in, st.kv_in[..., :st.hn], st.kv_in[..., st.hn:],
+                                              st.kw.get("attention_mask"), attn_mask_type=None,
+                                              attention_bias=st.kw.get("attention_bias"))
+                    st.attn_partial, st.attn_bias = attn.linear_proj(ctx)
+                c = _Coll(f"{tag}.attn.nb{nb}", nb, st.attn_partial.detach())
+            else:
+                self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
+                st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
+                with lay.bias_dropout_add_exec_handler():
+                    st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
+                        (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
+                    )
+                st.ln2 = lay.pre_mlp_layernorm(st.h1)
+                st.ln2_in = _leaf(st.ln2, self.grad)
+                with lay.local_comm(), lay.active(self):
+                    st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
+                c = _Coll(f"{tag}.mlp.nb{nb}", nb, st.mlp_partial.detach())
+            st.colls[f"fwd.{seg}"] = c
+            self._leave()
+            prev = c
+        assert prev is not None
+        self._issue(prev)  # the layer's last collective: no partner segment
+        outs = []
+        for nb in range(n):
+            st = self.nbs[nb]
+            self._enter(nb, "")
+            self.op("bda", needs=st.colls["fwd.mlp"])
+            st.mlp_sum = _leaf(st.colls["fwd.mlp"].buf, self.grad)
+            st.h1_in = _leaf(st.h1, self.grad)
+            with lay.bias_dropout_add_exec_handler():
+                st.out = lay.mlp_bda(lay.training, lay.config.bias_dropout_fusion)(
+                    (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
+                )
+            outs.append(st.out)
+        return outs[0] if n == 1 else torch.cat(outs, dim=1)
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, dout: torch.Tensor, settings: Any) -> tuple[torch.Tensor, list]:
+        """Run the planned backward for output gradient `dout`; return (d input, parameter grads)."""
+        self.settings, self.phase = settings, "backward"
+        n, tag = self.n, f"L{self.layer.layer_number}.bwd"
+        overlap = n > 1 and settings.nanobatches > 1
+        params = self.params
+        acc: list[torch.Tensor | None] = [None] * len(params)
+        dx: list[torch.Tensor | None] = [None] * n
+
+        def grad(outputs, grads, leaves):
+            pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad and g is not None]
+            res = torch.autograd.grad(
+                [o for o, _ in pairs], [*leaves, *params], [g for _, g in pairs], allow_unused=True
+            )
+            for i, g in enumerate(res[len(leaves):]):
+                if g is not None:
+                    acc[i] = g if acc[i] is None else acc[i] + g
+            return res[: len(leaves)]
+
+        def add_dx(nb, g):
+            if g is not None:
+                dx[nb] = g if dx[nb] is None else dx[nb] + g
+
+        douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
+        units = [(nb, seg) for seg in ("mlp", "cp_kv", "attn") for nb in range(n)]
+        prev: _Coll | None = None
+        for nb, seg in units:
+            part = f"bwd_{seg}"
+            if prev is not None:
+                self._schedule(prev, nb, part, overlap)
+            self._enter(nb, part if self.partner is not None else "")
+            st = self.nbs[nb]
+            if seg == "mlp":
+                self.op("fc2")
+                d_sum, st.d_h1_res = grad([st.out], [douts[nb]], [st.mlp_sum, st.h1_in])
+                (d_ln2,) = grad([st.mlp_partial], [d_sum], [st.ln2_in])
+                c = _Coll(f"{tag}.mlp.nb{nb}", nb, d_ln2.contiguous())
+            elif seg == "cp_kv":
+                self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
+                d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
+                add_dx(nb, d_x)
+                self.op("proj")
+                st.d_q, d_kv = grad([st.attn_partial], [d_attn], [st.q_in, st.kv_in])
+                src = torch.zeros_like(st.kv_in) if d_kv is None else d_kv.contiguous()
+                cp = self.engine.comm.world(self.cp_group)
+                c = _Coll(f"{tag}.cp_kv.nb{nb}", nb, src.new_empty((src.shape[0] // cp, *src.shape[1:])),
+                          kind="cp_reduce_scatter", src=src)
+            else:
+                self._need = st.colls["bwd.cp_kv"]
+                self.backward_op(nb, "rope")
+                d_kv = st.colls["bwd.cp_kv"].buf
+                (d_ln1,) = grad([st.q, st.k, st.v], [st.d_q, d_kv[..., :st.hn], d_kv[..., st.hn:]], [st.ln1_in])
+                c = _Coll(f"{tag}.attn.nb{nb}", nb, d_ln1.contiguous())
+            st.colls[f"bwd.{seg}"] = c
+            self._leave()
+            prev = c
+        assert prev is not None
+        self._issue(prev)
+        for nb in range(n):
+            st = self.nbs[nb]
+            self._enter(nb, "")
+            self.op("input_norm", needs=st.colls["bwd.attn"])
+            (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
+            add_dx(nb, d_x)
+        self.nbs = []  # free the graphs' tensors
+        return (dx[0] if n == 1 else torch.cat(dx, dim=1)), acc

@@ -1,0 +1,93 @@
+"""plan/objective.py (the closed loop's objectives) and plan/workload.py (a plan's own workload, re-planned)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kareus_megatron.cost import KernelModel
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.plan.evaluate import evaluate_plan
+from kareus_megatron.plan.io import load_plan
+from kareus_megatron.plan.objective import Objective, ObjectiveError, parse_objective, select_point
+from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.plan.workload import plan_cli_args, plan_workload, write_model_file
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ["--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", "a100-sxm4-40gb", "--tp", "1", "--pp", "2",
+       "--mbs", "2", "--seq", "16", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
+       "--precision", "fp32", "--recompute", "none"]
+
+
+def _pt(i: int, t: float, e: float) -> FrontierPoint:
+    return FrontierPoint(method="kareus", index=i, plan_path=Path(f"p{i}"), time_s=t, energy_j=e)
+
+
+POINTS = [_pt(0, 1.0, 10.0), _pt(1, 1.1, 8.0), _pt(2, 1.3, 7.0), _pt(3, 1.6, 6.5)]
+
+
+@pytest.mark.parametrize("text, want", [("iso-time", Objective("iso-time")), ("min-energy", Objective("min-energy")),
+                                        ("max-time=1.5", Objective("max-time", 1.5)),
+                                        (" energy=7.5 ", Objective("energy", 7.5))])
+def test_parse(text: str, want: Objective) -> None:
+    assert parse_objective(text) == want
+
+
+@pytest.mark.parametrize("text", ["fastest", "max-time", "max-time=-1", "energy=abc", "iso-time=3", "energy=inf"])
+def test_parse_bad(text: str) -> None:
+    with pytest.raises(ConfigError, match="--kareus-objective"):
+        parse_objective(text)
+
+
+def test_select() -> None:
+    assert select_point(POINTS, Objective("iso-time"), reference_time_s=1.1).index == 1
+    assert select_point(POINTS, Objective("iso-time"), reference_time_s=1.0).index == 0
+    assert select_point(POINTS, Objective("min-energy")).index == 3
+    assert select_point(POINTS, Objective("max-time", 1.35)).index == 2
+    assert select_point(POINTS, Objective("energy", 7.5)).index == 2  # the fastest within 7.5 J
+    with pytest.raises(ObjectiveError, match="fastest is 1"):
+        select_point(POINTS, Objective("max-time", 0.5))
+    with pytest.raises(ObjectiveError, match="least is 6.5"):
+        select_point(POINTS, Objective("energy", 1.0))
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plan") / "p"
+    subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "plan", *JOB, "--points", "4",
+                    "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_cli_args_replan_the_same_job(planned: Path, tmp_path: Path) -> None:
+    """The flags rebuilt from a plan's record plan exactly the same job again."""
+    plan = load_plan(planned / "plans" / "kareus-01.json")
+    args = plan_cli_args(plan, write_model_file(plan, tmp_path / "model.json"))
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "plan", *args, "--points", "4",
+                    "--out", str(again)], check=True, capture_output=True)
+    for name in ("kareus-01", "megatron-00"):
+        a = json.loads((planned / "plans" / f"{name}.json").read_text())
+        b = json.loads((again / "plans" / f"{name}.json").read_text())
+        assert a["stages"] == b["stages"] and a["predicted"] == b["predicted"]
+
+
+def test_evaluate_matches_the_planner(planned: Path) -> None:
+    """Under the planner's own model a plan's simulated figures are its predicted ones (precision included)."""
+    for name in ("megatron-00", "kareus-00", "kareus-03", "perseus-02"):
+        plan = load_plan(planned / "plans" / f"{name}.json")
+        gpu, model, par = plan_workload(plan)
+        assert par.precision == "fp32" and model.name == "tiny-gpt"
+        sim = evaluate_plan(plan, KernelModel(gpu))
+        assert sim.time_s == pytest.approx(plan.predicted.iteration_time_s, rel=1e-9)
+        assert sim.energy_j == pytest.approx(plan.predicted.iteration_energy_j, rel=1e-9)
+    kernel = KernelModel(gpu_spec("a100-sxm4-40gb"))
+    slow = load_plan(planned / "plans" / "kareus-03.json")
+    t, _ = kernel.instruction_cost(model, par, 0, "forward", np.array([1410.0]))
+    assert evaluate_plan(slow, kernel).time_s > 8 * t[0]  # 4 forwards + 4 backwards on the critical path
