@@ -38,10 +38,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.errors import ConfigError
+from kareus_megatron.errors import ConfigError, KareusError
 from kareus_megatron.plan.io import plan_from_dict, plan_sha256
 from kareus_megatron.plan.objective import Objective
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.vocab import KAREUS, PERSEUS
 
 WARMUP_ITERATIONS = 2
 PROFILE_CLOCKS = 5
@@ -182,19 +183,37 @@ class AutoController:
             self._run(plan)
         self._tag(profile_mhz=mhz)
         if phase == "planning" and self.worker is not None:
+            self.method = self.method or self._method_for_model()
             self.worker.profile_done(self.profile_start, iteration - 1)
 
     def _switch(self, plan: Plan, version: int) -> None:
-        self.version = version
-        self.phase = "plan"
-        self.fallback = plan
-        self._run(plan)
+        try:
+            self.session.switch_plan(plan)  # every rank gets the same plan: all switch, or all refuse alike
+        except KareusError as e:
+            self._event("auto-failed", reason=f"plan {version} does not run on this job: {e}")
+            self.say(f"plan {version} does not run on this job ({e}); training goes on at the current plan")
+            return
+        self.plan, self.version, self.phase, self.fallback = plan, version, "plan", plan
         self._event("switch", plan_version=version, plan_sha256=plan_sha256(plan),
                     predicted_time_s=plan.predicted.iteration_time_s,
                     predicted_energy_j=plan.predicted.iteration_energy_j, method=plan.method)
         self._tag(profile_mhz=None)
         if self.worker is not None:
             self.worker.switched(version, plan)
+
+    def _method_for_model(self) -> str:
+        """kareus where the model can run 2 nanobatches (megatron-core with partitioned layers), else perseus
+        (clocks only): a 2-nanobatch plan on a standard model would be refused at the switch."""
+        from kareus_megatron.runtime import megatron_patch
+
+        patch = self.session.patch
+        if self.session.framework_patch is not megatron_patch or patch is None or patch.live is None:
+            return KAREUS  # DeepSpeed's schedule plans 1 nanobatch anyway
+        from kareus_megatron.runtime.overlap.layer import PartitionedTransformerLayer
+
+        chunks = patch.live.modules if isinstance(patch.live.modules, (list, tuple)) else [patch.live.modules]
+        found = any(isinstance(m, PartitionedTransformerLayer) for c in chunks for m in c.modules())
+        return KAREUS if found else PERSEUS
 
     def _run(self, plan: Plan) -> None:
         """From the next iteration on, run `plan` on this rank."""

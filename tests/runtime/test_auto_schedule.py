@@ -107,3 +107,30 @@ def test_interleaved_order() -> None:
 
     assert interleaved([5, 4, 3, 2, 1]) == [5, 1, 4, 2, 3]
     assert interleaved([5]) == [5]
+
+
+def test_a_plan_the_job_refuses_keeps_the_current_one() -> None:
+    """A switch the session refuses (e.g. a 2-nanobatch plan on a model without partitioned layers) is an
+    ``auto-failed`` event; every rank gets the same plan, so every rank stays where it is."""
+    from kareus_megatron.errors import PlanMismatchError
+
+    class Refusing(_Session):
+        def switch_plan(self, plan: Any) -> None:
+            if plan.stages[0].instructions[0].sm_clock_mhz == 1200:
+                raise PlanMismatchError("the plan runs 2 nanobatches but the model has no partitioned layers")
+            super().switch_plan(plan)
+
+    session = Refusing()
+    settings = AutoSettings(objective=Objective("iso-time"), warmup_iterations=0, profile_clocks=2,
+                            iterations_per_clock=2)
+    ctl = AutoController(session, _base(), settings, log_dir="unused", supported_mhz=(1410, 1200, 990), rank=1)
+    ctl.start()
+    for it in range(5):
+        ctl.on_iteration_end(it)
+    assert session.meter.tags["phase"] == "planning"
+    ctl.post(CMD_SWITCH, 1, uniform_plan(_base(), 1200).model_dump_json())
+    ctl.on_iteration_end(5)
+    assert session.meter.tags["phase"] == "planning" and ctl.version == 0
+    failed = [f for n, f in session.meter.events if n == "auto-failed"]
+    assert len(failed) == 1 and "partitioned layers" in failed[0]["reason"]
+    assert not [n for n, _ in session.meter.events if n == "switch"]
