@@ -126,6 +126,37 @@ class _Marker(torch.autograd.Function):
         return grad, None, None, None
 
 
+class Grads:
+    """The gradients of one layer call's backward: each piece's parameter gradients summed (handed to autograd
+    once per call), and each nanobatch's input gradient summed over the pieces that reach it."""
+
+    def __init__(self, params: list[torch.nn.Parameter], nanobatches: int) -> None:
+        self.params = params
+        self.acc: list[torch.Tensor | None] = [None] * len(params)
+        self.dx: list[torch.Tensor | None] = [None] * nanobatches
+
+    def __call__(self, outputs: list[Any], grads: list[Any], leaves: list[torch.Tensor]) -> tuple[Any, ...]:
+        """Backward of one piece: d `leaves` for output gradients `grads`; parameter gradients accumulate."""
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad and g is not None]
+        res = torch.autograd.grad(
+            [o for o, _ in pairs], [*leaves, *self.params], [g for _, g in pairs], allow_unused=True
+        )
+        for i, g in enumerate(res[len(leaves):]):
+            if g is not None:
+                self.acc[i] = g if self.acc[i] is None else self.acc[i] + g
+        return res[: len(leaves)]
+
+    def add_dx(self, nb: int, g: torch.Tensor | None) -> None:
+        """Add `g` to nanobatch `nb`'s input gradient."""
+        if g is not None:
+            self.dx[nb] = g if self.dx[nb] is None else self.dx[nb] + g
+
+    def result(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """(d input, merged over nanobatches along the batch dimension; parameter gradients)."""
+        dx = self.dx[0] if len(self.dx) == 1 else torch.cat(self.dx, dim=1)  # type: ignore[arg-type]
+        return dx, self.acc  # type: ignore[return-value]
+
+
 class LayerRun:
     """One call of a partitioned layer: its schedule, pending collectives and trace context."""
 
@@ -233,23 +264,20 @@ class LayerRun:
                     st.attn_partial, st.attn_bias = lay.self_attention(st.ln1_in, **kw)
                 c = _Coll(f"L{lay.layer_number}.fwd.attn.nb{nb}", nb, st.attn_partial.detach())
             else:
-                self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
-                st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
-                with lay.bias_dropout_add_exec_handler():
-                    st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
-                        (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
-                    )
-                st.ln2 = lay.pre_mlp_layernorm(st.h1)
-                st.ln2_in = _leaf(st.ln2, self.grad)
-                with lay.local_comm(), lay.active(self):
-                    st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
-                c = _Coll(f"L{lay.layer_number}.fwd.mlp.nb{nb}", nb, st.mlp_partial.detach())
+                c = self.mlp_unit(st, nb, f"L{lay.layer_number}.fwd.mlp.nb{nb}")
             st.colls[f"fwd.{seg}"] = c
             self._leave()
             prev = c
-        self._issue(prev)  # the layer's last collective: no partner segment
+        assert prev is not None
+        return self.finish_forward(prev)
+
+    def finish_forward(self, last: _Coll) -> torch.Tensor:
+        """Issue the layer's last collective `last` (no partner segment), then each nanobatch's output
+        bias-dropout-add after its own MLP collective; return the output [s, b, h] (SP: [s/tp, b, h])."""
+        lay = self.layer
+        self._issue(last)
         outs = []
-        for nb in range(n):
+        for nb in range(self.n):
             st = self.nbs[nb]
             self._enter(nb, "")
             self.op("bda", needs=st.colls["fwd.mlp"])
@@ -260,7 +288,23 @@ class LayerRun:
                     (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
                 )
             outs.append(st.out)
-        return outs[0] if n == 1 else torch.cat(outs, dim=1)
+        return outs[0] if self.n == 1 else torch.cat(outs, dim=1)
+
+    def mlp_unit(self, st: _NB, nb: int, name: str) -> _Coll:
+        """The MLP unit without SP: wait the attention all-reduce, bias-dropout-add, pre_mlp_norm, MLP; return
+        its (pending) output all-reduce named `name`."""
+        lay = self.layer
+        self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
+        st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
+        with lay.bias_dropout_add_exec_handler():
+            st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
+                (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
+            )
+        st.ln2 = lay.pre_mlp_layernorm(st.h1)
+        st.ln2_in = _leaf(st.ln2, self.grad)
+        with lay.local_comm(), lay.active(self):
+            st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
+        return _Coll(name, nb, st.mlp_partial.detach())
 
     # Hooks on megatron submodules call these (forward only; markers for the backward).
     def forward_op(self, name: str) -> None:
@@ -286,23 +330,8 @@ class LayerRun:
         self.settings, self.phase = settings, "backward"
         n, lay = self.n, self.layer
         overlap = n > 1 and settings.nanobatches > 1
-        params = self.params
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        dx: list[torch.Tensor | None] = [None] * n
-
-        def grad(outputs, grads, leaves):
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
-            res = torch.autograd.grad(
-                [o for o, _ in pairs], [*leaves, *params], [g for _, g in pairs], allow_unused=True
-            )
-            for i, g in enumerate(res[len(leaves):]):
-                if g is not None:
-                    acc[i] = g if acc[i] is None else acc[i] + g
-            return res[: len(leaves)]
-
-        def add_dx(nb, g):
-            if g is not None:
-                dx[nb] = g if dx[nb] is None else dx[nb] + g
+        grads = Grads(self.params, n)
+        grad, add_dx = grads, grads.add_dx
 
         douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
         units = [(nb, "mlp") for nb in range(n)] + [(nb, "attn") for nb in range(n)]
@@ -336,7 +365,7 @@ class LayerRun:
             (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
             add_dx(nb, d_x)
         self.nbs = []  # free the graphs' tensors
-        return (dx[0] if n == 1 else torch.cat(dx, dim=1)), acc
+        return grads.result()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kareus_megatron.runtime.overlap.schedule import LayerRun, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.schedule import Grads, LayerRun, _Coll, _leaf, _split_batch
 
 
 class SPLayerRun(LayerRun):
@@ -107,20 +107,7 @@ class SPLayerRun(LayerRun):
             self._leave()
             prev = c
         assert prev is not None
-        self._issue(prev)  # the layer's last collective: no partner segment
-        outs = []
-        for nb in range(n):
-            st = self.nbs[nb]
-            self._enter(nb, "")
-            self.op("bda", needs=st.colls["fwd.mlp"])
-            st.mlp_sum = _leaf(st.colls["fwd.mlp"].buf, self.grad)
-            st.h1_in = _leaf(st.h1, self.grad)
-            with lay.bias_dropout_add_exec_handler():
-                st.out = lay.mlp_bda(lay.training, lay.config.bias_dropout_fusion)(
-                    (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
-                )
-            outs.append(st.out)
-        return outs[0] if n == 1 else torch.cat(outs, dim=1)
+        return self.finish_forward(prev)
 
     # ------------------------------------------------------------------ backward
     def backward(self, dout: torch.Tensor, settings: Any) -> tuple[torch.Tensor, list]:
@@ -128,23 +115,8 @@ class SPLayerRun(LayerRun):
         self.settings, self.phase = settings, "backward"
         n, tag = self.n, f"L{self.layer.layer_number}.bwd"
         overlap = n > 1 and settings.nanobatches > 1
-        params = self.params
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        dx: list[torch.Tensor | None] = [None] * n
-
-        def grad(outputs, grads, leaves):
-            pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
-            res = torch.autograd.grad(
-                [o for o, _ in pairs], [*leaves, *params], [g for _, g in pairs], allow_unused=True
-            )
-            for i, g in enumerate(res[len(leaves):]):
-                if g is not None:
-                    acc[i] = g if acc[i] is None else acc[i] + g
-            return res[: len(leaves)]
-
-        def add_dx(nb, g):
-            if g is not None:
-                dx[nb] = g if dx[nb] is None else dx[nb] + g
+        grads = Grads(self.params, n)
+        grad, add_dx = grads, grads.add_dx
 
         douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
         for nb in range(n):  # the leading all-gather of each nanobatch's output gradient: exposed
@@ -188,4 +160,4 @@ class SPLayerRun(LayerRun):
             (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
             add_dx(nb, d_x)
         self.nbs = []  # free the graphs' tensors
-        return (dx[0] if n == 1 else torch.cat(dx, dim=1)), acc
+        return grads.result()
