@@ -118,9 +118,11 @@ class AutoController:
         self.log_dir = log_dir
         self.rank, self.world = rank, world
         self.clocks = interleaved(profile_clocks_mhz(supported_mhz, settings.profile_clocks))  # max first
-        self.max_plan = uniform_plan(base, self.clocks[0])
+        self._profile_plans: dict[int, tuple[Plan, str]] = {}  # MHz -> (plan, sha256): built once each
+        self.max_plan = self.profile_plan(self.clocks[0])
         self.version = 0  # 0: the profile / max-clock plans; n: the n-th plan the loop made
         self.plan: Plan = self.max_plan
+        self.plan_sha = plan_sha256(self.plan)  # of the plan running now (the tags carry it)
         self.fallback: Plan = self.max_plan  # what runs while planning: max clocks, later the last plan
         self.profile_start = 0  # iteration at which the current profile phase starts
         self.profile_warmup = settings.warmup_iterations
@@ -143,7 +145,7 @@ class AutoController:
             if k < self.profile_warmup:
                 return "warmup", self.max_plan, self.clocks[0]
             mhz = self.clocks[(k - self.profile_warmup) // self.settings.iterations_per_clock]
-            return ("reprofile" if self.version else "profile"), uniform_plan(self.base, mhz), mhz
+            return ("reprofile" if self.version else "profile"), self.profile_plan(mhz), mhz
         if self.phase in ("warmup", "profile", "reprofile"):  # the profile is over: train on while planning
             return "planning", self.fallback, None
         return self.phase, None, None
@@ -173,7 +175,7 @@ class AutoController:
 
     def _enter(self, iteration: int) -> None:
         phase, plan, mhz = self.scheduled(iteration)
-        changed = plan is not None and plan_sha256(plan) != plan_sha256(self.plan)
+        changed = plan is not None and plan is not self.plan  # plans are built once (profile_plan, the switch)
         if not changed and phase == self.phase and iteration:
             return
         if phase != self.phase or not iteration:
@@ -194,7 +196,8 @@ class AutoController:
             self.say(f"plan {version} does not run on this job ({e}); training goes on at the current plan")
             return
         self.plan, self.version, self.phase, self.fallback = plan, version, "plan", plan
-        self._event("switch", plan_version=version, plan_sha256=plan_sha256(plan),
+        self.plan_sha = plan_sha256(plan)
+        self._event("switch", plan_version=version, plan_sha256=self.plan_sha,
                     predicted_time_s=plan.predicted.iteration_time_s,
                     predicted_energy_j=plan.predicted.iteration_energy_j, method=plan.method)
         self._tag(profile_mhz=None)
@@ -216,14 +219,23 @@ class AutoController:
         return KAREUS if found else PERSEUS
 
     def _run(self, plan: Plan) -> None:
-        """From the next iteration on, run `plan` on this rank."""
+        """From the next iteration on, run `plan` (a profile plan or the fallback) on this rank."""
         self.plan = plan
+        self.plan_sha = next((sha for p, sha in self._profile_plans.values() if p is plan), None) or plan_sha256(plan)
         self.session.switch_plan(plan)
+
+    def profile_plan(self, mhz: int) -> Plan:
+        """The profile plan at `mhz` MHz (uniform_plan of the base), built once: the schedule runs on the
+        training thread at every iteration end, so it builds no plan and hashes none per iteration."""
+        if mhz not in self._profile_plans:
+            plan = uniform_plan(self.base, mhz)
+            self._profile_plans[mhz] = (plan, plan_sha256(plan))
+        return self._profile_plans[mhz][0]
 
     def _tag(self, **extra: Any) -> None:
         meter = self.session.meter
         if meter is not None:
-            meter.set_tags(phase=self.phase, plan_version=self.version, plan_sha256=plan_sha256(self.plan), **extra)
+            meter.set_tags(phase=self.phase, plan_version=self.version, plan_sha256=self.plan_sha, **extra)
 
     def _event(self, name: str, **fields: Any) -> None:
         meter = self.session.meter

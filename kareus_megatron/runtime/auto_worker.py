@@ -136,7 +136,6 @@ class AutoWorker(threading.Thread):
         self.job_args: list[str] = []
         self.reference_plan: Path | None = None  # the preset model's max-clock plan (plan-0's megatron point)
         self.watching: tuple[int, Plan] | None = None  # (version, plan) compared with its prediction
-        self.replans = 0
         self.stopped = threading.Event()
         self._next_check = 0.0
         self._read_s = 0.0  # how long the last read of the run log took (s)
@@ -325,7 +324,6 @@ class AutoWorker(threading.Thread):
                 self.ctl._event("checked", **fields)
             return
         self.watching = None
-        self.replans += 1
         self.ctl._event("drift", **fields)
         self.ctl.say(f"measured iteration time {_pct(et)} / energy {_pct(ee)} against plan {version}'s prediction "
                      f"over the last {n} iterations; re-profiling and re-planning")
