@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from kareus_megatron.runtime.overlap.config import cp_engine_slots
-from kareus_megatron.runtime.overlap.schedule import Grads, LayerRun, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
 class _Captured(Exception):  # noqa: N818 - control flow, not an error

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from kareus_megatron.runtime.overlap.schedule import Grads, LayerRun, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
 class SPLayerRun(LayerRun):
