@@ -48,7 +48,8 @@ bench: $(VENV)/.test
 #   PARALLEL: any layout 2 ranks hold (--pp 2, --tp 2, --tp 2 --sp, --cp 2, --dp 2; unset sizes are 1), passed
 #     alike to `kareus plan` and to tiny_train.py, which validate it (bad values: one line, exit 2);
 #   METHOD: kareus | nanobatch_perseus | perseus | megatron; POINT: the frontier point, 00 = its fastest plan;
-#   DIR (plan/, the run log run, the report's plot) is replaced.
+#   DIR (plan/, the run log run, the report's plot) is replaced; PLAN_ARGS: more `kareus plan` flags (e.g.
+#     --cross-layer: the plan and the run use cross-layer overlap).
 # The model is built with the partitioned (overlap) layer spec when the plan has 2-nanobatch instructions or
 # the layout uses SP or CP (megatron's local spec cannot run those without Apex/TE), else megatron's local spec.
 ITERATIONS ?= 6
@@ -56,6 +57,7 @@ OUT ?= try-out
 PARALLEL ?= --pp 2
 METHOD ?= kareus
 POINT ?= 00
+PLAN_ARGS ?=
 TRY_MODEL := examples/small-gpt.yaml
 TRY_JOB = --tp 1 --pp 1 $(PARALLEL) --mbs 8 --seq 256 --microbatches 4
 TRY_PLAN = $(OUT)/plan/plans/$(METHOD)-$(POINT).json
@@ -68,7 +70,7 @@ try-runtime: $(VENV)/.test
 	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*); pick another OUT" >&2; exit 2; fi
 	rm -rf $(OUT)
 	$(BIN)/kareus plan --model $(TRY_MODEL) --gpu a40 $(TRY_JOB) --nodes 1 --gpus-per-node 2 \
-	    --precision fp32 --recompute none --methods '$(METHOD)' --out $(OUT)/plan
+	    --precision fp32 --recompute none --methods '$(METHOD)' $(PLAN_ARGS) --out $(OUT)/plan
 	@test -f '$(TRY_PLAN)' || { echo "try-runtime: no plan $(METHOD)-$(POINT) in $(OUT)/plan/plans; use METHOD=kareus, nanobatch_perseus, perseus or megatron and POINT=00 (the fastest) .. 09" >&2; exit 2; }
 	# $(OUT)/run: the run log directory (a file per rank); new, since OUT was removed above (--kareus-log-mode new).
 	@spec=$$($(BIN)/python -c '$(TRY_SPEC)' '$(TRY_PLAN)') && echo "layer spec: $$spec" && set -x && \

@@ -26,8 +26,14 @@ microbatch's K and V, twice the activation bytes); the TP all-reduces are no-ops
 ``--core-attention sdpa``, and the attention-op line is left out. A traced run (2 nanobatches, fixed delay)
 then checks that each CP collective was issued at its planned slot (``trace.overlap_violations``).
 
+With ``--cross-layer`` (with or without ``--sp``) a stack of ``--layers`` layers (megatron's TransformerBlock,
+default 4) runs instead, and a third column adds cross-layer overlap (runtime/overlap/cross_layer.py: each
+layer's last collective beside the next layer's first unit, forward and backward), so that only the stack's last
+collective stays exposed. A traced run (fixed delay) then checks each collective's planned slot, carried
+ones included.
+
     python benchmarks/overlap_cpu.py [--delay-ms 15] [--hidden 512] [--seq 256] [--mbs 8] [--reps 7] [--sp | --cp]
-                                     [--core-attention sdpa|local]
+                                     [--core-attention sdpa|local] [--cross-layer [--layers 4]]
 """
 
 from __future__ import annotations
@@ -56,15 +62,25 @@ def _layer(args: argparse.Namespace):
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads, use_cpu_initialization=True,
+        num_layers=args.layers if args.cross_layer else 1, hidden_size=args.hidden, num_attention_heads=args.heads,
+        use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1 if args.cp else 2,
         sequence_parallel=args.sp, context_parallel_size=2 if args.cp else 1,
     )
     if args.sp:
         _sp_capable_torch_norm()
     torch.manual_seed(0)
-    return build_module(get_partitioned_gpt_layer_spec(core_attention=args.core_attention), config=cfg,
-                        layer_number=1)
+    spec = get_partitioned_gpt_layer_spec(core_attention=args.core_attention)
+    if args.cross_layer:  # a block of layers, linked for cross-layer overlap; called as block(x, mask) -> y
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        from kareus_megatron.runtime.overlap.layer import link_layers
+
+        block = TransformerBlock(cfg, spec, post_layer_norm=False)
+        link_layers(block)
+        return lambda x, attention_mask: (block(x, attention_mask), None), block
+    layer = build_module(spec, config=cfg, layer_number=1)
+    return layer, layer
 
 
 def _sp_capable_torch_norm() -> None:
@@ -99,7 +115,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
                                  context_parallel_size=2 if args.cp else 1)
     from kareus_megatron.runtime.overlap import LayerSettings, set_engine, setup_overlap
 
-    layer = _layer(args)
+    layer, module = _layer(args)
     g = torch.Generator().manual_seed(1)
     s_local = args.seq // 2 if args.sp or args.cp else args.seq  # SP, CP: this rank's half of the sequence
     x = torch.randn(s_local, args.mbs, args.hidden, generator=g).requires_grad_()
@@ -114,9 +130,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
         full_bytes *= 2
     delays = {"none": (0.0, 0.0), "fixed": (args.delay_ms / 1e3, 0.0),
               "per-byte": (0.0, args.delay_ms / 1e3 / full_bytes)}
-    configs = [(d, n) for d in delays for n in (1, 2)]
-    engines = {c: setup_overlap(settings=LayerSettings(nanobatches=c[1]), delay_s=delays[c[0]][0],
-                                delay_s_per_byte=delays[c[0]][1]) for c in configs}
+    configs = [(d, n) for d in delays for n in ((1, 2, "2x") if args.cross_layer else (1, 2))]  # 2x: cross-layer
+    engines = {c: setup_overlap(settings=LayerSettings(nanobatches=2 if c[1] == "2x" else c[1],
+                                                       cross_layer=c[1] == "2x"),
+                                delay_s=delays[c[0]][0], delay_s_per_byte=delays[c[0]][1]) for c in configs}
     times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     for rep in range(args.reps + 1):  # configurations interleaved, so load drift hits all alike
         for c in configs:
@@ -128,11 +145,11 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
             if rep:  # the first round is warm-up
                 times[c].append(time.perf_counter() - t0)
             x.grad = None
-            layer.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
     set_engine(None)
     results = {c: statistics.median(t) * 1e3 for c, t in times.items()}
-    if args.cp:
-        out.update(_cp_trace_check(rank, layer, x, dy, mask, delays["fixed"][0]))
+    if args.cp or args.cross_layer:
+        out.update(_trace_check(rank, layer, x, dy, mask, delays["fixed"][0], args.cross_layer))
         attn = {}
     else:
         from overlap_gpu import attention_op_times  # benchmarks/ is on sys.path (this script's folder)
@@ -145,22 +162,27 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _cp_trace_check(rank: int, layer, x, dy, mask, delay_s: float) -> dict[str, object]:
-    """One traced forward+backward (2 nanobatches, fixed delay): this rank's CP collectives issued, and the
-    overlap violations of the whole trace (a collective not issued before its planned slot's op of the other
-    nanobatch, or with no op of it before its wait)."""
+def _trace_check(rank: int, layer, x, dy, mask, delay_s: float, cross_layer: bool) -> dict[str, object]:
+    """One traced forward+backward (2 nanobatches, fixed delay): this rank's CP collectives issued (with
+    `cross_layer`: the last all-reduces carried into the next layer's call), and the overlap violations of the
+    whole trace (a collective not issued before its planned slot's op of the other nanobatch, or with no op of
+    it before its wait)."""
     from kareus_megatron.runtime.overlap import LayerSettings, overlap_violations, set_engine, setup_overlap
 
-    engine = setup_overlap(settings=LayerSettings(nanobatches=2), trace=True, delay_s=delay_s)
+    engine = setup_overlap(settings=LayerSettings(nanobatches=2, cross_layer=cross_layer), trace=True,
+                           delay_s=delay_s)
     y, _ = layer(x, attention_mask=mask)
     y.backward(dy)
     set_engine(None)
     engine.comm.close()
     events = engine.tracer.events
-    cp_issued = [e for e in events if e["kind"] == "issue" and e["collective"] in ("cp_all_gather",
-                                                                                    "cp_reduce_scatter")]
-    return {f"trace|{rank}|cp_issued": len(cp_issued),
-            f"trace|{rank}|slots": ", ".join(sorted({f"{e['partition']}@{e['slot']}" for e in cp_issued})),
+    if cross_layer:  # issued in a later layer's call than the one that produced it
+        issued = [e for e in events if e["kind"] == "issue" and e["coll"] != f"L{e['layer']}" + e["coll"][2:]]
+    else:
+        issued = [e for e in events if e["kind"] == "issue" and e["collective"] in ("cp_all_gather",
+                                                                                   "cp_reduce_scatter")]
+    return {f"trace|{rank}|cp_issued": len(issued),
+            f"trace|{rank}|slots": ", ".join(sorted({f"{e['partition']}@{e['slot']}" for e in issued})),
             f"trace|{rank}|violations": "; ".join(overlap_violations(events))}
 
 
@@ -179,7 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (all-gather / reduce-scatter)")
     ap.add_argument("--cp", action="store_true", help="context parallelism CP=2, TP=1 (K/V all-gather, dK/dV "
                                                       "reduce-scatter)")
+    ap.add_argument("--cross-layer", action="store_true",
+                    help="a stack of --layers layers, with a third column: 2 nanobatches with cross-layer overlap")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the --cross-layer stack")
     args = ap.parse_args(argv)
+    if args.cross_layer and args.cp:
+        ap.error("--cross-layer runs without context parallelism only (not with --cp)")
+    if args.cross_layer and args.layers < 2:
+        ap.error("--layers must be at least 2 with --cross-layer")
     if args.cp and args.sp:
         ap.error("--cp and --sp: the partitioned layer does not run CP with sequence parallelism")
     if args.cp and args.core_attention != "sdpa":
@@ -190,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         res = {tuple(k.split("|")): v for k, v in out.items()}
     if args.cp:
         return _print_cp(args, res)
+    if args.cross_layer:
+        return _print_cross(args, res)
     print(f"partitioned layer fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, hidden {args.hidden}, seq {args.seq}, "
           f"mbs {args.mbs}, "
           f"{args.threads} thread(s)/rank, {args.core_attention} core attention, median of {args.reps} "
@@ -230,6 +261,33 @@ def _print_cp(args: argparse.Namespace, res: dict) -> int:
     t1, t2 = res[("per-byte", "1")], res[("per-byte", "2")]
     print("OVERLAP REAL" if t2 < t1 and not bad else
           "NO GAIN (2 nanobatches not faster with the per-byte delay, or the trace breaks the plan)")
+    return 0
+
+
+
+def _print_cross(args: argparse.Namespace, res: dict) -> int:
+    print(f"{args.layers} partitioned layers (TransformerBlock) fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, "
+          f"hidden {args.hidden}, seq "
+          f"{args.seq}, mbs {args.mbs}, {args.threads} thread(s)/rank, {args.core_attention} core attention, "
+          f"median of {args.reps} (noisy on a shared machine)")
+    print(f"{'collective delay':>26} {'1 nb (ms)':>10} {'2 nb (ms)':>10} {'2 nb + cross-layer (ms)':>24} "
+          f"{'cross-layer saved (ms)':>23}")
+    labels = {"none": "none", "fixed": f"fixed {args.delay_ms:g} ms",
+              "per-byte": f"{args.delay_ms:g} ms per microbatch"}
+    for d in ("none", "fixed", "per-byte"):
+        t1, t2, tx = res[(d, "1")], res[(d, "2")], res[(d, "2x")]
+        print(f"{labels[d]:>26} {t1:>10.1f} {t2:>10.1f} {tx:>24.1f} {t2 - tx:>16.1f} ({(t2 - tx) / t2:.0%})")
+    bad = []
+    for r in (0, 1):
+        v = res[("trace", str(r), "violations")]
+        print(f"trace rank {r}: {res[('trace', str(r), 'cp_issued')]} collectives issued in the next layer's call "
+              f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}")
+        bad += [v] if v else []
+    t2, tx = res[("fixed", "2")], res[("fixed", "2x")]
+    print(f"fixed delay: cross-layer overlap hides up to {2 * (args.layers - 1)} more delays per forward+backward "
+          f"({2 * (args.layers - 1) * args.delay_ms:g} ms); saved {t2 - tx:.1f} ms")
+    print("CROSS-LAYER REAL" if tx < t2 and not bad else
+          "NO GAIN (cross-layer not faster with the fixed delay, or the trace breaks the plan)")
     return 0
 
 

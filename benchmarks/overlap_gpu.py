@@ -1,23 +1,36 @@
 """Multi-GPU benchmark: one layer's phase time (s) and energy (J) per overlap knob, measured vs predicted.
 
-For each partition (fwd_attn, fwd_mlp, bwd_mlp, bwd_attn) and each knob setting (comm SMs, launch
-slot) the partitioned megatron-core layer runs with that partition's knobs (the others at NCCL's
-default SMs and their first slot) on every GPU of the TP group; the script measures the layer's
-forward (or backward = forward+backward minus forward) wall time per call and GPU energy (NVML's
-energy counter over a window of repetitions), and puts beside it the cost model's prediction for the
-same phase and knobs (search/tables.py: the alone part plus every partition at its knobs). Reference
-rows: 1 nanobatch, and 2 nanobatches with every partition at the defaults. ``--write-calibration``
-fits the overlap parameters of the kernel model (link efficiency and latency, bytes per comm SM,
-comm-SM power, time scale; cost/calibrate.fit_series) to the measured rows and writes a calibration.
+For each partition of the layout and each knob setting (comm SMs, launch slot) the partitioned
+megatron-core layer runs with that partition's knobs (the others at NCCL's default SMs and their first
+slot) on every GPU; the script measures the layer's forward (or backward = forward+backward minus forward)
+wall time per call and GPU energy (NVML's energy counter over a window of repetitions), and puts beside it
+the cost model's prediction for the same phase and knobs (search/tables.py: the alone part plus every
+partition at its knobs). Reference rows: 1 nanobatch, and 2 nanobatches with every partition at the
+defaults. ``--write-calibration`` fits the overlap parameters of the kernel model (link efficiency and
+latency, bytes per comm SM, comm-SM power, time scale; cost/calibrate.fit_series) to the measured rows and
+writes a calibration.
+
+Layouts (TP = world size / CP; the partitions and slots are the overlap engine's, runtime/overlap/config.py):
+
+- TP (default): the TP all-reduce partitions (vocab.TP_PARTITION_SLOTS), input [s, b, h].
+- ``--sp``: sequence parallelism (TP >= 2), the SP all-gather / reduce-scatter partitions
+  (vocab.SP_PARTITION_SLOTS), input [s/TP, b, h].
+- ``--cp N``: context parallelism (megatron's load-balanced layout: each CP rank holds 2 of the 2·N sequence
+  chunks, input [s/N, b, h], the CP-sliced causal mask and RoPE table); the partitions of
+  ``config.cp_engine_slots()`` (with ``--sp``: ``cp_sp_engine_slots()``, input [s/(N·TP), b, h]). With TP=1
+  only the CP K/V ones: a 1-rank TP all-reduce is no collective. Needs ``--core-attention sdpa``.
 
 The measured layer uses megatron-core's local spec with ``--core-attention sdpa`` (default: SDPAttention,
 torch's scaled_dot_product_attention, flash kernels on a GPU, as the model assumes) or ``local`` (megatron's
 unfused DotProductAttention, which makes attention-heavy rows slower than predicted). The ``attention_op``
-entry of the output times the core attention alone (forward+backward, s) with each of the two.
+entry of the output times the core attention alone (forward+backward, s) with each of the two (not with CP:
+megatron's DotProductAttention does not run it).
 
     torchrun --nproc_per_node=8 benchmarks/overlap_gpu.py --model qwen3-1.7b --mbs 8 --seq 4096 \\
-        [--clock-mhz 1410] [--out kareus-out/overlap_measurements.json] [--write-calibration overlap_cal.json]
-    python benchmarks/overlap_gpu.py --dry-run     # CPU: 2 gloo processes, a tiny layer, simulated energy
+        [--sp] [--cp 2] [--partitions fwd_cp_kv,bwd_cp_kv] [--clock-mhz 1410] \\
+        [--out kareus-out/overlap_measurements.json] [--write-calibration overlap_cal.json]
+    python benchmarks/overlap_gpu.py --dry-run [--sp | --cp 2]   # CPU: 2 gloo processes (TP=2, or CP=2 TP=1),
+                                                                 # a tiny layer, simulated energy
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ import numpy as np
 # each window's step error near 3%.
 GPU_WINDOW_S = 3.0
 BACKWARD_ATTEMPTS = 3  # re-measurements when a backward row's difference comes out <= 0
-PHASE_PARTITIONS = {"forward": ("fwd_attn", "fwd_mlp"), "backward": ("bwd_mlp", "bwd_attn")}
+PHASES = ("forward", "backward")  # a partition's phase is its name's prefix: fwd_ forward, bwd_ backward
+DRY_RUN_WORLD = 2  # gloo processes of the dry run
 OVERLAP_FREE = (  # (name, lo, hi, prior sigma): the kernel-model parameters of the overlap part
     ("nvlink_efficiency", 0.15, 1.0, 0.2),
     ("nvlink_latency_s", 0.0, 200e-6, 20e-6),
@@ -52,8 +66,8 @@ TINY = dict(name="tiny", num_layers=1, hidden_size=64, num_attention_heads=4, nu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Command-line options (see the module docstring), with the layout they describe checked."""
+    ap = argparse.ArgumentParser(prog="overlap_gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU: 2 gloo processes, tiny layer, simulated energy")
     ap.add_argument("--model", default=None, help="model preset (workload/models.toml); tiny in a dry run")
     ap.add_argument("--gpu", default=None, help="GPU preset for the prediction (default: the device's)")
@@ -62,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=None, help="sequence length")
     ap.add_argument("--clock-mhz", type=int, default=None, help="lock the SM clock (needs permission)")
     ap.add_argument("--sms", default=None, help="comm SM counts, comma-separated (default: the planner's range)")
-    ap.add_argument("--partitions", default="fwd_attn,fwd_mlp,bwd_mlp,bwd_attn")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP >= 2)")
+    ap.add_argument("--cp", type=int, default=1, help="context parallel size (TP = world size / CP; needs sdpa)")
+    ap.add_argument("--partitions", default=None, help="comma-separated (default: every partition of the layout)")
     ap.add_argument("--min-window-s", type=float, default=None,
                     help=f"shortest measured window (s; default {GPU_WINDOW_S:g}: tens of energy-counter steps)")
     ap.add_argument("--core-attention", default="sdpa", choices=("sdpa", "local"),
@@ -70,12 +86,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="kareus-out/overlap_measurements.json", help="measured and predicted rows (JSON)")
     ap.add_argument("--write-calibration", default=None, help="fit the overlap parameters; write this file")
     a = ap.parse_args(argv)
+    if not a.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("overlap_gpu: no CUDA GPU here; running the CPU dry run instead (--dry-run).")
+            a.dry_run = True
     a.mbs = a.mbs or (2 if a.dry_run else 8)
     a.seq = a.seq or (32 if a.dry_run else 4096)
     a.min_window_s = a.min_window_s if a.min_window_s is not None else (0.0 if a.dry_run else GPU_WINDOW_S)
     if a.mbs % 2:
         ap.error(f"--mbs {a.mbs} must be even (2 nanobatches)")
+    if a.sms and not all(s.strip().isdigit() and int(s) > 0 for s in a.sms.split(",")):
+        ap.error(f"--sms {a.sms!r} must be positive integers, comma-separated (e.g. 6,18)")
+    a.world = DRY_RUN_WORLD if a.dry_run else int(os.environ.get("WORLD_SIZE", "1"))
+    where = "the dry run's 2 processes" if a.dry_run else f"world size {a.world}"
+    if a.cp < 1:
+        ap.error(f"--cp {a.cp} must be a positive integer (1: no context parallelism)")
+    if a.world % a.cp:
+        ap.error(f"--cp {a.cp} does not divide {where}; use a --cp dividing {a.world}")
+    if a.cp > 1 and a.core_attention != "sdpa":
+        ap.error(f"--cp {a.cp} needs --core-attention sdpa (the CP attention runs on SDPA)")
+    a.tp = a.world // a.cp
+    if a.sp and a.tp == 1:
+        ap.error(f"--sp needs TP >= 2, but {where} / --cp {a.cp} leaves TP=1; drop --sp or lower --cp")
+    a.engine_slots, a.layout = layout_slots(a.tp, a.cp, a.sp)
+    if not a.layout:
+        ap.error(f"{where} with --cp {a.cp} has no TP or CP collective to overlap; run on 2 or more GPUs")
+    a.partitions = [p for p in (a.partitions or ",".join(a.layout)).split(",") if p]
+    bad = [p for p in a.partitions if p not in a.layout]
+    if bad or not a.partitions:
+        ap.error(f"--partitions {','.join(bad) or '(none)'}: not a partition of this layout "
+                 f"({layout_name(a.tp, a.cp, a.sp)}); use some of {', '.join(a.layout)}")
+    from kareus_megatron.errors import KareusError
+    from kareus_megatron.workload.parallel import make_parallel
+
+    try:  # the planner's check of the layout (sequence divisible by 2·CP, and so on) and the prediction's config
+        a.par = make_parallel(model_spec(a), tp=a.tp, cp=a.cp, sequence_parallel=a.sp, micro_batch_size=a.mbs,
+                              seq_length=a.seq, gpus_per_node=a.world)
+    except KareusError as e:
+        ap.error(f"{layout_name(a.tp, a.cp, a.sp)} ({where}, --cp {a.cp}): {e}")
     return a
+
+
+def layout_name(tp: int, cp: int, sp: bool) -> str:
+    """The layout in words, e.g. 'TP=2, CP=2, SP'."""
+    return f"TP={tp}" + (f", CP={cp}" if cp > 1 else "") + (", SP" if sp else "")
+
+
+def layout_slots(tp: int, cp: int, sp: bool) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """(partition → launch slots the engine runs for the layout, in execution order; the measurable ones).
+
+    Measurable: those with a collective, i.e. without the TP and SP ones at TP=1 (a 1-rank all-reduce is none).
+    """
+    from kareus_megatron.runtime.overlap.config import cp_engine_slots, cp_sp_engine_slots
+    from kareus_megatron.vocab import CP_PARTITION_SLOTS, SP_PARTITION_SLOTS, TP_PARTITION_SLOTS
+
+    if cp > 1:
+        engine = cp_sp_engine_slots() if sp else cp_engine_slots()
+    else:
+        engine = dict(SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS)
+    return engine, {n: s for n, s in engine.items() if tp > 1 or n in CP_PARTITION_SLOTS}
+
+
+def phase_of(partition: str) -> str:
+    """The phase ('forward' / 'backward') whose layer a partition runs in."""
+    return "forward" if partition.startswith("fwd_") else "backward"
 
 
 def model_spec(args: argparse.Namespace):
@@ -89,22 +165,19 @@ def model_spec(args: argparse.Namespace):
 
 
 def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
-    """Rows to measure: references, then every (partition, comm SMs, slot)."""
+    """Rows to measure: references, then every (partition, comm SMs, slot) of the chosen partitions."""
     from kareus_megatron.search.tables import comm_sms_range
-    from kareus_megatron.vocab import TP_PARTITION_SLOTS
 
-    parts = [p for p in args.partitions.split(",") if p]
     rows: list[dict[str, Any]] = []
-    for phase, names in PHASE_PARTITIONS.items():
+    for phase in PHASES:
         rows.append({"phase": phase, "nanobatches": 1, "partition": None, "comm_sms": None, "slot": None})
         rows.append({"phase": phase, "nanobatches": 2, "partition": None, "comm_sms": None, "slot": None})
-        for name in names:
-            if name not in parts:
+        for name, slots in args.layout.items():
+            if phase_of(name) != phase or name not in args.partitions:
                 continue
             sms = [int(s) for s in args.sms.split(",")] if args.sms else [int(s) for s in comm_sms_range(gpu, name)]
-            slots = TP_PARTITION_SLOTS[name]
             if args.dry_run:  # exercise the path, not the grid
-                sms, slots = sms[:1], (slots[0], slots[-1])
+                sms, slots = sms[:1], tuple(dict.fromkeys((slots[0], slots[-1])))
             for s in sms:
                 for slot in slots:
                     rows.append({"phase": phase, "nanobatches": 2, "partition": name, "comm_sms": s, "slot": slot})
@@ -156,7 +229,7 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
     from kareus_megatron.cost.kernel import KernelModel
 
     series = []
-    for phase in PHASE_PARTITIONS:
+    for phase in PHASES:
         sel = [r for r in rows if r["phase"] == phase and r["nanobatches"] == 2 and _valid(r)]
         if len(sel) < 2:
             continue
@@ -174,12 +247,14 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
     return Calibration(
         format=FORMAT, gpu=gpu.name, params=merged, fit={"uncalibrated": before, "calibrated": after},
         source=f"benchmarks/overlap_gpu.py ({len(rows)} knob rows at {clock_mhz} MHz)",
-        workload={"model": model.name, "tp": par.tp, "mbs": par.micro_batch_size, "seq": par.seq_length},
+        workload={"model": model.name, "tp": par.tp, "cp": par.cp, "sequence_parallel": par.sequence_parallel,
+                  "mbs": par.micro_batch_size, "seq": par.seq_length},
     )
 
 
 # ---------------------------------------------------------------- measurement (torch, megatron)
-def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa"):
+def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa", sp: bool = False, cp: int = 1):
+    """The partitioned layer, its RoPE table for the whole sequence (or None) and dtype."""
     import torch
     import torch.nn.functional as F
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -196,6 +271,7 @@ def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa
         activation_func=F.silu if model.activation == "swiglu" else F.gelu, add_bias_linear=False,
         normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm", qk_layernorm=model.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=cpu,
+        sequence_parallel=sp, context_parallel_size=cp,
         params_dtype=dtype, bf16=not cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, apply_rope_fusion=False,
     )
@@ -206,7 +282,9 @@ def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa
     layer = build_module(spec, config=cfg, layer_number=1)
     rope = None
     if model.position == "rope":
-        rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0, use_cpu_initialization=cpu)(seq)
+        # packed_seq=True: megatron leaves the table unsliced under CP; measure() slices it as the batch
+        rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0,
+                               use_cpu_initialization=cpu)(seq, packed_seq=cp > 1)
     return layer, rope, dtype
 
 
@@ -246,14 +324,17 @@ def attention_op_times(cfg: Any, seq: int, mbs: int, device: Any, dtype: Any, re
 
 
 def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Measure every row on this rank (all ranks run the same rows in the same order)."""
+    """Measure every row on this rank (all ranks run the same rows in the same order); also time the core
+    attention alone ({} with CP)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from kareus_megatron.hardware.device import open_cuda_gpu, open_gpu
     from kareus_megatron.runtime.overlap import Knobs, LayerSettings, set_engine, setup_overlap
+    from kareus_megatron.vocab import CP_PARTITION_SLOTS
 
     cpu = args.dry_run
     if cpu:  # attention forks megatron's CUDA RNG tracker and takes a scratch buffer on the current device
@@ -262,21 +343,31 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         mrandom.model_parallel_cuda_manual_seed(1234)
-    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    assert world == args.tp * args.cp, (world, args.tp, args.cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp)
     model = model_spec(args)
-    layer, rope, dtype = _layer(model, world, args.seq, cpu, args.core_attention)
+    layer, rope, dtype = _layer(model, args.tp, args.seq, cpu, args.core_attention, args.sp, args.cp)
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
     layer.to(device)
     gpu = args.gpu or ("a100-sxm4-40gb" if cpu else None)  # NVML: the GPU that is cuda:current (by UUID)
     dev = open_gpu(0, backend="simulated", gpu=gpu) if cpu else open_cuda_gpu(torch.cuda.current_device(), gpu=gpu)
     if args.clock_mhz:
         dev.set_sm_clock_mhz(args.clock_mhz)
+    s_local = args.seq // args.cp // (args.tp if args.sp else 1)  # this rank's part of the sequence
     g = torch.Generator(device="cpu").manual_seed(7)
-    x = torch.randn(args.seq, args.mbs, model.hidden_size, generator=g).to(device, dtype).requires_grad_()
-    dy = torch.randn(args.seq, args.mbs, model.hidden_size, generator=g).to(device, dtype)
+    x = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype).requires_grad_()
+    dy = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1).view(1, 1, args.seq, args.seq)
-    sms_all = sorted({r["comm_sms"] for r in rows if r["comm_sms"]})
-    engine = setup_overlap(comm_sms=tuple(sms_all))
+    if args.cp > 1:  # megatron's CP layout: this rank's 2 of the 2·CP chunks (mask rows; RoPE table, dim 0)
+        cut = get_batch_on_this_cp_rank({"attention_mask": mask,
+                                         "rope": None if rope is None else rope.transpose(0, 1)})
+        mask = cut["attention_mask"]
+        rope = None if rope is None else cut["rope"].transpose(0, 1).contiguous()
+    is_cp = {r["partition"]: r["partition"] in CP_PARTITION_SLOTS for r in rows if r["partition"]}
+    tp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and not is_cp[r["partition"]]})
+    cp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and is_cp[r["partition"]]})
+    engine = setup_overlap(comm_sms=tuple(tp_sms), cp_comm_sms=tuple(cp_sms))  # one communicator per count (NCCL)
+    base = {name: Knobs(None, slots[0]) for name, slots in args.engine_slots.items()}  # the layout's defaults
     sync = (lambda: None) if cpu else torch.cuda.synchronize
 
     def window(fn) -> tuple[float, float, int]:
@@ -313,7 +404,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
 
     out = []
     for r in rows:
-        knobs = {r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else {}
+        knobs = {**base, r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else base
         engine.state.set(LayerSettings(nanobatches=r["nanobatches"], knobs=knobs))
         tf, ef, nf = window(fwd)
         if r["phase"] == "forward":
@@ -326,11 +417,13 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
                 t, e = tb - tf, eb - ef
                 if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
                     break
-        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n,
-                    "clock_mhz": dev.sm_clock_mhz(), "sm_limit_applied": bool(engine.comm.sm_groups)})
+        groups = engine.comm.cp_sm_groups if is_cp.get(r["partition"]) else engine.comm.sm_groups
+        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n, "clock_mhz": dev.sm_clock_mhz(),
+                    "sm_limit_applied": r["comm_sms"] in groups})  # this row's partition ran SM-limited
     set_engine(None)
     dev.close()
-    attn = attention_op_times(layer.config, args.seq, args.mbs, device, dtype, reps=3 if cpu else 10, sync=sync)
+    attn = {} if args.cp > 1 else attention_op_times(layer.config, args.seq, args.mbs, device, dtype,
+                                                     reps=3 if cpu else 10, sync=sync)
     return out, attn
 
 
@@ -363,15 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.hardware.gpus import gpu_spec
     from kareus_megatron.plan.io import write_json_atomic
-    from kareus_megatron.workload.parallel import make_parallel
 
-    if not args.dry_run and not torch.cuda.is_available():
-        print("overlap_gpu: no CUDA GPU here; running the CPU dry run instead (--dry-run).")
-        args.dry_run = True
-        args = parse_args([*(argv or sys.argv[1:]), "--dry-run"])
-    model = model_spec(args)
-    tp = 2 if args.dry_run else int(os.environ.get("WORLD_SIZE", "1"))
-    par = make_parallel(model, tp=tp, micro_batch_size=args.mbs, seq_length=args.seq, gpus_per_node=tp)
+    model, par = model_spec(args), args.par  # par: the layout as the planner builds it (parse_args)
     gpu_name = args.gpu or ("a100-sxm4-40gb" if args.dry_run else None)
     if gpu_name is None:
         from kareus_megatron.hardware.gpus import gpu_spec_for_device_name
@@ -389,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with mp.Manager() as mgr:
             result = mgr.dict()
-            mp.spawn(_spawned, args=(2, _free_port(), args, rows, result), nprocs=2, join=True)
+            mp.spawn(_spawned, args=(args.world, _free_port(), args, rows, result), nprocs=args.world, join=True)
             measured, attn = list(result["rows"]), dict(result["attention_op"])
     else:
         import torch.distributed as dist
@@ -405,14 +491,17 @@ def main(argv: list[str] | None = None) -> int:
     for r, t, e in zip(measured, pt, pe):
         r["predicted_time_s"], r["predicted_energy_j"] = float(t), float(e)
     doc = {"format": "kareus-overlap-measurements/1", "dry_run": args.dry_run, "gpu": gpu.name,
-           "model": model.name, "tp": tp, "mbs": args.mbs, "seq": args.seq, "clock_mhz": clock,
+           "model": model.name, "tp": args.tp, "cp": args.cp, "sequence_parallel": args.sp,
+           "partitions": {n: list(args.layout[n]) for n in args.partitions}, "mbs": args.mbs, "seq": args.seq,
+           "clock_mhz": clock,
            "core_attention": args.core_attention, "attention_op": {f"{k}_s": v for k, v in attn.items()},
            "rows": measured}
     write_json_atomic(args.out, doc)
-    print(f"{'phase':9} {'nb':>2} {'partition':9} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
+    print(f"{layout_name(args.tp, args.cp, args.sp)}, {model.name}, mbs {args.mbs}, seq {args.seq}, {clock} MHz")
+    print(f"{'phase':9} {'nb':>2} {'partition':16} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
           f"{'meas J':>9} {'pred J':>9}")
     for r in measured:
-        print(f"{r['phase']:9} {r['nanobatches']:>2} {r['partition'] or '-':9} {r['comm_sms'] or '-':>4} "
+        print(f"{r['phase']:9} {r['nanobatches']:>2} {r['partition'] or '-':16} {r['comm_sms'] or '-':>4} "
               f"{r['slot'] or '-':12} {1e3 * r['measured_time_s']:9.3f} {1e3 * r['predicted_time_s']:9.3f} "
               f"{r['measured_energy_j']:9.4f} {r['predicted_energy_j']:9.4f}")
     mt = np.array([r["measured_time_s"] for r in measured])
@@ -423,9 +512,12 @@ def main(argv: list[str] | None = None) -> int:
         save_calibration(cal, args.write_calibration)
         print(f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
               f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%")
-    print(f"core attention alone, fwd+bwd per call: local (unfused) {1e3 * attn['local']:.3f} ms, "
-          f"sdpa {1e3 * attn['sdpa']:.3f} ms ({attn['local'] / max(attn['sdpa'], 1e-12):.2f}x)"
-          + (" (dry run: CPU math path)" if args.dry_run else ""))
+    if not attn:
+        print("core attention alone: left out with CP (megatron's DotProductAttention does not run it)")
+    else:
+        print(f"core attention alone, fwd+bwd per call: local (unfused) {1e3 * attn['local']:.3f} ms, "
+              f"sdpa {1e3 * attn['sdpa']:.3f} ms ({attn['local'] / max(attn['sdpa'], 1e-12):.2f}x)"
+              + (" (dry run: CPU math path)" if args.dry_run else ""))
     print(f"wrote {Path(args.out)}")
     return 0
 

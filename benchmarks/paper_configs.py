@@ -11,7 +11,7 @@ measurements; the published measured figures are "up to 28.3% less energy at the
 Variants (``--variants``): ``published`` (as evaluated: no sequence parallelism, CP where the paper has
 it), ``sp`` (sequence parallelism on every TP layout: its all-gather/reduce-scatter partitions, 2
 nanobatches), ``cross`` (cross-layer overlap inside each stage's layer stack, ``kareus plan
---cross-layer``; a planner model the runtime does not run yet) and ``sp+cross``. With more than one
+--cross-layer``; the runtime runs it with and without SP, not with CP) and ``sp+cross``. With more than one
 variant a last table gives each variant's reductions next to the published layout's.
 
 Run: .venv/bin/python benchmarks/paper_configs.py [--markdown] [--only 1,5,70b] [--calibration F]

@@ -57,8 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the optimizer "
                    "state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
     g.add_argument("--cross-layer", action="store_true", help="model cross-layer overlap: each layer's last "
-                   "collective beside the other nanobatch's first segment of the next layer (a planner model the "
-                   "runtime does not run yet: such plans are refused at run time; default off)")
+                   "collective beside the other nanobatch's first segment of the next layer (the overlap engine "
+                   "runs it with and without --sp; with --cp such plans are refused at run time; default off)")
     g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
                    "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
@@ -144,9 +144,12 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         )
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory)
-    if args.cross_layer:
-        notes.append("note: --cross-layer is a model only: the overlap engine refuses these plans until it runs "
-                     "cross-layer overlap.")
+    if args.cross_layer and par.cp > 1:
+        notes.append("note: --cross-layer with --cp is a model only: the overlap engine runs cross-layer overlap "
+                     "without context parallelism and refuses these plans.")
+    if args.cross_layer and par.recompute == "full":
+        notes.append("note: with --cross-layer and full recompute, run with --recompute-num-layers ≥ 2 (uniform): "
+                     "the overlap engine links layers only inside one recompute group.")
     for note in notes:
         console.print(note)
     return result, doc, built

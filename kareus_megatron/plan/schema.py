@@ -6,7 +6,8 @@ with and the blocked power (W) the prediction used, the predicted iteration time
 GPUs of the job), and for every pipeline rank its instructions in execution order, each with its SM clock
 (MHz), nanobatch count and, with 2 nanobatches, the overlap knobs of every partition (comm SMs and launch
 slot; names from ``kareus_megatron.vocab``); ``cross_layer`` says the overlap was predicted with
-cross-layer overlap (planner only; the runtime refuses such a plan). A ``powercap`` plan also records
+cross-layer overlap (the overlap engine runs it with and without SP; refused with CP). A
+``powercap`` plan also records
 the one board power limit (W) of every GPU of the job: the runtime sets that limit and locks no clock,
 and its instructions carry the GPU's maximum SM clock, the clock the prediction requested (the driver
 lowers it under the cap).
@@ -190,8 +191,8 @@ class Plan(_Frozen):
     cross_layer: bool | None = Field(
         default=None,
         description="the 2-nanobatch instructions were predicted with cross-layer overlap (kareus plan "
-                    "--cross-layer): a model the overlap engine does not run yet, so the runtime refuses the "
-                    "plan (None: without; omitted from the file)",
+                    "--cross-layer), which the overlap engine runs with and without SP; refused at run time "
+                    "with CP (None: without; omitted from the file)",
     )
 
     @model_validator(mode="after")

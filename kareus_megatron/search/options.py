@@ -10,7 +10,7 @@ all alike, plus the stage's extra work (embedding, final norm, output layer, los
 microbatch. Its cost with 2 nanobatches at clock f is
 ``L × (alone(f) + Σ_partitions table_p(f, knob_p)) + extras(f)``; the knobs of different partitions are
 independent, so the frontier at f is an exact Pareto sum of the partitions' frontiers. With cross-layer
-overlap (``cross_layer``, a model the overlap engine does not run yet) the L layers cost the layer table
+overlap (``cross_layer``; the overlap engine runs it with and without SP) the L layers cost the layer table
 once and its ``inner`` table L - 1 times (search/tables.py), with the same knobs.
 
 Methods (the same machinery):

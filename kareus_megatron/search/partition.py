@@ -33,7 +33,8 @@ nanobatch-0 step runs alone after it. Forward with SP and 2 nanobatches: ``fwd_s
 the other three SP partitions × 2, the last reduce-scatter exposed; backward: ``bwd_sp_mlp`` × 1,
 ``bwd_sp_attn_norm`` and ``bwd_sp_attn`` × 2, the last reduce-scatter beside nb0's ``input_norm``.
 
-Cross-layer overlap (a planner model only: the overlap engine does not run it yet): inside a model chunk
+Cross-layer overlap (run by the overlap engine with and without SP, runtime/overlap/cross_layer.py; with CP a
+planner model only): inside a model chunk
 of L alike layers, the last collective of layer l runs beside the other nanobatch's first step of layer
 l+1 (forward: nb1's last MLP collective beside nb0's first segment of l+1; backward: the mirror, where
 layer l's tail and l+1's first segment form one step, nb0's beside that collective on NCCL's default SMs

@@ -205,7 +205,8 @@ def plan_methods(
     """Solve the frontier of every method on one pipeline DAG and choose the points to write.
 
     `progress(message, fraction)` is called as the work advances (fraction 0..1 of the whole run).
-    cross_layer: the 2-nanobatch options model cross-layer overlap (a model only: the runtime refuses it).
+    cross_layer: the 2-nanobatch options model cross-layer overlap (run by the overlap engine with and without
+        SP; refused at run time with CP).
     """
     from kareus_megatron.search.options import build_options
     from kareus_megatron.search.pipeline import build_dag

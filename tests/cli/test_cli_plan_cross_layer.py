@@ -1,4 +1,5 @@
-"""`kareus plan --cross-layer`: recorded in the plan and frontier files, refused by the overlap engine."""
+"""`kareus plan --cross-layer`: recorded in the plan and frontier files, run by the overlap engine with and without
+sequence parallelism, refused with context parallelism."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_plans_record_cross_layer_and_the_engine_refuses_them(runs, capsys):
+def test_plans_record_cross_layer_and_the_engine_runs_them_for_tp_only(runs, capsys):
     doc = json.loads((runs / "cross" / "frontier.json").read_text())
     assert doc["config"]["cross_layer"] is True
     plain_doc = json.loads((runs / "plain" / "frontier.json").read_text())
@@ -44,9 +45,11 @@ def test_plans_record_cross_layer_and_the_engine_refuses_them(runs, capsys):
     assert "cross_layer" not in (runs / "plain" / "plans" / "nanobatch_perseus-00.json").read_text()
     assert load_plan(runs / "cross" / "plans" / "megatron-00.json").cross_layer is None  # 1 nanobatch: unaffected
     validate_plan_for_layer(plain)
-    with pytest.raises(PlanError, match="^the overlap engine does not run cross-layer overlap yet; re-plan without "
-                       "--cross-layer$"):
-        validate_plan_for_layer(cross)
+    validate_plan_for_layer(cross)
+    assert cross.parallel.cp == 1 and not cross.parallel.sequence_parallel
+    with pytest.raises(PlanError, match="^the overlap engine runs cross-layer overlap without context parallelism "
+                       "only .*; re-plan without --cross-layer.$"):
+        validate_plan_for_layer(cross, cp=2)
 
 
 def test_cross_layer_plans_are_faster(runs):
@@ -56,3 +59,14 @@ def test_cross_layer_plans_are_faster(runs):
         fast[name] = doc["methods"]["nanobatch_perseus"]["points"][0]["time_s"]
         assert doc["methods"]["megatron"]["points"][0]["time_s"] > fast[name]
     assert fast["cross"] < fast["plain"]
+
+
+def test_cross_layer_with_sp_runs_and_with_cp_is_refused(tmp_path, capsys):
+    assert cli_main.main(["plan", "--out", str(tmp_path), *FAST, "--cross-layer", "--sp"]) == 0
+    assert "note: --cross-layer" not in capsys.readouterr().err
+    plan = load_plan(tmp_path / "plans" / "nanobatch_perseus-00.json")
+    assert plan.cross_layer and plan.parallel.sequence_parallel
+    validate_plan_for_layer(plan)  # SP: run by the engine
+    with pytest.raises(PlanError, match="^the overlap engine runs cross-layer overlap without context parallelism "
+                       r"only \(this plan: cp=2\); re-plan without --cross-layer.$"):
+        validate_plan_for_layer(plan, cp=2)

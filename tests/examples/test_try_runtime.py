@@ -19,11 +19,11 @@ ITERATIONS = 3
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
 
 
-def _make(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    """`make try-runtime ARGS` from the repository root with this interpreter's environment; the install
-    step (`.venv/.test`) is taken as done: the test runs inside the environment it would install."""
+def _make(*args: str, timeout_s: float = 120, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    """`make try-runtime ARGS` from the repository root with this interpreter's environment (and `env_vars`); the
+    install step (`.venv/.test`) is taken as done: the test runs inside the environment it would install."""
     bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_vars}
     return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.test", "try-runtime", f"BIN={bin_dir}",
                            *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
@@ -66,20 +66,29 @@ def test_try_runtime_tp2_sp_kareus_runs_two_nanobatches(tmp_path: Path) -> None:
     assert "layer spec: partitioned" in r.stdout
 
 
-def test_try_runtime_tp2_nanobatch_perseus(tmp_path: Path) -> None:
-    out = tmp_path / "try"
-    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--tp 2", "METHOD=nanobatch_perseus")
+def test_try_runtime_tp2_nanobatch_perseus_with_cross_layer_overlap(tmp_path: Path) -> None:
+    """PLAN_ARGS=--cross-layer: the plan records it and the run carries layer 1's last all-reduce into layer 2's
+    call (the overlap trace of each rank, KAREUS_OVERLAP_TRACE)."""
+    out, traces = tmp_path / "try", tmp_path / "traces"
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--tp 2", "METHOD=nanobatch_perseus",
+              "PLAN_ARGS=--cross-layer", KAREUS_OVERLAP_TRACE=str(traces))
     _assert_complete(r, out, "nanobatch_perseus-00", stages=1)
-    assert _nanobatches(out / "plan" / "plans" / "nanobatch_perseus-00.json") == {2}
+    plan = out / "plan" / "plans" / "nanobatch_perseus-00.json"
+    assert _nanobatches(plan) == {2} and json.loads(plan.read_text())["cross_layer"] is True
     assert "layer spec: partitioned" in r.stdout
+    for rank in (0, 1):
+        events = json.loads((traces / f"overlap_trace.rank{rank}.json").read_text())["events"]
+        carried = [e for e in events if e["kind"] == "issue" and e["coll"].startswith("L1.fwd.mlp.nb1")]
+        assert carried and all(e["layer"] == 2 and e["partition"] == "fwd_attn" for e in carried), carried[:2]
 
 
-def test_try_runtime_cp2_megatron(tmp_path: Path) -> None:
-    """Context parallelism: megatron's local spec needs TE for it, so the partitioned layer runs (1 nanobatch)."""
+def test_try_runtime_cp2_kareus(tmp_path: Path) -> None:
+    """Context parallelism: megatron's local spec needs TE for it, so the partitioned layer runs (the kareus plan
+    is 1 nanobatch at TP=1 here: the model says 2 do not pay)."""
     out = tmp_path / "try"
-    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--cp 2", "METHOD=megatron")
-    _assert_complete(r, out, "megatron-00", stages=1)
-    assert json.loads((out / "plan" / "plans" / "megatron-00.json").read_text())["parallel"]["cp"] == 2
+    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--cp 2", "METHOD=kareus")
+    _assert_complete(r, out, "kareus-00", stages=1)
+    assert json.loads((out / "plan" / "plans" / "kareus-00.json").read_text())["parallel"]["cp"] == 2
     assert "layer spec: partitioned" in r.stdout
 
 

@@ -29,9 +29,11 @@ from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.report.runlog import read_run_log
 
 PATHS = {"drop-in": False, "patched": True}
+# The interleaved schedule (vp2) runs on the patched path only: the drop-in reaches the same runtime patch, and
+# the suite's time is bounded (each run ~11 s).
 CASES = [(tag, config, path)
          for tag, configs in (("core_v0.16.1", ("pp2", "tp2", "vp2")), ("core_v0.19.0", ("pp2", "tp2", "vp2")))
-         for config in configs for path in PATHS]
+         for config in configs for path in PATHS if config != "vp2" or PATHS[path]]
 
 
 def _clock_sequences(log_text: str, world: int) -> list[list[int]]:
@@ -70,10 +72,11 @@ def test_pretrain_gpt_runs_the_plan(tag, config_name, path, megatron_lm_tree, pl
     assert all(f"stage {s} energy" in out for s in range(config.pp)), out
 
 
-@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"], ids=["0.16.1", "0.19.0"])
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("path", "tag"), [("drop-in", "core_v0.16.1"), ("patched", "core_v0.19.0")],
+                         ids=["drop-in-0.16.1", "patched-0.19.0"])
 def test_mismatched_plan_is_refused_before_step_one(tag, path, megatron_lm_tree, plan_dir, tmp_path):
-    """A plan for 8 microbatches against a run of 4: each rank exits 2 with one line on stderr, untrained."""
+    """A plan for 8 microbatches against a run of 4: each rank exits 2 with one line on stderr, untrained (each
+    path on one release: the refusal is the runtime's own check, the same on both)."""
     native = PATHS[path]
     tree = megatron_lm_tree(tag, patched=native)
     config = CONFIGS["pp2"]

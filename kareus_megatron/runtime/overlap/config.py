@@ -65,6 +65,25 @@ def cp_engine_slots() -> dict[str, tuple[str, ...]]:
     }
 
 
+def cp_sp_engine_slots() -> dict[str, tuple[str, ...]]:
+    """Partition → launch slots the engine runs with context and sequence parallelism: the SP partitions and the
+    CP K/V ones; the K/V collective cuts SP's attn segments in two (forward: qkv, rope | attention, proj;
+    backward: proj, attention | rope, qkv), as search/partition.py split_segments cuts the planner's."""
+    fwd_cut, bwd_cut = CP_PARTITION_SLOTS["fwd_cp_kv"], CP_PARTITION_SLOTS["bwd_cp_kv"]
+    sp = SP_PARTITION_SLOTS
+    return {
+        "fwd_sp_attn_norm": sp["fwd_sp_attn_norm"],
+        "fwd_cp_kv": tuple(o for o in fwd_cut if o not in sp["fwd_sp_attn_norm"]),
+        "fwd_sp_attn": tuple(o for o in sp["fwd_sp_attn"] if o not in fwd_cut),
+        "fwd_sp_mlp_norm": sp["fwd_sp_mlp_norm"],
+        "fwd_sp_mlp": sp["fwd_sp_mlp"],
+        "bwd_sp_mlp": sp["bwd_sp_mlp"],
+        "bwd_sp_attn_norm": sp["bwd_sp_attn_norm"],
+        "bwd_cp_kv": tuple(o for o in bwd_cut if o not in sp["bwd_sp_attn_norm"]),
+        "bwd_sp_attn": tuple(o for o in sp["bwd_sp_attn"] if o not in bwd_cut),
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSettings:
     """What a partitioned layer does in the current instruction."""
@@ -74,14 +93,15 @@ class LayerSettings:
     kind: str | None = None  # "forward"/"backward" of the running instruction; None outside a plan
     microbatch: int | None = None
     index: int | None = None  # position of the instruction in the rank's plan
+    cross_layer: bool = False  # the plan's cross-layer overlap (cross_layer.py), with 2 nanobatches
 
     def knobs_for(self, partition: str) -> Knobs:
         """Knobs of `partition` (the plan's, or the defaults)."""
         return self.knobs.get(partition) or default_knobs(partition)
 
 
-def settings_from_instruction(instr: Instruction, index: int | None = None) -> LayerSettings:
-    """Layer settings for one plan instruction."""
+def settings_from_instruction(instr: Instruction, index: int | None = None, cross_layer: bool = False) -> LayerSettings:
+    """Layer settings for one plan instruction (`cross_layer`: its plan's ``cross_layer``)."""
     knobs = {
         name: Knobs(comm_sms=k.comm_sms, launch_slot=k.launch_slot)
         for name, k in instr.partitions.items()
@@ -93,14 +113,16 @@ def settings_from_instruction(instr: Instruction, index: int | None = None) -> L
         kind=instr.kind,
         microbatch=instr.microbatch,
         index=index,
+        cross_layer=cross_layer and instr.nanobatches > 1,
     )
 
 
 class OverlapState:
     """The settings partitioned layers read; switched per instruction by the hooks listener."""
 
-    def __init__(self, settings: LayerSettings | None = None) -> None:
+    def __init__(self, settings: LayerSettings | None = None, cross_layer: bool = False) -> None:
         self.settings = settings or LayerSettings()
+        self.cross_layer = cross_layer  # the plan's: every 2-nanobatch instruction runs cross-layer overlap
         self.instructions_seen = 0
 
     def set(self, settings: LayerSettings) -> None:
@@ -109,7 +131,7 @@ class OverlapState:
 
     def on_instruction(self, event: InstructionEvent) -> None:
         """Hooks listener: switch to the settings of the instruction about to run (no blocking)."""
-        self.settings = settings_from_instruction(event.instruction, index=event.index)
+        self.settings = settings_from_instruction(event.instruction, index=event.index, cross_layer=self.cross_layer)
         self.instructions_seen += 1
 
     def forward_phase(self) -> str:
@@ -142,12 +164,13 @@ def validate_plan_for_layer(
 ) -> None:
     """Check that `plan`'s overlap knobs fit the partitioned layer; raise a one-line PlanError if not.
 
-    Refuses a plan predicted with cross-layer overlap (``plan.cross_layer``: a planner model the engine
-    does not run yet). Checks every instruction: nanobatches divide the micro-batch size, each partition is one this
-    engine runs for the layout (TP all-reduce partitions; with sequence parallelism the SP ones; with context
-    parallelism the TP and CP K/V ones of ``cp_engine_slots``), its
-    launch slot is an op of that partition's segment, and ``comm_sms`` is below the GPU's SM count
-    (``gpu_sm_count``; skipped when unknown, e.g. on CPU).
+    Refuses a plan predicted with cross-layer overlap (``plan.cross_layer``) for context parallelism (the
+    engine runs it for TP layers with and without SP, cross_layer.py). Checks every instruction:
+    nanobatches divide the micro-batch size, each partition is one this engine runs for the layout (TP
+    all-reduce partitions; with sequence parallelism the SP ones; with context parallelism the TP and CP K/V
+    ones of ``cp_engine_slots``; with both, those of ``cp_sp_engine_slots``), its launch slot is an op of that
+    partition's segment, and ``comm_sms`` is below the GPU's SM count (``gpu_sm_count``; skipped when unknown,
+    e.g. on CPU).
     Live values (micro-batch size, CP, sequence parallelism) default to the plan's own layout.
     """
     layout = plan.parallel
@@ -155,14 +178,13 @@ def validate_plan_for_layer(
     cp = layout.cp if cp is None else cp
     sp = layout.sequence_parallel if sequence_parallel is None else sequence_parallel
     uses_overlap = any(i.nanobatches > 1 for s in plan.stages for i in s.instructions)
-    if plan.cross_layer:
-        raise PlanError("the overlap engine does not run cross-layer overlap yet; re-plan without --cross-layer")
-    if uses_overlap and cp > 1 and sp:
+    if plan.cross_layer and uses_overlap and cp > 1:
         raise PlanError(
-            f"plan uses 2 nanobatches with cp={cp} and sequence parallelism; the overlap engine runs context "
-            "parallelism without --sp only. Plan without --sp, with cp=1, or with nanobatches=1."
+            f"the overlap engine runs cross-layer overlap without context parallelism only (this plan: cp={cp}); "
+            "re-plan without --cross-layer."
         )
-    engine_slots = cp_engine_slots() if cp > 1 else SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS
+    engine_slots = ((cp_sp_engine_slots() if sp else cp_engine_slots()) if cp > 1
+                    else SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS)
     other = "with" if sp else "without"  # the --sp of a plan that fits this live layout
     for st in plan.stages:
         for pos, ins in enumerate(st.instructions):
@@ -172,7 +194,7 @@ def validate_plan_for_layer(
                     f"{where}: nanobatches={ins.nanobatches} does not divide micro-batch size {mbs}; "
                     "use 1, or a micro-batch size divisible by 2."
                 )
-            for name, k in ins.partitions.items():
+            for name in sorted(ins.partitions, key=lambda n: n in engine_slots):  # a layout mismatch first
                 if name not in engine_slots:
                     raise PlanError(
                         f"{where}: partition {name!r} is not run by the overlap engine for this layout "
@@ -180,6 +202,7 @@ def validate_plan_for_layer(
                         f"{', '.join(engine_slots)}. Re-plan for this layout (cp={cp}, {other} --sp) or use "
                         "nanobatches=1."
                     )
+            for name, k in ins.partitions.items():
                 slots = engine_slots[name]
                 if k.launch_slot not in slots:
                     raise PlanError(

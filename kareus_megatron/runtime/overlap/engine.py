@@ -44,6 +44,16 @@ class OverlapEngine:
         self.comm = comm or Communicator()
         self.tracer = tracer or Tracer()
         self._calls = 0
+        self.carry: Any = None  # cross_layer.ForwardCarry: a layer's pending end, for the next layer's call
+
+    def take_carry(self, x: Any) -> Any:
+        """The pending end of the previous layer if `x` is its output (the caller completes it); a pending end
+        of some other tensor is completed here first, so no output is ever read half-written."""
+        carry, self.carry = self.carry, None
+        if carry is None or carry.matches(x):
+            return carry
+        carry.complete()
+        return None
 
     def next_call_id(self) -> int:
         """A fresh id for one layer call (forward or recompute), used to group trace events."""
@@ -112,12 +122,14 @@ def setup_overlap(
     delay_s: float = 0.0,
     delay_s_per_byte: float = 0.0,
     comm_sms: tuple[int, ...] = (),
+    cp_comm_sms: tuple[int, ...] = (),
 ) -> OverlapEngine:
     """Set up the rank's engine (call on every rank, same arguments, after model-parallel init).
 
     With a plan: validate it (PlanError on a misfit), build the SM-limited communicators (NCCL) and
     register the hooks listener. Without one: run with fixed ``settings`` (tests, benchmarks);
-    ``comm_sms`` lists extra SM counts to build communicators for (benchmarks switching knobs).
+    ``comm_sms`` lists extra SM counts to build TP communicators for (benchmarks switching knobs), ``cp_comm_sms``
+    CP ones (the K/V collectives of context parallelism).
     ``delay_s`` / ``delay_s_per_byte`` slow every collective by a fixed delay (s) plus a delay per byte
     (s/byte) (CPU benchmarks only).
     ``tp_group`` defaults to megatron-core's TP group, ``gpu_sm_count`` to the CUDA device's (on a CPU,
@@ -135,7 +147,7 @@ def setup_overlap(
         tp_group = parallel_state.get_tensor_model_parallel_group()
     wanted = set(comm_sms) | (set(comm_sms_values(plan)) if plan is not None else set())
     sm_groups = build_sm_groups(wanted, tp_group)
-    cp_wanted = set(comm_sms_values(plan, cp=True)) if plan is not None else set()
+    cp_wanted = set(cp_comm_sms) | (set(comm_sms_values(plan, cp=True)) if plan is not None else set())
     cp_sm_groups: dict[int, Any] = {}
     if cp_wanted:  # the CP K/V collectives' communicators, one per SM count (NCCL; {} on gloo)
         from megatron.core import parallel_state
@@ -145,7 +157,7 @@ def setup_overlap(
     if trace is False and os.environ.get("KAREUS_OVERLAP_TRACE"):
         trace = os.environ["KAREUS_OVERLAP_TRACE"]
     engine = OverlapEngine(
-        state=OverlapState(settings),
+        state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer)),
         comm=Communicator(tp_group=tp_group, sm_groups=sm_groups, cp_sm_groups=cp_sm_groups, delay_s=delay_s,
                           delay_s_per_byte=delay_s_per_byte),
         tracer=Tracer(enabled=bool(trace), rank=rank),

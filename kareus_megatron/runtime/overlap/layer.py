@@ -16,8 +16,9 @@ Supported: TP all-reduce partitions (TP >= 1), 1 or 2 nanobatches, full activati
 and Llama-like layers (GELU/SwiGLU, LayerNorm/RMSNorm, RoPE, GQA, QK-norm), dropout (valid, but the
 random draws differ from the unsplit layer's), sequence parallelism (all-gather / reduce-scatter
 partitions, ``schedule_sp.py``), context parallelism with SDPAttention (K/V all-gather and dK/dV
-reduce-scatter partitions over the CP group, ``schedule_cp.py``; TP × CP, not with SP). Refused at build
-time: CP with SP or with an attention output gate, selective recompute, MoE.
+reduce-scatter partitions over the CP group, ``schedule_cp.py``; TP × CP, and TP × CP with SP,
+``schedule_cpsp.py``), cross-layer overlap with and without SP, not with CP (``cross_layer.py``; ``link_layers``
+marks the layers that take part). Refused at build time: CP with an attention output gate, selective recompute, MoE.
 Not yet: Transformer-Engine modules (a TE variant keeps this class and swaps the submodules: the
 schedule needs only the linears' TP communication switched off and forward hooks at the op boundaries).
 Calls with an inference context, cross attention or packed sequences fall back to the standard layer's
@@ -46,11 +47,14 @@ from kareus_megatron.runtime.overlap.engine import get_engine
 from kareus_megatron.runtime.overlap.norm import sp_capable_norms
 from kareus_megatron.runtime.overlap.schedule import LayerRun, PartitionedLayerFn
 from kareus_megatron.runtime.overlap.schedule_cp import CPLayerRun
+from kareus_megatron.runtime.overlap.schedule_cpsp import CPSPLayerRun
 from kareus_megatron.runtime.overlap.schedule_sp import SPLayerRun
 
 
 class PartitionedTransformerLayer(TransformerLayer):
     """megatron-core TransformerLayer whose forward and backward run as overlapped nanobatch partitions."""
+
+    feeds_next = False  # its output is the next partitioned layer's input in the same call (link_layers)
 
     def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
         _refuse(_config_problems(config))  # before megatron builds anything (its own asserts are less clear)
@@ -144,8 +148,10 @@ class PartitionedTransformerLayer(TransformerLayer):
         unsupported = ("context", "context_mask", "inference_context", "inference_params",
                        "packed_seq_params", "sequence_len_offset", "rotary_pos_cos_sin")
         if any(kwargs.get(k) is not None for k in unsupported):
+            get_engine().take_carry(None)
             return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
         engine = get_engine()
+        carry = engine.take_carry(hidden_states)  # cross-layer overlap: the previous layer's pending end
         state = engine.state
         settings = state.settings
         batch = hidden_states.shape[1]
@@ -166,8 +172,12 @@ class PartitionedTransformerLayer(TransformerLayer):
         cfg = self.config
         sp = getattr(cfg, "sequence_parallel", False) and getattr(cfg, "tensor_model_parallel_size", 1) > 1
         cp = getattr(cfg, "context_parallel_size", 1) > 1
-        run = (CPLayerRun if cp else SPLayerRun if sp else LayerRun)(self, engine, settings, state.forward_phase(),
-                                                                     grad=grad)
+        run_cls = (CPSPLayerRun if sp else CPLayerRun) if cp else SPLayerRun if sp else LayerRun
+        run = run_cls(self, engine, settings, state.forward_phase(), grad=grad)
+        if carry is not None and (not run.runs_cross_layer or run.n != carry.run.n):
+            carry.complete()  # a run that takes no carry (cross_layer.py)
+            carry = None
+        run.carry = carry
         if grad:
             out = PartitionedLayerFn.apply(run, attn_kwargs, hidden_states, *params)
         else:
@@ -179,8 +189,6 @@ def _config_problems(config: Any) -> list[str]:
     """Configuration settings the overlap engine does not run yet."""
     problems = []
     if getattr(config, "context_parallel_size", 1) > 1:
-        if getattr(config, "sequence_parallel", False) and getattr(config, "tensor_model_parallel_size", 1) > 1:
-            problems.append(f"context_parallel_size={config.context_parallel_size} with sequence_parallel")
         if getattr(config, "attention_output_gate", False):
             problems.append("attention_output_gate with context parallelism")
     if getattr(config, "recompute_granularity", None) == "selective":
@@ -213,7 +221,8 @@ def _refuse(problems: list[str]) -> None:
 
 def check_model_for_plan(model: Any, plan: Any) -> int:
     """Number of partitioned layers in `model` (a module or list of chunks); PlanMismatchError if the
-    plan runs 2 nanobatches somewhere but the model has none (it was built with the standard spec)."""
+    plan runs 2 nanobatches somewhere but the model has none (it was built with the standard spec).
+    With a ``cross_layer`` plan, also marks the layers that run cross-layer overlap (``link_layers``)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     count = sum(isinstance(m, PartitionedTransformerLayer) for c in chunks for m in c.modules())
     if count == 0 and any(i.nanobatches > 1 for st in plan.stages for i in st.instructions):
@@ -221,7 +230,48 @@ def check_model_for_plan(model: Any, plan: Any) -> int:
             "the plan runs instructions with 2 nanobatches but the model has no partitioned layers; build it "
             "with kareus_megatron.runtime.overlap.get_partitioned_gpt_layer_spec() or use a 1-nanobatch plan."
         )
+    cross = bool(getattr(plan, "cross_layer", False))
+    if link_layers(model, enabled=cross) == 0 and cross and count > 1:
+        import warnings
+
+        warnings.warn("kareus: the plan was made with --cross-layer but no two partitioned layers run back to back "
+                      "in one call (full recompute with recompute_num_layers=1?): every layer's last collective "
+                      "stays exposed and the plan's prediction is optimistic", stacklevel=2)
     return count
+
+
+def link_layers(model: Any, enabled: bool = True) -> int:
+    """Mark each partitioned layer whose output feeds the next partitioned layer directly, within one call
+    (cross_layer.py): consecutive layers of a megatron TransformerBlock (``layers``), with full recompute
+    only inside one recompute group. `enabled` False clears the marks. Return the number of layers marked."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    marked = 0
+    blocks = [m for c in chunks for m in c.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)]
+    for block in blocks:
+        layers = list(block.layers)
+        for layer in layers:
+            if isinstance(layer, PartitionedTransformerLayer):
+                layer.feeds_next = False
+        cfg = getattr(block, "config", None)
+        if not enabled or getattr(cfg, "cpu_offloading", False):  # offloading runs a step between layers
+            continue
+        for group in _call_groups(len(layers), cfg):
+            for a, b in zip(group, group[1:]):
+                if all(isinstance(layers[i], PartitionedTransformerLayer) for i in (a, b)):
+                    layers[a].feeds_next = True
+                    marked += 1
+    return marked
+
+
+def _call_groups(n: int, cfg: Any) -> list[list[int]]:
+    """Runs of a block's layers called back to back, the output of one the input of the next (megatron-core's
+    TransformerBlock: ``_checkpointed_forward`` under full recompute, one loop otherwise)."""
+    if getattr(cfg, "recompute_granularity", None) != "full":
+        return [list(range(n))]
+    k = max(1, int(getattr(cfg, "recompute_num_layers", None) or 1))
+    if getattr(cfg, "recompute_method", None) == "block":
+        return [[i] for i in range(min(k, n))] + [list(range(k, n))]
+    return [list(range(i, min(i + k, n))) for i in range(0, n, k)]
 
 
 def get_partitioned_gpt_layer_spec(core_attention: str = CORE_ATTENTION_SDPA, **local_spec_kwargs: Any) -> ModuleSpec:

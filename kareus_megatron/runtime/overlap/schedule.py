@@ -30,15 +30,20 @@ standard layer. The nanobatch structure of the backward is that of its forward (
 then); with a 1-nanobatch backward instruction after a 2-nanobatch forward the pieces run serially.
 With sequence parallelism the layer runs ``schedule_sp.SPLayerRun`` instead (all-gather / reduce-scatter
 units on the same partner, launch-slot and wait machinery), with context parallelism
-``schedule_cp.CPLayerRun`` (K/V all-gather and dK/dV reduce-scatter units).
+``schedule_cp.CPLayerRun`` (K/V all-gather and dK/dV reduce-scatter units), with both
+``schedule_cpsp.CPSPLayerRun``. With cross-layer overlap
+(cross_layer.py) step 5's collective is left to the next layer's call, and the backward's last all-reduce
+runs beside the previous layer's first unit too (``prefetch``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kareus_megatron.runtime.overlap.cross_layer import ForwardCarry, Prefetched, own
 from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf, _Marker, _split_batch
 
 if TYPE_CHECKING:
@@ -50,6 +55,7 @@ class LayerRun:
     """One call of a partitioned layer: its schedule, pending collectives and trace context."""
 
     cp_group: Any = None  # the context-parallel group (schedule_cp.CPLayerRun)
+    runs_cross_layer = True  # takes part in cross-layer overlap (cross_layer.py; not the CP runs)
 
     def __init__(self, layer: Any, engine: OverlapEngine, settings: LayerSettings, phase: str, grad: bool):
         self.layer = layer
@@ -65,6 +71,13 @@ class LayerRun:
         self.partner: _Coll | None = None
         self._seen: set[tuple[int, str]] = set()
         self._need: _Coll | None = None  # waited just before the next op (after its partner is issued)
+        # cross-layer overlap (cross_layer.py): the previous layer's pending end, taken by this call's forward;
+        # that layer's run (weakly: for the backward prefetch); this run's first backward unit if prefetched;
+        # the input gradient this run's backward returned
+        self.carry: ForwardCarry | None = None
+        self.lower: weakref.ref | None = None
+        self.prefetched: Prefetched | None = None
+        self.dx_out: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ trace and collectives
     def _emit(self, kind: str, **fields: Any) -> None:
@@ -136,7 +149,8 @@ class LayerRun:
         xs = x.chunk(n, dim=1)
         masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
         units = [(nb, "attn") for nb in range(n)] + [(nb, "mlp") for nb in range(n)]
-        prev: _Coll | None = None
+        carry = self.take_carry()
+        prev: _Coll | None = carry.coll if carry is not None else None  # the first unit runs beside it
         for nb, seg in units:
             part = f"fwd_{seg}"
             if prev is not None:
@@ -144,7 +158,7 @@ class LayerRun:
             self._enter(nb, part if self.partner is not None else "")
             st = self.nbs[nb]
             if seg == "attn":
-                st.x = _leaf(xs[nb], self.grad)
+                st.x = self.input_leaf(carry, xs, nb)
                 self.op("input_norm")
                 st.ln1 = lay.input_layernorm(st.x)
                 st.ln1_in = _leaf(st.ln1, self.grad)
@@ -160,24 +174,55 @@ class LayerRun:
         assert prev is not None
         return self.finish_forward(prev)
 
+    def take_carry(self) -> ForwardCarry | None:
+        """The previous layer's pending end handed to this call (cross_layer.py), remembering that layer."""
+        carry, self.carry = self.carry, None
+        if carry is not None:
+            self.lower = weakref.ref(carry.run)
+        return carry
+
+    def input_leaf(self, carry: ForwardCarry | None, xs: tuple[torch.Tensor, ...], nb: int) -> torch.Tensor:
+        """Nanobatch `nb`'s input leaf; with a carry, the previous layer's pending half is completed first."""
+        if carry is None:
+            return _leaf(xs[nb], self.grad)
+        if nb == carry.nb:
+            carry.complete(by=self)
+        return _leaf(own(xs[nb]), self.grad)
+
     def finish_forward(self, last: _Coll) -> torch.Tensor:
         """Issue the layer's last collective `last` (no partner segment), then each nanobatch's output
-        bias-dropout-add after its own MLP collective; return the output [s, b, h] (SP: [s/tp, b, h])."""
-        lay = self.layer
-        self._issue(last)
-        outs = []
-        for nb in range(self.n):
-            st = self.nbs[nb]
-            self._enter(nb, "")
-            self.op("bda", needs=st.colls["fwd.mlp"])
-            st.mlp_sum = _leaf(st.colls["fwd.mlp"].buf, self.grad)
-            st.h1_in = _leaf(st.h1, self.grad)
-            with lay.bias_dropout_add_exec_handler():
-                st.out = lay.mlp_bda(lay.training, lay.config.bias_dropout_fusion)(
-                    (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
-                )
-            outs.append(st.out)
-        return outs[0] if self.n == 1 else torch.cat(outs, dim=1)
+        bias-dropout-add after its own MLP collective; return the output [s, b, h] (SP: [s/tp, b, h]).
+
+        With cross-layer overlap (a 2-nanobatch instruction of a ``cross_layer`` plan, this layer's output
+        feeding the next partitioned layer): `last` stays unissued and the output's last nanobatch unwritten;
+        the next layer completes both (``cross_layer.ForwardCarry``)."""
+        defer = (self.n > 1 and self.runs_cross_layer and self.settings.cross_layer
+                 and getattr(self.layer, "feeds_next", False))
+        if not defer:
+            self._issue(last)
+        outs = [self.finish_nb(nb) for nb in range(self.n - 1 if defer else self.n)]
+        if not defer:
+            return outs[0] if self.n == 1 else torch.cat(outs, dim=1)
+        width = outs[0].shape[1]
+        buf = outs[0].new_empty((outs[0].shape[0], width * self.n, *outs[0].shape[2:]))
+        with torch.no_grad():
+            for nb, o in enumerate(outs):
+                buf.narrow(1, nb * width, width).copy_(o)
+        self.engine.carry = ForwardCarry(self, last, buf, self.n - 1)
+        return buf
+
+    def finish_nb(self, nb: int) -> torch.Tensor:
+        """Nanobatch `nb`'s output bias-dropout-add, after its MLP collective; return its output."""
+        lay, st = self.layer, self.nbs[nb]
+        self._enter(nb, "")
+        self.op("bda", needs=st.colls["fwd.mlp"])
+        st.mlp_sum = _leaf(st.colls["fwd.mlp"].buf, self.grad)
+        st.h1_in = _leaf(st.h1, self.grad)
+        with lay.bias_dropout_add_exec_handler():
+            st.out = lay.mlp_bda(lay.training, lay.config.bias_dropout_fusion)(
+                (st.mlp_sum, st.mlp_bias), st.h1_in, lay.hidden_dropout
+            )
+        return st.out
 
     def mlp_unit(self, st: _NB, nb: int, name: str) -> _Coll:
         """The MLP unit without SP: wait the attention all-reduce, bias-dropout-add, pre_mlp_norm, MLP; return
@@ -219,12 +264,17 @@ class LayerRun:
         self.settings, self.phase = settings, "backward"
         n, lay = self.n, self.layer
         overlap = n > 1 and settings.nanobatches > 1
-        grads = Grads(self.params, n)
-        grad, add_dx = grads, grads.add_dx
-
         douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
         units = [(nb, "mlp") for nb in range(n)] + [(nb, "attn") for nb in range(n)]
+        pre, self.prefetched = self.prefetched, None
         prev: _Coll | None = None
+        if pre is not None:  # the first unit ran inside the next layer's backward (cross_layer.py)
+            pre.check(dout, douts, lay.layer_number)
+            grads, prev, units = pre.grads, pre.coll, units[1:]  # type: ignore[assignment]
+        else:
+            grads = Grads(self.params, n)
+        grad, add_dx = grads, grads.add_dx
+        lower = self.lower() if self.lower is not None and overlap else None
         for nb, seg in units:
             part = f"bwd_{seg}"
             if prev is not None:
@@ -232,10 +282,7 @@ class LayerRun:
             self._enter(nb, part if self.partner is not None else "")
             st = self.nbs[nb]
             if seg == "mlp":
-                self.op("fc2")
-                d_sum, st.d_h1_res = grad([st.out], [douts[nb]], [st.mlp_sum, st.h1_in])
-                (d_ln2,) = grad([st.mlp_partial], [d_sum], [st.ln2_in])
-                c = _Coll(f"L{lay.layer_number}.bwd.mlp.nb{nb}", nb, d_ln2.contiguous())
+                c = self._bwd_mlp(grads, nb, douts[nb])
             else:
                 self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
                 d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
@@ -253,8 +300,40 @@ class LayerRun:
             self.op("input_norm", needs=st.colls["bwd.attn"])
             (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
             add_dx(nb, d_x)
+            if lower is not None and lower.n == n:  # the previous layer's first backward step of this nanobatch
+                lower.prefetch(nb, grads.dx[nb], settings, self)
         self.nbs = []  # free the graphs' tensors
-        return grads.result()
+        dx, pgrads = grads.result()
+        self.dx_out = dx if lower is not None else None
+        return dx, pgrads
+
+    def _bwd_mlp(self, grads: Grads, nb: int, dout: torch.Tensor) -> _Coll:
+        """Backward mlp unit of nanobatch `nb` for its output gradient `dout`; return its pending all-reduce."""
+        st = self.nbs[nb]
+        self.op("fc2")
+        d_sum, st.d_h1_res = grads([st.out], [dout], [st.mlp_sum, st.h1_in])
+        (d_ln2,) = grads([st.mlp_partial], [d_sum], [st.ln2_in])
+        c = _Coll(f"L{self.layer.layer_number}.bwd.mlp.nb{nb}", nb, d_ln2.contiguous())
+        st.colls["bwd.mlp"] = c
+        return c
+
+    def prefetch(self, nb: int, dout: torch.Tensor, settings: LayerSettings, source: LayerRun) -> None:
+        """Cross-layer overlap: run this layer's first backward step of nanobatch `nb` now, inside the next
+        layer's backward (`source`), on that nanobatch's input gradient `dout` there (cross_layer.py)."""
+        if nb == 0:
+            self.settings, self.phase = settings, "backward"
+            self.prefetched = Prefetched(Grads(self.params, self.n), None, [], weakref.ref(source))
+        pre = self.prefetched
+        assert pre is not None  # nanobatch 0 comes first
+        pre.used.append(dout)
+        self.prefetch_step(pre, nb, dout)
+
+    def prefetch_step(self, pre: Prefetched, nb: int, dout: torch.Tensor) -> None:
+        """Without SP: nanobatch 0's mlp unit (its all-reduce then partners nanobatch 1's); nanobatch 1 waits."""
+        if nb == 0:
+            self._enter(0, "")
+            pre.coll = self._bwd_mlp(pre.grads, 0, dout)
+            self._leave()
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

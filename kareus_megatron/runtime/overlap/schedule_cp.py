@@ -28,6 +28,10 @@ and QK-norm handling kept), where the layer's core-attention hook takes q, k, v 
 caught here); the attn unit then calls the core attention and ``linear_proj`` itself (what
 ``SelfAttention.forward`` does after the core attention for unpacked, ungated attention; output gates are
 refused at build time). TP × CP: the TP collectives run on the layer's TP group, the K/V ones on the CP group.
+
+The CP pieces (q/k/v capture, K/V all-gather, attention + proj, and their backward) are the mixin ``CPUnits``;
+``CPLayerRun`` combines them with the TP all-reduce units, ``schedule_cpsp.CPSPLayerRun`` with sequence
+parallelism's all-gather / reduce-scatter units (TP × CP with SP).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from typing import Any
 import torch
 
 from kareus_megatron.runtime.overlap.config import cp_engine_slots
-from kareus_megatron.runtime.overlap.pieces import Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf, _split_batch
 from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
@@ -55,13 +59,18 @@ def cp_group_of(layer: Any) -> Any:
     return group
 
 
-class CPLayerRun(LayerRun):
-    """One call of a partitioned layer under context parallelism (see module docstring)."""
+class CPUnits:
+    """Context parallelism's pieces of a layer run (a mixin before LayerRun or schedule_sp.SPLayerRun): the CP
+    group, q/k/v capture, the K/V all-gather, core attention + proj, and their backward. ``engine_slots``
+    names the units' launch slots (a planned slot outside its unit launches at the unit's first op)."""
+
+    engine_slots = staticmethod(cp_engine_slots)
+    runs_cross_layer = False  # cross-layer overlap: TP all-reduce and SP layers only
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cp_group = cp_group_of(self.layer)
-        self._unit_ops = cp_engine_slots()
+        self._unit_ops = self.engine_slots()
         self._capture = False
         self._captured: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -81,14 +90,68 @@ class CPLayerRun(LayerRun):
         self._captured = (self.mark(q, "rope"), self.mark(k, "rope"), v)
         raise _Captured
 
+    def _cp(self) -> int:
+        return self.engine.comm.world(self.cp_group)
+
+    def kv_gather(self, st: _NB, nb: int, name: str) -> _Coll:
+        """Run the attention on ``st.ln1_in`` up to its core attention (qkv, rope); return the pending K/V
+        all-gather named `name`."""
+        lay = self.layer
+        self._capture, self._captured = True, None
+        try:
+            with lay.local_comm(), lay.active(self):
+                lay.self_attention(st.ln1_in, **st.kw)
+        except _Captured:
+            pass
+        finally:
+            self._capture = False
+        if self._captured is None:
+            raise RuntimeError("the core-attention hook did not run: not a standard SelfAttention")
+        st.q, st.k, st.v = self._captured
+        st.hn = st.k.shape[-1]
+        src = torch.cat([st.k.detach(), st.v.detach()], dim=-1).contiguous()
+        return _Coll(name, nb, src.new_empty((src.shape[0] * self._cp(), *src.shape[1:])), kind="cp_all_gather",
+                     src=src)
+
+    def attend_proj(self, st: _NB) -> None:
+        """Core attention of the local queries over the gathered K/V (waited at the attention op), then proj."""
+        lay, attn = self.layer, self.layer.self_attention
+        st.q_in = _leaf(st.q, self.grad)
+        st.kv_in = _leaf(st.colls["fwd.cp_kv"].buf, self.grad)
+        self._need = st.colls["fwd.cp_kv"]  # waited at the attention op (core_attention_pre)
+        with lay.local_comm(), lay.active(self):
+            ctx = attn.core_attention(st.q_in, st.kv_in[..., :st.hn], st.kv_in[..., st.hn:],
+                                      st.kw.get("attention_mask"), attn_mask_type=None,
+                                      attention_bias=st.kw.get("attention_bias"))
+            st.attn_partial, st.attn_bias = attn.linear_proj(ctx)
+
+    def kv_scatter(self, grads: Grads, st: _NB, nb: int, d_attn: torch.Tensor, name: str) -> _Coll:
+        """Backward of proj and the attention for `d_attn` (the proj output's gradient); return the pending dK/dV
+        reduce-scatter named `name` (dQ kept in ``st.d_q``)."""
+        self.op("proj")
+        st.d_q, d_kv = grads([st.attn_partial], [d_attn], [st.q_in, st.kv_in])
+        src = torch.zeros_like(st.kv_in) if d_kv is None else d_kv.contiguous()
+        return _Coll(name, nb, src.new_empty((src.shape[0] // self._cp(), *src.shape[1:])), kind="cp_reduce_scatter",
+                     src=src)
+
+    def qkv_backward(self, grads: Grads, st: _NB, nb: int) -> torch.Tensor:
+        """Backward of rope and qkv once this nanobatch's dK/dV reduce-scatter is waited; return d ``ln1_in``."""
+        self._need = st.colls["bwd.cp_kv"]
+        self.backward_op(nb, "rope")
+        d_kv = st.colls["bwd.cp_kv"].buf
+        (d_ln1,) = grads([st.q, st.k, st.v], [st.d_q, d_kv[..., :st.hn], d_kv[..., st.hn:]], [st.ln1_in])
+        return d_ln1
+
+
+class CPLayerRun(CPUnits, LayerRun):
+    """One call of a partitioned layer under context parallelism (see module docstring)."""
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
         """Run the layer on `x` ([s/cp, b, h], megatron's CP layout) as `n` nanobatches; return [s/cp, b, h]."""
         n, lay, tag = self.n, self.layer, f"L{self.layer.layer_number}.fwd"
-        attn = lay.self_attention
         xs = x.chunk(n, dim=1)
         masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
-        cp = self.engine.comm.world(self.cp_group)
         units = [(nb, seg) for seg in ("cp_kv", "attn", "mlp") for nb in range(n)]
         prev: _Coll | None = None
         for nb, seg in units:
@@ -103,30 +166,9 @@ class CPLayerRun(LayerRun):
                 st.ln1 = lay.input_layernorm(st.x)
                 st.ln1_in = _leaf(st.ln1, self.grad)
                 st.kw = dict(attn_kwargs, attention_mask=masks[nb])
-                self._capture, self._captured = True, None
-                try:
-                    with lay.local_comm(), lay.active(self):
-                        attn(st.ln1_in, **st.kw)
-                except _Captured:
-                    pass
-                finally:
-                    self._capture = False
-                if self._captured is None:
-                    raise RuntimeError("the core-attention hook did not run: not a standard SelfAttention")
-                st.q, st.k, st.v = self._captured
-                st.hn = st.k.shape[-1]
-                src = torch.cat([st.k.detach(), st.v.detach()], dim=-1).contiguous()
-                c = _Coll(f"{tag}.cp_kv.nb{nb}", nb, src.new_empty((src.shape[0] * cp, *src.shape[1:])),
-                          kind="cp_all_gather", src=src)
+                c = self.kv_gather(st, nb, f"{tag}.cp_kv.nb{nb}")
             elif seg == "attn":
-                st.q_in = _leaf(st.q, self.grad)
-                st.kv_in = _leaf(st.colls["fwd.cp_kv"].buf, self.grad)
-                self._need = st.colls["fwd.cp_kv"]  # waited at the attention op (core_attention_pre)
-                with lay.local_comm(), lay.active(self):
-                    ctx = attn.core_attention(st.q_in, st.kv_in[..., :st.hn], st.kv_in[..., st.hn:],
-                                              st.kw.get("attention_mask"), attn_mask_type=None,
-                                              attention_bias=st.kw.get("attention_bias"))
-                    st.attn_partial, st.attn_bias = attn.linear_proj(ctx)
+                self.attend_proj(st)
                 c = _Coll(f"{tag}.attn.nb{nb}", nb, st.attn_partial.detach())
             else:
                 c = self.mlp_unit(st, nb, f"{tag}.mlp.nb{nb}")
@@ -163,18 +205,9 @@ class CPLayerRun(LayerRun):
                 self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
                 d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
                 add_dx(nb, d_x)
-                self.op("proj")
-                st.d_q, d_kv = grad([st.attn_partial], [d_attn], [st.q_in, st.kv_in])
-                src = torch.zeros_like(st.kv_in) if d_kv is None else d_kv.contiguous()
-                cp = self.engine.comm.world(self.cp_group)
-                c = _Coll(f"{tag}.cp_kv.nb{nb}", nb, src.new_empty((src.shape[0] // cp, *src.shape[1:])),
-                          kind="cp_reduce_scatter", src=src)
+                c = self.kv_scatter(grads, st, nb, d_attn, f"{tag}.cp_kv.nb{nb}")
             else:
-                self._need = st.colls["bwd.cp_kv"]
-                self.backward_op(nb, "rope")
-                d_kv = st.colls["bwd.cp_kv"].buf
-                (d_ln1,) = grad([st.q, st.k, st.v], [st.d_q, d_kv[..., :st.hn], d_kv[..., st.hn:]], [st.ln1_in])
-                c = _Coll(f"{tag}.attn.nb{nb}", nb, d_ln1.contiguous())
+                c = _Coll(f"{tag}.attn.nb{nb}", nb, self.qkv_backward(grads, st, nb).contiguous())
             st.colls[f"bwd.{seg}"] = c
             self._leave()
             prev = c

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kareus_megatron.runtime.overlap.pieces import Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf, _split_batch
 from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
@@ -61,54 +61,68 @@ class SPLayerRun(LayerRun):
         out = src.new_empty((src.shape[0] // self._tp(), *src.shape[1:]))
         return _Coll(name, nb, out, kind="reduce_scatter", src=src)
 
+    fwd_units: tuple[str, ...] = ("attn_norm", "attn", "mlp_norm", "mlp")  # forward segments, in order
+    bwd_units: tuple[str, ...] = ("mlp", "attn_norm", "attn")  # backward segments after the leading all-gather
+
+    @staticmethod
+    def partition(prefix: str, seg: str) -> str:
+        """vocab partition name of unit `seg` in phase `prefix` ("fwd"/"bwd")."""
+        return f"{prefix}_sp_{seg}"
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
         """Run the layer on `x` ([s/tp, b, h]) as `n` nanobatches; return the output [s/tp, b, h]."""
-        n, lay, tag = self.n, self.layer, f"L{self.layer.layer_number}.fwd"
+        n, tag = self.n, f"L{self.layer.layer_number}.fwd"
         xs = x.chunk(n, dim=1)
         masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
-        units = [(nb, seg) for seg in ("attn_norm", "attn", "mlp_norm", "mlp") for nb in range(n)]
-        prev: _Coll | None = None
+        units = [(nb, seg) for seg in self.fwd_units for nb in range(n)]
+        carry = self.take_carry()
+        prev: _Coll | None = carry.coll if carry is not None else None  # the first unit runs beside it
         for nb, seg in units:
-            part = f"fwd_sp_{seg}"
+            part = self.partition("fwd", seg)
             if prev is not None:
                 self._schedule(prev, nb, part, overlap=n > 1)
             self._enter(nb, part if self.partner is not None else "")
             st = self.nbs[nb]
             if seg == "attn_norm":
-                st.x = _leaf(xs[nb], self.grad)
-                self.op("input_norm")
-                st.ln1 = lay.input_layernorm(st.x)
-                c = self._gather(f"{tag}.attn_norm.nb{nb}", nb, st.ln1)
-            elif seg == "attn":
-                gathered = st.colls["fwd.attn_norm"]
-                st.ln1_in = _leaf(gathered.buf, self.grad)  # filled once waited: the qkv hook waits
-                self._need = gathered
-                kw = dict(attn_kwargs, attention_mask=masks[nb])
-                with lay.local_comm(), lay.active(self):
-                    st.attn_partial, st.attn_bias = lay.self_attention(st.ln1_in, **kw)
-                c = self._scatter(f"{tag}.attn.nb{nb}", nb, st.attn_partial)
-            elif seg == "mlp_norm":
-                self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
-                st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
-                with lay.bias_dropout_add_exec_handler():
-                    st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
-                        (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
-                    )
-                st.ln2 = lay.pre_mlp_layernorm(st.h1)
-                c = self._gather(f"{tag}.mlp_norm.nb{nb}", nb, st.ln2)
-            else:
-                gathered = st.colls["fwd.mlp_norm"]
-                st.ln2_in = _leaf(gathered.buf, self.grad)
-                self._need = gathered  # waited by the fc1 hook
-                with lay.local_comm(), lay.active(self):
-                    st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
-                c = self._scatter(f"{tag}.mlp.nb{nb}", nb, st.mlp_partial)
+                st.x = self.input_leaf(carry, xs, nb)
+                st.kw = dict(attn_kwargs, attention_mask=masks[nb])
+            c = self.forward_unit(seg, st, nb, f"{tag}.{seg}.nb{nb}")
             st.colls[f"fwd.{seg}"] = c
             self._leave()
             prev = c
         assert prev is not None
         return self.finish_forward(prev)
+
+    def forward_unit(self, seg: str, st: _NB, nb: int, name: str) -> _Coll:
+        """Forward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
+        lay = self.layer
+        if seg == "attn_norm":
+            self.op("input_norm")
+            st.ln1 = lay.input_layernorm(st.x)
+            return self._gather(name, nb, st.ln1)
+        if seg == "attn":
+            gathered = st.colls["fwd.attn_norm"]
+            st.ln1_in = _leaf(gathered.buf, self.grad)  # filled once waited: the qkv hook waits
+            self._need = gathered
+            with lay.local_comm(), lay.active(self):
+                st.attn_partial, st.attn_bias = lay.self_attention(st.ln1_in, **st.kw)
+            return self._scatter(name, nb, st.attn_partial)
+        if seg == "mlp_norm":
+            self.op("pre_mlp_norm", needs=st.colls["fwd.attn"])
+            st.attn_sum = _leaf(st.colls["fwd.attn"].buf, self.grad)
+            with lay.bias_dropout_add_exec_handler():
+                st.h1 = lay.self_attn_bda(lay.training, lay.config.bias_dropout_fusion)(
+                    (st.attn_sum, st.attn_bias), st.x, lay.hidden_dropout
+                )
+            st.ln2 = lay.pre_mlp_layernorm(st.h1)
+            return self._gather(name, nb, st.ln2)
+        gathered = st.colls["fwd.mlp_norm"]
+        st.ln2_in = _leaf(gathered.buf, self.grad)
+        self._need = gathered  # waited by the fc1 hook
+        with lay.local_comm(), lay.active(self):
+            st.mlp_partial, st.mlp_bias = lay.mlp(st.ln2_in)
+        return self._scatter(name, nb, st.mlp_partial)
 
     # ------------------------------------------------------------------ backward
     def backward(self, dout: torch.Tensor, settings: Any) -> tuple[torch.Tensor, list]:
@@ -116,39 +130,28 @@ class SPLayerRun(LayerRun):
         self.settings, self.phase = settings, "backward"
         n, tag = self.n, f"L{self.layer.layer_number}.bwd"
         overlap = n > 1 and settings.nanobatches > 1
-        grads = Grads(self.params, n)
-        grad, add_dx = grads, grads.add_dx
-
         douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
-        for nb in range(n):  # the leading all-gather of each nanobatch's output gradient: exposed
-            st = self.nbs[nb]
-            self._enter(nb, "")
-            d_sum, st.d_h1_res = grad([st.out], [douts[nb]], [st.mlp_sum, st.h1_in])
-            c = self._gather(f"{tag}.out.nb{nb}", nb, d_sum)
-            st.colls["bwd.out"] = c
-            self._issue(c)
-            self._wait(c)
-        units = [(nb, seg) for seg in ("mlp", "attn_norm", "attn") for nb in range(n)]
+        pre, self.prefetched = self.prefetched, None
+        if pre is not None:  # the leading all-gathers were issued inside the next layer's backward (cross_layer.py)
+            pre.check(dout, douts, self.layer.layer_number)
+            grads = pre.grads
+        else:
+            grads = Grads(self.params, n)
+            for nb in range(n):  # the leading all-gather of each nanobatch's output gradient: exposed
+                c = self._lead_gather(grads, nb, douts[nb])
+                self._issue(c)
+                self._wait(c)
+        grad, add_dx = grads, grads.add_dx
+        lower = self.lower() if self.lower is not None and overlap else None
+        units = [(nb, seg) for seg in self.bwd_units for nb in range(n)]
         prev: _Coll | None = None
         for nb, seg in units:
-            part = f"bwd_sp_{seg}"
+            part = self.partition("bwd", seg)
             if prev is not None:
                 self._schedule(prev, nb, part, overlap)
             self._enter(nb, part if self.partner is not None else "")
             st = self.nbs[nb]
-            if seg == "mlp":
-                self.op("fc2", needs=st.colls["bwd.out"])
-                (d_ln2,) = grad([st.mlp_partial], [st.colls["bwd.out"].buf], [st.ln2_in])
-                c = self._scatter(f"{tag}.mlp.nb{nb}", nb, d_ln2)
-            elif seg == "attn_norm":
-                self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
-                d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
-                add_dx(nb, d_x)
-                c = self._gather(f"{tag}.attn_norm.nb{nb}", nb, d_attn)
-            else:
-                self.op("proj", needs=st.colls["bwd.attn_norm"])
-                (d_ln1,) = grad([st.attn_partial], [st.colls["bwd.attn_norm"].buf], [st.ln1_in])
-                c = self._scatter(f"{tag}.attn.nb{nb}", nb, d_ln1)
+            c = self.backward_unit(seg, grads, st, nb, f"{tag}.{seg}.nb{nb}")
             st.colls[f"bwd.{seg}"] = c
             self._leave()
             prev = c
@@ -160,5 +163,43 @@ class SPLayerRun(LayerRun):
             self.op("input_norm", needs=st.colls["bwd.attn"])
             (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
             add_dx(nb, d_x)
+            if lower is not None and lower.n == n:  # the previous layer's leading step of this nanobatch
+                lower.prefetch(nb, grads.dx[nb], settings, self)
         self.nbs = []  # free the graphs' tensors
-        return grads.result()
+        dx, pgrads = grads.result()
+        self.dx_out = dx if lower is not None else None
+        return dx, pgrads
+
+    def _lead_gather(self, grads: Grads, nb: int, dout: torch.Tensor) -> _Coll:
+        """Nanobatch `nb`'s output bias-dropout-add backward; return the all-gather of its gradient (not issued)."""
+        st = self.nbs[nb]
+        self._enter(nb, "")
+        d_sum, st.d_h1_res = grads([st.out], [dout], [st.mlp_sum, st.h1_in])
+        c = self._gather(f"L{self.layer.layer_number}.bwd.out.nb{nb}", nb, d_sum)
+        st.colls["bwd.out"] = c
+        return c
+
+    def prefetch_step(self, pre: Any, nb: int, dout: torch.Tensor) -> None:
+        """With SP: nanobatch `nb`'s leading all-gather, issued at once for nanobatch 0 (beside the next layer's
+        last collective and its nanobatch-1 tail), for nanobatch 1 at ``bwd_sp_mlp``'s slot of nanobatch 0's
+        mlp unit (its comm SMs), as search/partition.py's cross-layer model runs them."""
+        c = self._lead_gather(pre.grads, nb, dout)
+        if nb == 0:
+            self._issue(c)
+        else:
+            self._schedule(c, 0, self.partition("bwd", self.bwd_units[0]), overlap=True)
+
+    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int, name: str) -> _Coll:
+        """Backward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
+        if seg == "mlp":
+            self.op("fc2", needs=st.colls["bwd.out"])
+            (d_ln2,) = grads([st.mlp_partial], [st.colls["bwd.out"].buf], [st.ln2_in])
+            return self._scatter(name, nb, d_ln2)
+        if seg == "attn_norm":
+            self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
+            d_attn, d_x = grads([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
+            grads.add_dx(nb, d_x)
+            return self._gather(name, nb, d_attn)
+        self.op("proj", needs=st.colls["bwd.attn_norm"])
+        (d_ln1,) = grads([st.attn_partial], [st.colls["bwd.attn_norm"].buf], [st.ln1_in])
+        return self._scatter(name, nb, d_ln1)

@@ -1,9 +1,11 @@
-"""Spawned worker (gloo, fp32) for the context-parallel overlap-engine tests: CP=2 (2 ranks), TP=2 x CP=2 (4).
+"""Spawned worker (gloo, fp32) for the context-parallel overlap-engine tests: CP=2 (2 ranks), TP=2 x CP=2 (4),
+the latter also with sequence parallelism (``layer_sp.*`` and ``sp.train.*`` scenarios, schedule_cpsp.py).
 
-The reference is the same model without CP (local spec, megatron's DotProductAttention, a CP group of one
-rank) on the full sequence; the partitioned CP model gets megatron's CP batch layout
+The reference is the same model without CP and without SP (local spec, megatron's DotProductAttention, a CP
+group of one rank) on the full sequence; the partitioned CP model gets megatron's CP batch layout
 (``get_batch_on_this_cp_rank``). Per-rank logits are gathered back into sequence order, parameter gradients
-summed over the CP group (what megatron's DP x CP grad all-reduce does), then compared. Each rank writes
+of SP-marked parameters summed over the TP group (megatron's finalize_model_grads does it), all summed over
+the CP group (what megatron's DP x CP grad all-reduce does), then compared. Each rank writes
 ``rank{r}.json``; test_overlap_cp.py asserts.
 """
 
@@ -20,13 +22,16 @@ from overlap_worker import HEADS, HIDDEN, MBS, VOCAB, _order, _rel_diff, _Sessio
 SEQ = 16  # 2·cp chunks of 4 tokens
 CP_FWD = ("fwd_cp_kv", "fwd_attn", "fwd_mlp")
 CP_BWD = (*CP_FWD, "bwd_mlp", "bwd_cp_kv", "bwd_attn")
+CPSP_FWD = ("fwd_sp_attn_norm", "fwd_cp_kv", "fwd_sp_attn", "fwd_sp_mlp_norm", "fwd_sp_mlp")
+CPSP_BWD = (*CPSP_FWD, "bwd_sp_mlp", "bwd_sp_attn_norm", "bwd_cp_kv", "bwd_sp_attn")
 
 
-def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Plan knobs with every partition at its engine slot i (mod count) and a distinct comm SM count."""
-    from kareus_megatron.runtime.overlap.config import cp_engine_slots
+def knobs_for(i: int, names: tuple[str, ...], sp: bool = False) -> dict[str, dict[str, Any]]:
+    """Plan knobs with every partition at its engine slot i (mod count) and a distinct comm SM count (`sp`: the
+    slots with sequence parallelism too)."""
+    from kareus_megatron.runtime.overlap.config import cp_engine_slots, cp_sp_engine_slots
 
-    slots = cp_engine_slots()
+    slots = cp_sp_engine_slots() if sp else cp_engine_slots()
     return {p: {"comm_sms": 3 * (k + 1) + i, "launch_slot": slots[p][i % len(slots[p])]} for k, p in enumerate(names)}
 
 
@@ -67,7 +72,7 @@ def _cpu_rope_cp_slice() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = on_this_rank
 
 
-def _models(recompute: bool, tp: int, solo: Any, llama: bool = False):
+def _models(recompute: bool, tp: int, solo: Any, llama: bool = False, sp: bool = False):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -96,7 +101,8 @@ def _models(recompute: bool, tp: int, solo: Any, llama: bool = False):
     torch.manual_seed(1234)
     ref = GPTModel(TransformerConfig(**common), get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB,
                    max_sequence_length=SEQ, pg_collection=pgc, **model_kw)
-    part = GPTModel(TransformerConfig(context_parallel_size=cp, **common), get_partitioned_gpt_layer_spec(**spec_kw),
+    part = GPTModel(TransformerConfig(context_parallel_size=cp, sequence_parallel=sp, **common),
+                    get_partitioned_gpt_layer_spec(**spec_kw),
                     vocab_size=VOCAB, max_sequence_length=SEQ, **model_kw)
     part.load_state_dict(ref.state_dict())
     return ref, part
@@ -136,9 +142,14 @@ def _weights(shape) -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, int(torch.tensor(shape).prod())).view(shape)
 
 
-def _sum_cp(grads: dict[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.Tensor]:
+def _sum_cp(grads: dict[str, torch.Tensor], scale: float = 1.0, model: Any = None) -> dict[str, torch.Tensor]:
+    """Sum `grads` over the CP group, times `scale`; first those of `model`'s SP-marked parameters (sequence
+    parallelism's partial norm and row-bias grads) over the TP group."""
     from megatron.core import parallel_state as ps
 
+    for k, p in (model.named_parameters() if model is not None else ()):
+        if getattr(p, "sequence_parallel", False) and k in grads:
+            dist.all_reduce(grads[k], group=ps.get_tensor_model_parallel_group())
     for g in grads.values():
         dist.all_reduce(g, group=ps.get_context_parallel_group())
         g.mul_(scale)
@@ -162,7 +173,7 @@ def _fwd_bwd(model, batch, cp_layout: bool, with_mask: bool = True, before_fwd=N
     (logits * w).sum().backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     if cp_layout:
-        return _to_sequence(logits.detach()), _sum_cp(grads)
+        return _to_sequence(logits.detach()), _sum_cp(grads, model=model)
     return logits.detach(), grads
 
 
@@ -173,9 +184,32 @@ def _compare(ref_out, part_out) -> dict[str, Any]:
             "grad_norm": float(sum(float(g.norm()) for g in g0.values())), "worst_grad": max(grads, key=grads.get)}
 
 
-def _layer_scenarios(res: dict[str, Any], tp: int, solo: Any, short: bool) -> None:
+def _layer_case(ref, part, n: int, i: int, with_mask: bool, names: tuple[tuple[str, ...], tuple[str, ...]],
+                sp: bool = False) -> dict[str, Any]:
+    """One layer scenario: `n` nanobatches, forward knobs at slot i and backward ones at slot i + 1 of the
+    partitions `names` (forward, backward); the comparison, the trace and the knobs."""
     from kareus_megatron.plan.schema import Instruction
     from kareus_megatron.runtime import hooks
+    from kareus_megatron.runtime.overlap import setup_overlap
+
+    fk = knobs_for(i, names[0], sp) if n == 2 else {}
+    bk = knobs_for(i + 1, names[1], sp) if n == 2 else {}
+    fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=n, partitions=fk)
+    bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=n, partitions=bk)
+    engine = setup_overlap(trace=True, plan=None)
+    engine.install_listener()
+    batch = _batch(i)
+    base = _fwd_bwd(ref, batch, cp_layout=False)
+    got = _fwd_bwd(
+        part, batch, cp_layout=True, with_mask=with_mask,
+        before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+        before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
+    )
+    engine.uninstall_listener()
+    return {**_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk}, "nanobatches": n}
+
+
+def _layer_scenarios(res: dict[str, Any], tp: int, solo: Any, short: bool) -> None:
     from kareus_megatron.runtime.overlap import setup_overlap
     from kareus_megatron.runtime.overlap.config import cp_engine_slots
 
@@ -187,21 +221,7 @@ def _layer_scenarios(res: dict[str, Any], tp: int, solo: Any, short: bool) -> No
             for i in range(1 if n == 1 else (2 if short else n_slots)):
                 for with_mask in ((True,) if i else (True, False)):
                     name = f"layer.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}.m{int(with_mask)}"
-                    fk = knobs_for(i, CP_FWD) if n == 2 else {}
-                    bk = knobs_for(i + 1, CP_BWD) if n == 2 else {}
-                    fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=n, partitions=fk)
-                    bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=n, partitions=bk)
-                    engine = setup_overlap(trace=True, plan=None)
-                    engine.install_listener()
-                    batch = _batch(i)
-                    base = _fwd_bwd(ref, batch, cp_layout=False)
-                    got = _fwd_bwd(
-                        part, batch, cp_layout=True, with_mask=with_mask,
-                        before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                        before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
-                    )
-                    engine.uninstall_listener()
-                    res[name] = {**_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk}}
+                    res[name] = _layer_case(ref, part, n, i, with_mask, (CP_FWD, CP_BWD))
     if short:
         return
     from kareus_megatron.runtime.overlap import LayerSettings
@@ -222,21 +242,39 @@ def _layer_scenarios(res: dict[str, Any], tp: int, solo: Any, short: bool) -> No
     res["negative.no_cp_reduce_scatter"] = _compare(base, _fwd_bwd(part, batch, cp_layout=True))
 
 
-def _plan(m: int, recompute: bool, tp: int, cp: int):
+def _sp_scenarios(res: dict[str, Any], tp: int, solo: Any) -> None:
+    """TP x CP with sequence parallelism (schedule_cpsp.py): Llama-like without recompute at every slot of the
+    cp_sp_engine_slots partitions, GPT with recompute at the first ones; 1 nanobatch with and without the mask."""
+    from sp_worker import sp_capable_torch_norm
+
+    from kareus_megatron.runtime.overlap.config import cp_sp_engine_slots
+
+    sp_capable_torch_norm()  # the GPT block's final norm is megatron's torch-norm fallback
+    n_slots = max(len(s) for s in cp_sp_engine_slots().values())
+    for recompute, llama in ((False, True), (True, False)):
+        ref, part = _models(recompute, tp, solo, llama=llama, sp=True)
+        for n in (1, 2):
+            for i in range(1 if n == 1 else (n_slots if llama else 1)):
+                for with_mask in ((True,) if i or n == 2 else (True, False)):
+                    name = f"layer_sp.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}.m{int(with_mask)}"
+                    res[name] = _layer_case(ref, part, n, i, with_mask, (CPSP_FWD, CPSP_BWD), sp=True)
+
+
+def _plan(m: int, recompute: bool, tp: int, cp: int, sp: bool = False):
     from kareus_megatron.plan.schema import Instruction, ModelShape, ParallelLayout, Plan, Predicted, StagePlan
 
     instrs = []
     for kind, mb in _order(1, 0, m):
-        names = CP_FWD if kind == "forward" else CP_BWD
+        names = (CPSP_FWD if sp else CP_FWD) if kind == "forward" else (CPSP_BWD if sp else CP_BWD)
         instrs.append(Instruction(kind=kind, microbatch=mb, sm_clock_mhz=1410, nanobatches=2,
-                                  partitions=knobs_for(mb + (2 if kind == "backward" else 0), names)))
+                                  partitions=knobs_for(mb + (2 if kind == "backward" else 0), names, sp)))
     return Plan(
         format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
         model=ModelShape(name="tiny", num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
         parallel=ParallelLayout(tp=tp, cp=cp, pp=1, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
                                 num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(2,), nodes=1, gpus_per_node=tp * cp),
+                                layers_per_stage=(2,), nodes=1, gpus_per_node=tp * cp, sequence_parallel=sp),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
         stages=(StagePlan(pp_rank=0, instructions=tuple(instrs)),),
     )
@@ -267,7 +305,7 @@ def _train(model, m: int, iters: int, cp_layout: bool):
         grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
         step_losses = torch.tensor([float(d["loss"]) for d in out])
         if cp_layout:  # equal token counts per rank: the mean over CP ranks is the whole sequence's mean
-            _sum_cp(grads, 1.0 / cp)
+            _sum_cp(grads, 1.0 / cp, model=model)
             dist.all_reduce(step_losses, group=ps.get_context_parallel_group())
             step_losses /= cp
         grads = {k: g.detach().clone() for k, g in grads.items()}
@@ -276,7 +314,8 @@ def _train(model, m: int, iters: int, cp_layout: bool):
     return losses, grads
 
 
-def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recomputes=(False, True)) -> None:
+def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recomputes=(False, True),
+                    sp: bool = False) -> None:
     from megatron.core import parallel_state as ps
 
     from kareus_megatron.runtime import megatron_patch
@@ -284,9 +323,9 @@ def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recompu
 
     cp = ps.get_context_parallel_world_size()
     for recompute in recomputes:
-        ref, part = _models(recompute, tp, solo)
+        ref, part = _models(recompute, tp, solo, sp=sp)
         base, base_grads = _train(ref, m, 2, cp_layout=False)
-        plan = _plan(m, recompute, tp, cp)
+        plan = _plan(m, recompute, tp, cp, sp)
         validate_plan_for_layer(plan)
         engine = setup_overlap(plan, trace=True)
         megatron_patch.install(plan, _Session())
@@ -296,19 +335,23 @@ def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recompu
             megatron_patch.uninstall()
             set_engine(None)
         diffs = {k: _rel_diff(got_grads[k], base_grads[k]) for k in base_grads}
-        res[f"train.rc{int(recompute)}"] = {
+        res[f"{'sp.' if sp else ''}train.rc{int(recompute)}"] = {
             "losses_ref": base, "losses_part": got, "events": engine.tracer.events, "grads": max(diffs.values()),
             "n_grads": len(diffs), "instructions_seen": engine.state.instructions_seen,
         }
 
 
 def worker(rank: int, world: int, port: int, outdir: str, tp: int = 1) -> None:
-    """CP = world / tp: layer scenarios, then training steps (the 4-rank TP x CP run: a short set)."""
+    """CP = world / tp: layer scenarios, then training steps (the 4-rank TP x CP run: a short set, then the same
+    with sequence parallelism)."""
     solo = _setup(rank, world, port, tp)
     res: dict[str, Any] = {}
     short = tp > 1
     _layer_scenarios(res, tp, solo, short)
     _training_steps(res, tp, solo, recomputes=(True,) if short else (False, True))
+    if short:
+        _sp_scenarios(res, tp, solo)
+        _training_steps(res, tp, solo, recomputes=(True,), sp=True)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

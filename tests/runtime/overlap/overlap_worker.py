@@ -43,14 +43,15 @@ def _setup(rank: int, world: int, port: int, pp: int = 1) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=pp)
 
 
-def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = False):
+def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = False, recompute_num_layers: int = 1):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    extra = dict(recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=recompute_num_layers) if recompute else {}
     spec_kw: dict[str, Any] = {}
     model_kw: dict[str, Any] = {}
     if llama:  # SwiGLU, RMSNorm, RoPE, GQA, QK-norm, no biases (Llama/Qwen3-like)
@@ -150,6 +151,54 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
                 engine.uninstall_listener()
                 res[name] = {**_compare(base, got), "events": engine.tracer.events,
                              "knobs": {"0": fk, "1": bk}, "nanobatches": n, "recompute": recompute}
+
+
+def _cross_layer_scenarios(res: dict[str, Any]) -> None:
+    """Cross-layer overlap (cross_layer.py): 3 layers, every launch slot, recompute off and on (groups of 3
+    layers, and megatron's default of 1: nothing to link), outputs and every gradient against the standard
+    layer; the trace; and a carried collective dropped (the comparison must see it)."""
+    from kareus_megatron.plan.schema import Instruction
+    from kareus_megatron.runtime import hooks
+    from kareus_megatron.runtime.overlap import setup_overlap
+    from kareus_megatron.runtime.overlap.layer import link_layers
+
+    fwd_names = ("fwd_attn", "fwd_mlp")
+    bwd_names = ("fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn")
+    for recompute, group in ((False, 3), (True, 3), (True, 1)):
+        ref, part = _models(recompute, num_layers=3, recompute_num_layers=group)
+        res[f"cross.rc{int(recompute)}.g{group}.linked"] = link_layers(part)
+        for i in range(SLOT_SCENARIOS if (recompute, group) == (False, 3) else 2):
+            name = f"cross.rc{int(recompute)}.g{group}.s{i}"
+            fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
+            fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=2, partitions=fk)
+            bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=2, partitions=bk)
+            engine = setup_overlap(trace=True, plan=None)
+            engine.state.cross_layer = True
+            engine.install_listener()
+            batch = _batch(20 + i)
+            base = _fwd_bwd(ref, batch)
+            got = _fwd_bwd(
+                part, batch,
+                before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+                before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
+            )
+            engine.uninstall_listener()
+            res[name] = {**_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
+                         "nanobatches": 2, "recompute": recompute, "group": group,
+                         "carry_left": engine.carry is not None}
+        if (recompute, group) == (False, 3):  # negative control: the carried half never written into the output
+            from kareus_megatron.runtime.overlap import cross_layer
+
+            def unwritten(carry, by=None):
+                (by or carry.run)._wait(carry.coll)
+                carry.run.finish_nb(carry.nb)
+
+            saved, cross_layer.ForwardCarry.complete = cross_layer.ForwardCarry.complete, unwritten
+            try:
+                res["cross.negative"] = _compare(base, _fwd_bwd(part, batch))
+            finally:
+                cross_layer.ForwardCarry.complete = saved
+        link_layers(part, enabled=False)
 
 
 def _mixed_and_negative(res: dict[str, Any]) -> None:
@@ -269,7 +318,7 @@ def _order(pp: int, rank: int, m: int) -> list[tuple[str, int]]:
     return out + [("backward", i) for i in range(m - warm, m)]
 
 
-def _plan(m: int, recompute: bool, pp: int = 1):
+def _plan(m: int, recompute: bool, pp: int = 1, num_layers: int = 2, cross_layer: bool = False):
     from kareus_megatron.plan.schema import Instruction, ModelShape, ParallelLayout, Plan, Predicted, StagePlan
 
     stages = []
@@ -282,13 +331,13 @@ def _plan(m: int, recompute: bool, pp: int = 1):
         stages.append(StagePlan(pp_rank=r, instructions=tuple(instrs)))
     return Plan(
         format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
-        model=ModelShape(name="tiny", num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        model=ModelShape(name="tiny", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
         parallel=ParallelLayout(tp=2, cp=1, pp=pp, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
                                 num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(2 // pp,) * pp, nodes=1, gpus_per_node=2 * pp),
+                                layers_per_stage=(num_layers // pp,) * pp, nodes=1, gpus_per_node=2 * pp),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
-        stages=tuple(stages),
+        stages=tuple(stages), cross_layer=True if cross_layer else None,
     )
 
 
@@ -315,17 +364,20 @@ def _train(model, m: int, iters: int) -> tuple[list[list[float]], dict[str, torc
     return losses, grads
 
 
-def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, recomputes=(False, True)) -> None:
-    """Real megatron-core schedule + runtime patch + plan: losses and grads vs the standard layer."""
+def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, recomputes=(False, True),
+                    cross_layer: bool = False) -> None:
+    """Real megatron-core schedule + runtime patch + plan: losses and grads vs the standard layer (`cross_layer`:
+    a cross-layer plan on 3 layers, 2 per stage with PP, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
 
     from kareus_megatron.runtime import megatron_patch
     from kareus_megatron.runtime.overlap import set_engine, setup_overlap
 
     for recompute in recomputes:
-        ref, part = _models(recompute, pp=pp)
+        layers = (3 if pp == 1 else 2 * pp) if cross_layer else 2
+        ref, part = _models(recompute, pp=pp, num_layers=layers, recompute_num_layers=3 if cross_layer else 1)
         base, base_grads = _train(ref, m, 2)
-        plan = _plan(m, recompute, pp)
+        plan = _plan(m, recompute, pp, num_layers=layers, cross_layer=cross_layer)
         from kareus_megatron.errors import PlanMismatchError
         from kareus_megatron.runtime.overlap import check_model_for_plan
 
@@ -335,6 +387,7 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
         except PlanMismatchError:
             refused = True
         engine = setup_overlap(plan, trace=True)
+        partitioned = check_model_for_plan(part, plan)  # as the session does before step 1 (links cross-layer)
         megatron_patch.install(plan, _Session())
         try:
             got, got_grads = _train(part, m, 2)
@@ -343,7 +396,7 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
             set_engine(None)
         diffs = {k: _rel_diff(got_grads[k], base_grads[k]) for k in base_grads}
         rank = ps.get_pipeline_model_parallel_rank()
-        tag = f"train.pp{pp}.rc{int(recompute)}"
+        tag = f"train.{'cross.' if cross_layer else ''}pp{pp}.rc{int(recompute)}"
         engine.dump_trace(os.path.join(outdir, f"{tag}.trace.rank{dist.get_rank()}.json"), scenario=tag)
         res[tag] = {
             "losses_ref": base, "losses_part": got, "events": engine.tracer.events, "pp_rank": rank,
@@ -352,7 +405,8 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
             "plan_knobs": [{k: v.model_dump() for k, v in i.partitions.items()}
                            for i in plan.stages[rank].instructions],
             "instructions_seen": engine.state.instructions_seen,
-            "standard_model_refused": refused, "partitioned_layers": check_model_for_plan(part, plan),
+            "standard_model_refused": refused, "partitioned_layers": partitioned,
+            "linked": sum(bool(getattr(mod, "feeds_next", False)) for mod in part.modules()),
         }
 
 
@@ -393,10 +447,12 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     _setup(rank, world, port)
     res: dict[str, Any] = {}
     _layer_scenarios(res)
+    _cross_layer_scenarios(res)
     _mixed_and_negative(res)
     _refusals(res)
     _ddp_scenarios(res)
     _training_steps(res, outdir)
+    _training_steps(res, outdir, cross_layer=True)
     _runtime_install(res)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -459,6 +515,7 @@ def worker_pp(rank: int, world: int, port: int, outdir: str) -> None:
     _setup(rank, world, port, pp=2)
     res: dict[str, Any] = {}
     _training_steps(res, outdir, pp=2, m=4, recomputes=(False,))
+    _training_steps(res, outdir, pp=2, m=4, recomputes=(False,), cross_layer=True)  # 2 layers per stage
     _interleaved(res)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)

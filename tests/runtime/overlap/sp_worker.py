@@ -65,7 +65,7 @@ def sp_capable_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = False):
+def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = False, recompute_num_layers: int = 1):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -73,8 +73,8 @@ def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = Fal
 
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    extra: dict[str, Any] = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                             if recompute else {})
+    extra: dict[str, Any] = (dict(recompute_granularity="full", recompute_method="uniform",
+                                  recompute_num_layers=recompute_num_layers) if recompute else {})
     spec_kw: dict[str, Any] = {}
     model_kw: dict[str, Any] = {}
     if llama:  # SwiGLU, RMSNorm, RoPE, GQA, no biases
@@ -147,7 +147,40 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
     res["negative.no_reduce_scatter"] = _compare(base, _fwd_bwd(part, batch))
 
 
-def _plan(m: int, recompute: bool, pp: int = 1):
+def _cross_layer_scenarios(res: dict[str, Any]) -> None:
+    """Cross-layer overlap with SP (cross_layer.py): 3 layers, every launch slot, recompute off and in one group
+    of 3, outputs and every gradient against the standard SP layer; the trace."""
+    from kareus_megatron.plan.schema import Instruction
+    from kareus_megatron.runtime import hooks
+    from kareus_megatron.runtime.overlap import setup_overlap
+    from kareus_megatron.runtime.overlap.layer import link_layers
+
+    fwd_names = SP_FORWARD_PARTITIONS
+    bwd_names = (*SP_FORWARD_PARTITIONS, *SP_BACKWARD_PARTITIONS)
+    for recompute in (False, True):
+        ref, part = _models(recompute, num_layers=3, recompute_num_layers=3)
+        res[f"cross.rc{int(recompute)}.linked"] = link_layers(part)
+        for i in range(SLOT_SCENARIOS if not recompute else 1):
+            fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
+            fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=2, partitions=fk)
+            bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=2, partitions=bk)
+            engine = setup_overlap(trace=True, plan=None)
+            engine.state.cross_layer = True
+            engine.install_listener()
+            batch = _batch(30 + i)
+            base = _fwd_bwd(ref, batch)
+            got = _fwd_bwd(
+                part, batch,
+                before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+                before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
+            )
+            engine.uninstall_listener()
+            res[f"cross.rc{int(recompute)}.s{i}"] = {
+                **_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
+                "recompute": recompute, "carry_left": engine.carry is not None}
+
+
+def _plan(m: int, recompute: bool, pp: int = 1, num_layers: int = 2, cross_layer: bool = False):
     from kareus_megatron.plan.schema import Instruction, ModelShape, ParallelLayout, Plan, Predicted, StagePlan
 
     stages = []
@@ -160,29 +193,35 @@ def _plan(m: int, recompute: bool, pp: int = 1):
         stages.append(StagePlan(pp_rank=r, instructions=tuple(instrs)))
     return Plan(
         format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
-        model=ModelShape(name="tiny", num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        model=ModelShape(name="tiny", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                          num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
         parallel=ParallelLayout(tp=2, cp=1, pp=pp, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
                                 num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(2 // pp,) * pp, nodes=1, gpus_per_node=2 * pp,
+                                layers_per_stage=(num_layers // pp,) * pp, nodes=1, gpus_per_node=2 * pp,
                                 sequence_parallel=True),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
-        stages=tuple(stages),
+        stages=tuple(stages), cross_layer=True if cross_layer else None,
     )
 
 
-def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(False, True)) -> None:
-    """Real megatron-core schedule + runtime patch + SP plan: losses and grads vs the standard SP layer."""
+def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(False, True),
+                    cross_layer: bool = False) -> None:
+    """Real megatron-core schedule + runtime patch + SP plan: losses and grads vs the standard SP layer
+    (`cross_layer`: a cross-layer plan on 3 layers, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
 
     from kareus_megatron.runtime import megatron_patch
     from kareus_megatron.runtime.overlap import set_engine, setup_overlap
 
     for recompute in recomputes:
-        ref, part = _models(recompute, pp=pp)
+        layers = 3 if cross_layer else 2
+        ref, part = _models(recompute, pp=pp, num_layers=layers, recompute_num_layers=3 if cross_layer else 1)
         base, base_grads = _train(ref, m, 2)
-        plan = _plan(m, recompute, pp)
+        plan = _plan(m, recompute, pp, num_layers=layers, cross_layer=cross_layer)
         engine = setup_overlap(plan, trace=True)
+        from kareus_megatron.runtime.overlap import check_model_for_plan
+
+        check_model_for_plan(part, plan)  # as the session does before step 1 (links the layers for cross-layer)
         megatron_patch.install(plan, _Session())
         try:
             got, got_grads = _train(part, m, 2)
@@ -190,7 +229,7 @@ def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(Fa
             megatron_patch.uninstall()
             set_engine(None)
         diffs = {k: _rel_diff(got_grads[k], base_grads[k]) for k in base_grads}
-        res[f"train.pp{pp}.rc{int(recompute)}"] = {
+        res[f"train.{'cross.' if cross_layer else ''}pp{pp}.rc{int(recompute)}"] = {
             "losses_ref": base, "losses_part": got, "events": engine.tracer.events,
             "pp_rank": ps.get_pipeline_model_parallel_rank(), "grads": max(diffs.values()), "n_grads": len(diffs),
             "grad_keys_equal": sorted(base_grads) == sorted(got_grads),
@@ -241,8 +280,10 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     sp_capable_torch_norm()
     res: dict[str, Any] = {}
     _layer_scenarios(res)
+    _cross_layer_scenarios(res)
     _ddp(res)
     _training_steps(res)
+    _training_steps(res, cross_layer=True)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

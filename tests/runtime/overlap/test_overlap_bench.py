@@ -46,6 +46,82 @@ def test_dry_run_measures_predicts_and_writes_calibration(bench, tmp_path):
     assert set(c.params) == {name for name, *_ in bench.OVERLAP_FREE} and "calibrated" in c.fit
 
 
+def _dry_run_rows(bench, tmp_path, *args: str) -> tuple[dict, list[dict]]:
+    """Run the dry run with `args`; return its document and rows, each checked finite with a positive prediction."""
+    out = tmp_path / "m.json"
+    assert bench.main(["--dry-run", "--sms", "6,18", "--out", str(out), *args]) == 0
+    doc = json.loads(out.read_text())
+    for r in doc["rows"]:
+        for k in ("measured_time_s", "measured_energy_j", "predicted_time_s", "predicted_energy_j"):
+            assert math.isfinite(r[k]), (k, r)
+        assert r["predicted_time_s"] > 0 and r["predicted_energy_j"] > 0, r
+        assert r["sm_limit_applied"] is False  # gloo: the SM request is recorded only
+    return doc, doc["rows"]
+
+
+def _slot_matters(rows: list[dict]) -> set[str]:
+    """The partitions whose predicted time differs between the launch slots measured."""
+    by_part: dict[str, set[float]] = {}
+    for r in rows:
+        if r["partition"]:
+            by_part.setdefault(r["partition"], set()).add(round(r["predicted_time_s"], 12))
+    return {p for p, t in by_part.items() if len(t) > 1}
+
+
+def test_dry_run_sp_covers_every_sp_partition(bench, tmp_path):
+    """--sp (TP=2): the sequence-parallel layer; a row for every SP partition (first and last slot), and the
+    prediction's layout is sequence-parallel (the slot changes it)."""
+    from kareus_megatron.vocab import SP_BACKWARD_PARTITIONS, SP_FORWARD_PARTITIONS, SP_PARTITION_SLOTS
+
+    doc, rows = _dry_run_rows(bench, tmp_path, "--sp")
+    assert doc["tp"] == 2 and doc["cp"] == 1 and doc["sequence_parallel"] is True
+    assert list(doc["partitions"]) == [*SP_FORWARD_PARTITIONS, *SP_BACKWARD_PARTITIONS]
+    parts = [r["partition"] for r in rows if r["partition"]]
+    assert set(parts) == set(SP_PARTITION_SLOTS)
+    for r in rows:
+        if r["partition"]:
+            slots = SP_PARTITION_SLOTS[r["partition"]]
+            assert r["slot"] in (slots[0], slots[-1]) and r["comm_sms"] == 6, r
+            assert r["phase"] == ("forward" if r["partition"] in SP_FORWARD_PARTITIONS else "backward"), r
+    n_slots = sum(len({s[0], s[-1]}) for s in SP_PARTITION_SLOTS.values())  # 1-op segments: one row
+    assert len(rows) == 4 + n_slots  # 2 reference rows per phase
+    assert _slot_matters(rows), rows
+    assert set(doc["attention_op"]) == {"local_s", "sdpa_s"}
+
+
+def test_dry_run_cp_covers_the_cp_partitions(bench, tmp_path):
+    """--cp 2 (TP=1, CP=2): megatron's CP layout; a row for each CP K/V partition (with TP=1 the TP all-reduce
+    partitions of cp_engine_slots have no collective), and the prediction's layout is CP (the slot changes it)."""
+    from kareus_megatron.runtime.overlap.config import cp_engine_slots
+    from kareus_megatron.vocab import CP_PARTITION_SLOTS
+
+    doc, rows = _dry_run_rows(bench, tmp_path, "--cp", "2")
+    assert doc["tp"] == 1 and doc["cp"] == 2 and doc["sequence_parallel"] is False
+    layout = {n: s for n, s in cp_engine_slots().items() if n in CP_PARTITION_SLOTS}
+    assert doc["partitions"] == {n: list(s) for n, s in layout.items()}
+    assert {r["partition"] for r in rows if r["partition"]} == set(layout)
+    assert len(rows) == 4 + 2 * len(layout)  # references, then each partition's first and last slot
+    assert _slot_matters(rows), rows
+    assert doc["attention_op"] == {}  # megatron's DotProductAttention does not run CP
+
+
+@pytest.mark.parametrize("bad", [
+    ["--cp", "2", "--core-attention", "local"],  # CP runs on SDPA
+    ["--sp", "--cp", "2"],  # the dry run's 2 processes at CP=2 leave TP=1
+    ["--cp", "3"],  # does not divide the world size
+    ["--cp", "2", "--partitions", "fwd_attn"],  # no collective at TP=1
+    ["--sp", "--partitions", "fwd_attn,fwd_sp_mlp"],  # a TP partition on the SP layout
+    ["--partitions", "fwd_sp_mlp"],  # an SP partition on the TP layout
+])
+def test_layout_misfits_are_refused_in_one_line(bench, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--dry-run", *bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("overlap_gpu.py: error: --"), err
+    assert not any("Traceback" in line for line in err)
+
+
 def test_fit_recovers_a_perturbed_overlap_model(bench):
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.cost.params import KernelParams
@@ -103,3 +179,25 @@ def test_cpu_benchmark_cp_mode_traces_each_cp_collective_at_its_slot(capsys):
     with pytest.raises(SystemExit) as e:  # refused before anything is spawned
         cpu_bench.main(["--cp", "--sp"])
     assert e.value.code == 2
+
+
+def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys):
+    """benchmarks/overlap_cpu.py --cross-layer, 2 tiny layers: the traced run issues layer 1's last all-reduce in
+    layer 2's call at fwd_attn's slot, with no overlap violation. Timings are not asserted (a shared machine)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    cpu_bench = importlib.import_module("overlap_cpu")
+    args = ["--cross-layer", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "16", "--mbs", "2",
+            "--reps", "1", "--delay-ms", "1"]
+    assert cpu_bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 partitioned layers (TransformerBlock)" in out and "2 nb + cross-layer" in out
+    traces = [line for line in out.splitlines() if line.startswith("trace rank")]
+    assert len(traces) == 2
+    for line in traces:
+        assert line.startswith(("trace rank 0: 1 collectives issued", "trace rank 1: 1 collectives issued")), line
+        assert "fwd_attn@input_norm" in line and line.endswith("overlap violations: none"), line
+    for bad in (["--cross-layer", "--cp"], ["--cross-layer", "--layers", "1"]):
+        with pytest.raises(SystemExit) as e:  # refused before anything is spawned
+            cpu_bench.main(bad)
+        assert e.value.code == 2

@@ -1,8 +1,9 @@
 """The partitioned layer with context parallelism on real megatron-core 0.16.1 (gloo, fp32).
 
 cp_worker.py runs the scenarios: outputs and every gradient equal the same model without CP (megatron's
-local spec) on the full sequence, for CP=2 (2 processes) and TP=2 x CP=2 (4), 1 and 2 nanobatches, every
-launch slot of the CP partitions, recompute on and off, with and without megatron's CP-sliced mask;
+local spec) on the full sequence, for CP=2 (2 processes) and TP=2 x CP=2 (4; also with sequence parallelism,
+against the model without CP and without SP), 1 and 2 nanobatches, every launch slot of the CP partitions
+(and of the CP+SP ones), recompute on and off, with and without megatron's CP-sliced mask;
 training losses equal through megatron-core's schedule and the runtime patch; each collective issued at its
 planned slot (trace.overlap_violations). Single-process checks of the CP attention math and the plan checks
 run first.
@@ -18,7 +19,7 @@ from _dist import read_ranks, spawn
 
 from kareus_megatron.errors import InfeasibleConfigError, PlanError
 from kareus_megatron.runtime.overlap import overlap_violations
-from kareus_megatron.runtime.overlap.config import cp_engine_slots, validate_plan_for_layer
+from kareus_megatron.runtime.overlap.config import cp_engine_slots, cp_sp_engine_slots, validate_plan_for_layer
 from kareus_megatron.runtime.overlap.cp_attention import cp_attend, local_chunks, to_sequence_order
 from kareus_megatron.vocab import CP_PARTITION_SLOTS
 
@@ -72,10 +73,10 @@ def _kareus_plan(tmp_path, *flags):
     from kareus_megatron.cli.main import main
 
     out = tmp_path / "plan"
-    assert main(["plan", "--tp", "2", *flags, "--out", str(out), "--quiet"]) == 0
-    from kareus_megatron.plan import load_plan
+    assert main(["plan", "--tp", "2", *flags, "--out", str(out)]) == 0
+    from kareus_megatron.plan.io import load_plan
 
-    return load_plan(next(out.glob("kareus*.json")))
+    return load_plan(next((out / "plans").glob("kareus*.json")))
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,8 @@ def tp_ranks(tmp_path_factory):
     return read_ranks(out, "rank{rank}.json", 4)
 
 
-def _check_layers(rk, min_grads=10):
-    names = sorted(k for k in rk if k.startswith("layer."))
+def _check_layers(rk, min_grads=10, prefix="layer."):
+    names = sorted(k for k in rk if k.startswith(prefix))
     for name in names:
         r = rk[name]
         assert r["out"] <= 1.0, (name, r["out"])
@@ -156,12 +157,80 @@ def test_tp2_cp2_outputs_grads_and_losses(tp_ranks):
             assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_validate_accepts_cp_plans_and_refuses_cp_with_sp(tmp_path):
+def test_tp2_cp2_sp_outputs_grads_and_losses_equal_the_model_without_cp_and_sp(tp_ranks):
+    for rk in tp_ranks:
+        # Llama-like rc0: nb1 with/without mask + 3 slot scenarios; GPT rc1: nb1 with/without mask + slot 0
+        assert len(_check_layers(rk, min_grads=14, prefix="layer_sp.")) == 5 + 3
+        r = rk["sp.train.rc1"]
+        assert r["grads"] <= 1.0, r["grads"]
+        for a, b in zip(r["losses_ref"], r["losses_part"]):
+            assert a == pytest.approx(b, rel=1e-5)
+        assert overlap_violations(r["events"]) == []
+        kinds = {e.get("collective") for e in r["events"] if e["kind"] == "issue"}
+        assert kinds == {"all_gather", "reduce_scatter", "cp_all_gather", "cp_reduce_scatter"}
+        assert r["instructions_seen"] == 8  # 2 iterations x (2 fwd + 2 bwd)
+
+
+def test_tp2_cp2_sp_every_launch_slot_is_exercised_and_honoured(tp_ranks):
+    used: dict[str, set[str]] = {}
+    for rk in tp_ranks:
+        for name in (k for k in rk if k.startswith("layer_sp.")):
+            r = rk[name]
+            issues = [e for e in r["events"] if e["kind"] == "issue"]
+            if r["nanobatches"] == 1:
+                assert not any(e["partition"] for e in issues), name
+                continue
+            for e in (e for e in issues if e["partition"]):
+                knobs = r["knobs"][str(e["instr"])][e["partition"]]
+                assert e["slot"] == knobs["launch_slot"] and e["comm_sms"] == knobs["comm_sms"], (name, e)
+                used.setdefault(e["partition"], set()).add(e["slot"])
+            per_call: dict[tuple, int] = {}
+            for e in issues:  # per layer call and nanobatch: forward 4 TP + 1 CP; backward 1 leading + 3 TP + 1 CP
+                per_call[(e["phase"], e["call"])] = per_call.get((e["phase"], e["call"]), 0) + 1
+                assert (".cp_kv." in e["coll"]) == (e["collective"] in ("cp_all_gather", "cp_reduce_scatter"))
+            assert set(per_call.values()) == {10}, (name, per_call)
+    assert used == {p: set(s) for p, s in cp_sp_engine_slots().items()}
+
+
+def test_cp_sp_engine_slots_match_the_planners_cut():
+    from kareus_megatron.search.partition import split_segments
+    from kareus_megatron.workload.models import model_spec
+    from kareus_megatron.workload.opgraph import layer_ops
+    from kareus_megatron.workload.parallel import ParallelConfig
+
+    model = model_spec("llama3.2-3b")
+    for sp, engine in ((True, cp_sp_engine_slots()), (False, cp_engine_slots())):
+        par = ParallelConfig(tp=2, cp=2, sequence_parallel=sp, micro_batch_size=2, seq_length=4096)
+        segments = [seg for phase in ("forward", "backward") for seg in split_segments(phase, layer_ops(model, par,
+                                                                                                        phase, 2))]
+        planned = {seg.partition: tuple(seg.compute[k].name for k in seg.slot_positions) for seg in segments
+                   if seg.partition}
+        assert planned == engine, sp
+
+
+def test_validate_accepts_cp_and_cp_sp_plans_and_refuses_mismatched_layouts(tmp_path):
     import cp_worker
 
     plan = cp_worker._plan(2, False, 1, 2)
     validate_plan_for_layer(plan)
-    with pytest.raises(PlanError, match="sequence parallelism"):
+    with pytest.raises(PlanError, match="'fwd_attn' is not run .*cp=2, with sequence parallelism"):
         validate_plan_for_layer(plan, sequence_parallel=True)
     with pytest.raises(PlanError, match="fwd_cp_kv"):
         validate_plan_for_layer(plan, cp=1)
+    cp_sp = cp_worker._plan(2, True, 2, 2, sp=True)
+    validate_plan_for_layer(cp_sp)
+    with pytest.raises(PlanError, match="'fwd_sp_attn_norm' is not run .* without sequence parallelism"):
+        validate_plan_for_layer(cp_sp, sequence_parallel=False)
+    with pytest.raises(PlanError, match="'fwd_cp_kv' is not run .*cp=1, with sequence"):
+        validate_plan_for_layer(cp_sp, cp=1)
+    st = cp_sp.stages[0]
+    bad = st.instructions[0].model_copy(update={"partitions": {
+        **st.instructions[0].partitions, "fwd_cp_kv": st.instructions[0].partitions["fwd_cp_kv"].model_copy(
+            update={"launch_slot": "input_norm"})}})
+    wrong_slot = cp_sp.model_copy(update={"stages": (st.model_copy(update={"instructions": (bad,)}),)})
+    with pytest.raises(PlanError, match="fwd_cp_kv launch_slot 'input_norm' is not an op of its segment; use one of "
+                                        "qkv, rope"):
+        validate_plan_for_layer(wrong_slot)
+    planned = _kareus_plan(tmp_path, "--cp", "2", "--sp", "--pp", "1", "--points", "2", "--methods", "kareus")
+    assert any(i.nanobatches == 2 for st in planned.stages for i in st.instructions)
+    validate_plan_for_layer(planned)  # the planner's TP x CP + SP plan runs on the engine as planned

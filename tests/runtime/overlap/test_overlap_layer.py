@@ -194,3 +194,107 @@ def test_tp2_pp2_vp2_interleaved_equal(pp_ranks):
         assert overlap_violations(r["events"]) == []
         assert len({e["layer"] for e in r["events"]}) == 2  # both chunks' layers ran partitioned
     assert sum(len(rk["train.vp2"]["losses"][0]) == 4 for rk in pp_ranks) == 2  # the last stage's two TP ranks
+
+
+def _cross_names(rk):
+    return sorted(k for k in rk if k.startswith("cross.rc") and not k.endswith(".linked"))
+
+
+def test_cross_layer_outputs_and_all_grads_equal_standard_layer(ranks):
+    names = _cross_names(ranks[0])
+    assert len(names) == 5 + 2 + 2  # no recompute x 5 slots; recompute in groups of 3 and of 1 x 2 slots
+    for rk in ranks:
+        assert rk["cross.rc0.g3.linked"] == rk["cross.rc1.g3.linked"] == 2  # layers 1, 2 feed the next
+        assert rk["cross.rc1.g1.linked"] == 0  # megatron's default recompute group: one layer per call
+        for name in names:
+            r = rk[name]
+            assert r["out"] <= 1.0 and r["grads"] <= 1.0, (name, r["worst_grad"], r["grads"])
+            assert r["n_grads"] >= 20 and r["grad_norm"] > 0 and not r["carry_left"], name
+            assert overlap_violations(r["events"]) == [], name
+        neg = rk["cross.negative"]  # the carried all-reduce left unsummed: the comparison sees it
+        assert neg["out"] > 1.0 and neg["grads"] > 1.0
+
+
+def _issues(ev, phase):
+    return [e for e in ev if e["kind"] == "issue" and e["phase"] == phase]
+
+
+def test_cross_layer_forward_carries_the_last_allreduce_into_the_next_layer(ranks):
+    for rk in ranks:
+        for name in _cross_names(rk):
+            r = rk[name]
+            linked = r["group"] == 3
+            for phase in ("forward", "recompute") if r["recompute"] else ("forward",):
+                issues = _issues(r["events"], phase)
+                for layer in (1, 2, 3):
+                    last = next(e for e in issues if e["coll"] == f"L{layer}.fwd.mlp.nb1")
+                    if linked and layer < 3:  # issued in the next layer's call, beside its nanobatch-0 attn unit
+                        knobs = r["knobs"]["0" if phase == "forward" else "1"]["fwd_attn"]
+                        assert last["layer"] == layer + 1 and last["nb"] == 1, (name, last)
+                        assert last["partition"] == "fwd_attn" and last["slot"] == knobs["launch_slot"]
+                        assert last["comm_sms"] == knobs["comm_sms"]
+                        nxt = next(e for e in r["events"] if e["seq"] > last["seq"] and e["kind"] == "op")
+                        assert (nxt["layer"], nxt["nb"], nxt["op"]) == (layer + 1, 0, knobs["launch_slot"])
+                    else:  # the block's last layer, or no link: issued at once, exposed
+                        assert last["layer"] == layer and last["partition"] == "", (name, last)
+
+
+def test_cross_layer_backward_runs_the_next_layers_first_unit_beside_the_last_allreduce(ranks):
+    for rk in ranks:
+        for name in _cross_names(rk):
+            r = rk[name]
+            ev = r["events"]
+            for layer in (3, 2):
+                issue = next(e for e in _issues(ev, "backward") if e["coll"] == f"L{layer}.bwd.attn.nb1")
+                wait = next(e for e in ev if e["kind"] == "wait" and e["coll"] == issue["coll"]
+                            and e["phase"] == "backward")
+                beside = [(e["op"], e["nb"]) for e in ev if issue["seq"] < e["seq"] < wait["seq"]
+                          and e["kind"] == "op" and e["layer"] == layer - 1]
+                if r["group"] == 3:  # the lower layer's nanobatch-0 mlp unit runs before this layer's last wait
+                    assert beside == [("fc2", 0), ("activation", 0), ("fc1", 0)], (name, layer, beside)
+                else:
+                    assert beside == [], (name, layer)
+
+
+def test_cross_layer_backward_refuses_an_output_gradient_it_did_not_assume():
+    import weakref
+
+    import torch
+
+    from kareus_megatron.errors import KareusError
+    from kareus_megatron.runtime.overlap.cross_layer import Prefetched
+
+    class Source:
+        dx_out = torch.ones(4, 2, 3)
+
+    src = Source()
+    pre = Prefetched(grads=None, coll=None, used=[torch.ones(4, 1, 3)], source=weakref.ref(src))
+    pre.check(src.dx_out, list(src.dx_out.chunk(2, dim=1)), 5)  # the tensor the next layer returned
+    same = torch.ones(4, 2, 3)
+    pre.check(same, list(same.chunk(2, dim=1)), 5)  # another tensor, equal values: accepted
+    other = torch.ones(4, 2, 3) * 2  # a second consumer added to the gradient
+    with pytest.raises(KareusError, match="^cross-layer overlap: layer 5's output feeds more than the next layer"):
+        pre.check(other, [d.contiguous() for d in other.chunk(2, dim=1)], 5)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_cross_layer_training_losses_equal_through_the_schedule_and_patch(ranks, recompute):
+    for rk in ranks:
+        r = rk[f"train.cross.pp1.rc{int(recompute)}"]
+        _check_training(r, recompute, instructions=4)
+        assert r["linked"] == 2  # check_model_for_plan linked the 3 layers for the cross-layer plan
+        carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
+                   and e["layer"] == int(e["coll"][1]) + 1]
+        assert carried and {e["partition"] for e in carried} == {"fwd_attn"}
+
+
+def test_cross_layer_tp2_pp2_1f1b_training_equal(pp_ranks):
+    """2 layers per stage: each stage links its own pair; the stage boundary (a pipeline send) is never carried."""
+    for rk in pp_ranks:
+        r = rk["train.cross.pp2.rc0"]
+        _check_training(r, recompute=False, instructions=8)
+        assert r["linked"] == 1
+        first = 1 + 2 * r["pp_rank"]  # megatron's global layer numbers of this stage: first, first + 1
+        carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
+                   and e["layer"] != int(e["coll"][1])]
+        assert carried and {(e["coll"][:2], e["layer"]) for e in carried} == {(f"L{first}", first + 1)}

@@ -145,3 +145,48 @@ def test_sp_collectives_on_one_rank_copy():
         pending, applied = fn(out, x, 8)
         pending.wait()
         assert torch.equal(out, x) and applied is False
+
+
+def _cross_names(rk):
+    return sorted(k for k in rk if k.startswith("cross.rc") and not k.endswith(".linked"))
+
+
+def test_sp_cross_layer_outputs_grads_and_trace(ranks):
+    """Cross-layer overlap with SP, 3 layers: outputs and every gradient equal the standard SP layer; forward, layer
+    l's last reduce-scatter is issued in layer l+1's call at fwd_sp_attn_norm's slot; backward, layer l's leading
+    all-gathers are issued inside layer l+1's backward (nanobatch 0 at once, nanobatch 1 at bwd_sp_mlp's slot)."""
+    names = _cross_names(ranks[0])
+    assert len(names) == max(len(s) for s in SP_PARTITION_SLOTS.values()) + 1  # every slot, and one with recompute
+    for rk in ranks:
+        assert rk["cross.rc0.linked"] == rk["cross.rc1.linked"] == 2
+        for name in names:
+            r = rk[name]
+            assert r["out"] <= 1.0 and r["grads"] <= 1.0, (name, r["worst_grad"], r["grads"])
+            assert not r["carry_left"] and overlap_violations(r["events"]) == [], name
+            ev = r["events"]
+            for phase in ("forward", "recompute") if r["recompute"] else ("forward",):
+                knobs = r["knobs"]["0" if phase == "forward" else "1"]
+                for layer in (1, 2):
+                    e = next(e for e in ev if e["kind"] == "issue" and e["phase"] == phase
+                             and e["coll"] == f"L{layer}.fwd.mlp.nb1")
+                    assert e["layer"] == layer + 1 and e["partition"] == "fwd_sp_attn_norm", (name, e)
+                    assert e["slot"] == knobs["fwd_sp_attn_norm"]["launch_slot"]
+            for layer in (1, 2):  # the leading all-gathers of layers 1 and 2, inside the next layer's backward
+                upper_wait = next(e for e in ev if e["kind"] == "wait" and e["phase"] == "backward"
+                                  and e["coll"] == f"L{layer + 1}.bwd.attn.nb1")
+                g0, g1 = (next(e for e in ev if e["kind"] == "issue" and e["coll"] == f"L{layer}.bwd.out.nb{k}")
+                          for k in (0, 1))
+                assert g0["seq"] < upper_wait["seq"] and g0["partition"] == "", (name, g0)
+                assert g1["seq"] > upper_wait["seq"] and g1["partition"] == "bwd_sp_mlp", (name, g1)
+                assert g1["slot"] == r["knobs"]["1"]["bwd_sp_mlp"]["launch_slot"]
+            top = next(e for e in ev if e["kind"] == "issue" and e["coll"] == "L3.bwd.out.nb1")
+            assert top["partition"] == ""  # the stack's first backward layer: exposed, as without cross-layer
+
+
+def test_sp_cross_layer_training_through_schedule_and_patch_equal(ranks):
+    for rk in ranks:
+        for rc in (0, 1):
+            r = rk[f"train.cross.pp1.rc{rc}"]
+            _check_training(r, instructions=4)
+            assert any(e["kind"] == "issue" and e["coll"] == "L1.fwd.mlp.nb1" and e["layer"] == 2
+                       for e in r["events"])
