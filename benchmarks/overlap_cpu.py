@@ -177,11 +177,12 @@ def _trace_check(rank: int, layer, x, dy, mask, delay_s: float, cross_layer: boo
     engine.comm.close()
     events = engine.tracer.events
     if cross_layer:  # issued in a later layer's call than the one that produced it
-        issued = [e for e in events if e["kind"] == "issue" and e["coll"] != f"L{e['layer']}" + e["coll"][2:]]
+        issued = [e for e in events  # a collective is named L<layer>.<phase>.<segment>.nb<k>
+                  if e["kind"] == "issue" and int(e["coll"][1:].split(".", 1)[0]) != e["layer"]]
     else:
         issued = [e for e in events if e["kind"] == "issue" and e["collective"] in ("cp_all_gather",
                                                                                    "cp_reduce_scatter")]
-    return {f"trace|{rank}|cp_issued": len(issued),
+    return {f"trace|{rank}|issued": len(issued),
             f"trace|{rank}|slots": ", ".join(sorted({f"{e['partition']}@{e['slot']}" for e in issued})),
             f"trace|{rank}|violations": "; ".join(overlap_violations(events))}
 
@@ -226,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} thread(s)/rank, {args.core_attention} core attention, median of {args.reps} "
           "(noisy on a shared machine)")
     print(f"{'all-reduce delay':>26} {'1 nanobatch (ms)':>17} {'2 nanobatches (ms)':>19} {'saved (ms)':>11}")
-    labels = {"none": "none", "fixed": f"fixed {args.delay_ms:g} ms",
-              "per-byte": f"{args.delay_ms:g} ms per microbatch"}
+    labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
         t1, t2 = res[(d, "1")], res[(d, "2")]
         print(f"{labels[d]:>26} {t1:>17.1f} {t2:>19.1f} {t1 - t2:>11.1f}")
@@ -242,22 +242,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _delay_labels(args: argparse.Namespace) -> dict[str, str]:
+    return {"none": "none", "fixed": f"fixed {args.delay_ms:g} ms", "per-byte": f"{args.delay_ms:g} ms per microbatch"}
+
+
+def _print_traces(res: dict, what: str) -> list[str]:
+    """Print each rank's traced collectives (`what`: how they are counted); return the overlap violations found."""
+    bad = []
+    for r in (0, 1):
+        v = res[("trace", str(r), "violations")]
+        print(f"trace rank {r}: {res[('trace', str(r), 'issued')]} {what} "
+              f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}")
+        bad += [v] if v else []
+    return bad
+
+
 def _print_cp(args: argparse.Namespace, res: dict) -> int:
     print(f"partitioned layer fwd+bwd, gloo CP=2 (TP=1), hidden {args.hidden}, seq {args.seq} ({args.seq // 2} "
           f"per rank), mbs {args.mbs}, {args.threads} thread(s)/rank, sdpa core attention, median of {args.reps} "
           "(noisy on a shared machine)")
     print(f"{'K/V collective delay':>26} {'1 nanobatch (ms)':>17} {'2 nanobatches (ms)':>19} {'saved (ms)':>11}")
-    labels = {"none": "none", "fixed": f"fixed {args.delay_ms:g} ms",
-              "per-byte": f"{args.delay_ms:g} ms per microbatch"}
+    labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
         t1, t2 = res[(d, "1")], res[(d, "2")]
         print(f"{labels[d]:>26} {t1:>17.1f} {t2:>19.1f} {t1 - t2:>11.1f} ({(t1 - t2) / t1:.0%})")
-    bad = []
-    for r in (0, 1):
-        v = res[("trace", str(r), "violations")]
-        print(f"trace rank {r}: {res[('trace', str(r), 'cp_issued')]} CP collectives issued "
-              f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}")
-        bad += [v] if v else []
+    bad = _print_traces(res, "CP collectives issued")
     t1, t2 = res[("per-byte", "1")], res[("per-byte", "2")]
     print("OVERLAP REAL" if t2 < t1 and not bad else
           "NO GAIN (2 nanobatches not faster with the per-byte delay, or the trace breaks the plan)")
@@ -272,17 +281,11 @@ def _print_cross(args: argparse.Namespace, res: dict) -> int:
           f"median of {args.reps} (noisy on a shared machine)")
     print(f"{'collective delay':>26} {'1 nb (ms)':>10} {'2 nb (ms)':>10} {'2 nb + cross-layer (ms)':>24} "
           f"{'cross-layer saved (ms)':>23}")
-    labels = {"none": "none", "fixed": f"fixed {args.delay_ms:g} ms",
-              "per-byte": f"{args.delay_ms:g} ms per microbatch"}
+    labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
         t1, t2, tx = res[(d, "1")], res[(d, "2")], res[(d, "2x")]
         print(f"{labels[d]:>26} {t1:>10.1f} {t2:>10.1f} {tx:>24.1f} {t2 - tx:>16.1f} ({(t2 - tx) / t2:.0%})")
-    bad = []
-    for r in (0, 1):
-        v = res[("trace", str(r), "violations")]
-        print(f"trace rank {r}: {res[('trace', str(r), 'cp_issued')]} collectives issued in the next layer's call "
-              f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}")
-        bad += [v] if v else []
+    bad = _print_traces(res, "collectives issued in the next layer's call")
     t2, tx = res[("fixed", "2")], res[("fixed", "2x")]
     print(f"fixed delay: cross-layer overlap hides up to {2 * (args.layers - 1)} more delays per forward+backward "
           f"({2 * (args.layers - 1) * args.delay_ms:g} ms); saved {t2 - tx:.1f} ms")

@@ -33,7 +33,6 @@ follows (the final norm, a pipeline send, a checkpoint boundary) sees a finished
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,17 +78,18 @@ class Prefetched:
     grads: Any  # pieces.Grads
     coll: Any  # pieces._Coll or None: without SP, nanobatch 0's mlp all-reduce (nanobatch 1's mlp partner)
     used: list[torch.Tensor]  # the output gradient of each nanobatch it used, in order
-    source: weakref.ref  # layer L+1's run: the tensor its backward returned is L's output gradient
+    returned: torch.Tensor | None = None  # the input gradient layer L+1's backward returned (set at its end)
 
-    def check(self, dout: torch.Tensor, douts: list[torch.Tensor], layer_number: Any) -> None:
-        """Raise if the output gradient L is handed is not the one the prefetched unit assumed."""
-        src = self.source()
-        returned = getattr(src, "dx_out", None)
-        if returned is not None and returned.data_ptr() == dout.data_ptr() and returned.shape == dout.shape:
-            return
+    def check(self, dout: torch.Tensor, douts: list[torch.Tensor], layer_number: Any) -> bool:
+        """Raise if the output gradient L is handed is not the one the prefetched unit assumed; return whether it
+        is the very tensor L+1 returned (checked without a compare, so without a host sync)."""
+        ret, self.returned = self.returned, None
+        if ret is not None and ret.data_ptr() == dout.data_ptr() and ret.shape == dout.shape:
+            return True  # the common case: autograd hands L exactly what L+1 returned
         if not all(torch.equal(d, u) for d, u in zip(douts, self.used)):  # host sync, only off the common path
             raise KareusError(
                 f"cross-layer overlap: layer {layer_number}'s output feeds more than the next layer (its gradient "
                 "changed after the next layer's backward); re-plan without --cross-layer."
             )
+        return False
 

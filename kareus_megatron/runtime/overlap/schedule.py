@@ -72,12 +72,10 @@ class LayerRun:
         self._seen: set[tuple[int, str]] = set()
         self._need: _Coll | None = None  # waited just before the next op (after its partner is issued)
         # cross-layer overlap (cross_layer.py): the previous layer's pending end, taken by this call's forward;
-        # that layer's run (weakly: for the backward prefetch); this run's first backward unit if prefetched;
-        # the input gradient this run's backward returned
+        # that layer's run (weakly: for the backward prefetch); this run's first backward steps if prefetched
         self.carry: ForwardCarry | None = None
         self.lower: weakref.ref | None = None
         self.prefetched: Prefetched | None = None
-        self.dx_out: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ trace and collectives
     def _emit(self, kind: str, **fields: Any) -> None:
@@ -274,7 +272,6 @@ class LayerRun:
         else:
             grads = Grads(self.params, n)
         grad, add_dx = grads, grads.add_dx
-        lower = self.lower() if self.lower is not None and overlap else None
         for nb, seg in units:
             part = f"bwd_{seg}"
             if prev is not None:
@@ -293,18 +290,28 @@ class LayerRun:
             st.colls[f"bwd.{seg}"] = c
             self._leave()
             prev = c
-        self._issue(prev)
-        for nb in range(n):
+        assert prev is not None
+        return self.finish_backward(grads, prev, settings)
+
+    def finish_backward(self, grads: Grads, last: _Coll, settings: LayerSettings) -> tuple[torch.Tensor, list]:
+        """Issue the layer's last collective `last`, then each nanobatch's tail (input_norm backward) after its own
+        attn collective; with cross-layer overlap, after each tail, the previous layer's first backward step of
+        that nanobatch (``prefetch``). Return (d input, parameter grads)."""
+        overlap = self.n > 1 and settings.nanobatches > 1
+        lower = self.lower() if self.lower is not None and overlap else None
+        self._issue(last)
+        for nb in range(self.n):
             st = self.nbs[nb]
             self._enter(nb, "")
             self.op("input_norm", needs=st.colls["bwd.attn"])
-            (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
-            add_dx(nb, d_x)
-            if lower is not None and lower.n == n:  # the previous layer's first backward step of this nanobatch
-                lower.prefetch(nb, grads.dx[nb], settings, self)
+            (d_x,) = grads([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
+            grads.add_dx(nb, d_x)
+            if lower is not None:
+                lower.prefetch(nb, grads.dx[nb], settings)
         self.nbs = []  # free the graphs' tensors
         dx, pgrads = grads.result()
-        self.dx_out = dx if lower is not None else None
+        if lower is not None and lower.prefetched is not None:  # what the previous layer's backward is handed
+            lower.prefetched.returned = dx
         return dx, pgrads
 
     def _bwd_mlp(self, grads: Grads, nb: int, dout: torch.Tensor) -> _Coll:
@@ -317,12 +324,12 @@ class LayerRun:
         st.colls["bwd.mlp"] = c
         return c
 
-    def prefetch(self, nb: int, dout: torch.Tensor, settings: LayerSettings, source: LayerRun) -> None:
+    def prefetch(self, nb: int, dout: torch.Tensor, settings: LayerSettings) -> None:
         """Cross-layer overlap: run this layer's first backward step of nanobatch `nb` now, inside the next
-        layer's backward (`source`), on that nanobatch's input gradient `dout` there (cross_layer.py)."""
+        layer's backward, on that nanobatch's input gradient `dout` there (cross_layer.py)."""
         if nb == 0:
             self.settings, self.phase = settings, "backward"
-            self.prefetched = Prefetched(Grads(self.params, self.n), None, [], weakref.ref(source))
+            self.prefetched = Prefetched(Grads(self.params, self.n), None, [])
         pre = self.prefetched
         assert pre is not None  # nanobatch 0 comes first
         pre.used.append(dout)

@@ -197,10 +197,7 @@ class CPLayerRun(CPUnits, LayerRun):
             self._enter(nb, part if self.partner is not None else "")
             st = self.nbs[nb]
             if seg == "mlp":
-                self.op("fc2")
-                d_sum, st.d_h1_res = grad([st.out], [douts[nb]], [st.mlp_sum, st.h1_in])
-                (d_ln2,) = grad([st.mlp_partial], [d_sum], [st.ln2_in])
-                c = _Coll(f"{tag}.mlp.nb{nb}", nb, d_ln2.contiguous())
+                c = self._bwd_mlp(grads, nb, douts[nb])
             elif seg == "cp_kv":
                 self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
                 d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
@@ -212,12 +209,4 @@ class CPLayerRun(CPUnits, LayerRun):
             self._leave()
             prev = c
         assert prev is not None
-        self._issue(prev)
-        for nb in range(n):
-            st = self.nbs[nb]
-            self._enter(nb, "")
-            self.op("input_norm", needs=st.colls["bwd.attn"])
-            (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
-            add_dx(nb, d_x)
-        self.nbs = []  # free the graphs' tensors
-        return grads.result()
+        return self.finish_backward(grads, prev, settings)

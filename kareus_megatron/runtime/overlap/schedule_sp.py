@@ -141,8 +141,6 @@ class SPLayerRun(LayerRun):
                 c = self._lead_gather(grads, nb, douts[nb])
                 self._issue(c)
                 self._wait(c)
-        grad, add_dx = grads, grads.add_dx
-        lower = self.lower() if self.lower is not None and overlap else None
         units = [(nb, seg) for seg in self.bwd_units for nb in range(n)]
         prev: _Coll | None = None
         for nb, seg in units:
@@ -156,19 +154,7 @@ class SPLayerRun(LayerRun):
             self._leave()
             prev = c
         assert prev is not None
-        self._issue(prev)
-        for nb in range(n):
-            st = self.nbs[nb]
-            self._enter(nb, "")
-            self.op("input_norm", needs=st.colls["bwd.attn"])
-            (d_x,) = grad([st.ln1], [st.colls["bwd.attn"].buf], [st.x])
-            add_dx(nb, d_x)
-            if lower is not None and lower.n == n:  # the previous layer's leading step of this nanobatch
-                lower.prefetch(nb, grads.dx[nb], settings, self)
-        self.nbs = []  # free the graphs' tensors
-        dx, pgrads = grads.result()
-        self.dx_out = dx if lower is not None else None
-        return dx, pgrads
+        return self.finish_backward(grads, prev, settings)
 
     def _lead_gather(self, grads: Grads, nb: int, dout: torch.Tensor) -> _Coll:
         """Nanobatch `nb`'s output bias-dropout-add backward; return the all-gather of its gradient (not issued)."""

@@ -123,10 +123,41 @@ def _compare(ref_out, part_out) -> dict[str, Any]:
     }
 
 
-def _layer_scenarios(res: dict[str, Any]) -> None:
+def planned_step(ref, part, batch, mb: int, fk: dict, bk: dict, nanobatches: int, cross_layer: bool = False):
+    """One forward+backward of `ref` and of `part` under a forward and a backward plan instruction (knobs `fk`,
+    `bk`) sent through the hooks listener; return (the comparison, with cross-layer overlap's backward gradient
+    ``checks`` and how many of them compared values, ``value_checks``: 0 when autograd hands each layer the very
+    tensor the next one returned; the engine with its trace)."""
     from kareus_megatron.plan.schema import Instruction
     from kareus_megatron.runtime import hooks
     from kareus_megatron.runtime.overlap import setup_overlap
+
+    fwd = Instruction(kind="forward", microbatch=mb, sm_clock_mhz=1410, nanobatches=nanobatches, partitions=fk)
+    bwd = Instruction(kind="backward", microbatch=mb, sm_clock_mhz=1200, nanobatches=nanobatches, partitions=bk)
+    engine = setup_overlap(trace=True, plan=None)
+    engine.state.cross_layer = cross_layer
+    engine.install_listener()
+    base = _fwd_bwd(ref, batch)
+    from kareus_megatron.runtime.overlap.cross_layer import Prefetched
+
+    same, check = [], Prefetched.check
+
+    def recorded(self, *args):
+        same.append(check(self, *args))
+        return same[-1]
+
+    Prefetched.check = recorded
+    try:
+        got = _fwd_bwd(part, batch,
+                       before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+                       before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)))
+    finally:
+        Prefetched.check = check
+    engine.uninstall_listener()
+    return {**_compare(base, got), "value_checks": same.count(False), "checks": len(same)}, engine
+
+
+def _layer_scenarios(res: dict[str, Any]) -> None:
 
     fwd_names = ("fwd_attn", "fwd_mlp")
     bwd_names = ("fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn")
@@ -137,19 +168,8 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
                 name = f"layer.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}"
                 fk = knobs_for(i, fwd_names) if n == 2 else {}
                 bk = knobs_for(i + 1, bwd_names) if n == 2 else {}  # recompute gets other slots than forward
-                fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=n, partitions=fk)
-                bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=n, partitions=bk)
-                engine = setup_overlap(trace=True, plan=None)
-                engine.install_listener()
-                batch = _batch(i)
-                base = _fwd_bwd(ref, batch)
-                got = _fwd_bwd(
-                    part, batch,
-                    before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                    before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
-                )
-                engine.uninstall_listener()
-                res[name] = {**_compare(base, got), "events": engine.tracer.events,
+                cmp, engine = planned_step(ref, part, _batch(i), i, fk, bk, n)
+                res[name] = {**cmp, "events": engine.tracer.events,
                              "knobs": {"0": fk, "1": bk}, "nanobatches": n, "recompute": recompute}
 
 
@@ -157,9 +177,6 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
     """Cross-layer overlap (cross_layer.py): 3 layers, every launch slot, recompute off and on (groups of 3
     layers, and megatron's default of 1: nothing to link), outputs and every gradient against the standard
     layer; the trace; and a carried collective dropped (the comparison must see it)."""
-    from kareus_megatron.plan.schema import Instruction
-    from kareus_megatron.runtime import hooks
-    from kareus_megatron.runtime.overlap import setup_overlap
     from kareus_megatron.runtime.overlap.layer import link_layers
 
     fwd_names = ("fwd_attn", "fwd_mlp")
@@ -170,20 +187,9 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
         for i in range(SLOT_SCENARIOS if (recompute, group) == (False, 3) else 2):
             name = f"cross.rc{int(recompute)}.g{group}.s{i}"
             fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
-            fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=2, partitions=fk)
-            bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=2, partitions=bk)
-            engine = setup_overlap(trace=True, plan=None)
-            engine.state.cross_layer = True
-            engine.install_listener()
             batch = _batch(20 + i)
-            base = _fwd_bwd(ref, batch)
-            got = _fwd_bwd(
-                part, batch,
-                before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
-            )
-            engine.uninstall_listener()
-            res[name] = {**_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
+            cmp, engine = planned_step(ref, part, batch, i, fk, bk, 2, cross_layer=True)
+            res[name] = {**cmp, "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
                          "nanobatches": 2, "recompute": recompute, "group": group,
                          "carry_left": engine.carry is not None}
         if (recompute, group) == (False, 3):  # negative control: the carried half never written into the output
@@ -195,7 +201,7 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
 
             saved, cross_layer.ForwardCarry.complete = cross_layer.ForwardCarry.complete, unwritten
             try:
-                res["cross.negative"] = _compare(base, _fwd_bwd(part, batch))
+                res["cross.negative"] = _compare(_fwd_bwd(ref, batch), _fwd_bwd(part, batch))
             finally:
                 cross_layer.ForwardCarry.complete = saved
         link_layers(part, enabled=False)

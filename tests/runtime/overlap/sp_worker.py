@@ -27,6 +27,7 @@ from overlap_worker import (
     _rel_diff,
     _Session,
     _train,
+    planned_step,
 )
 from overlap_worker import _setup as _setup_tp2
 
@@ -100,8 +101,6 @@ def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = Fal
 
 
 def _layer_scenarios(res: dict[str, Any]) -> None:
-    from kareus_megatron.plan.schema import Instruction
-    from kareus_megatron.runtime import hooks
     from kareus_megatron.runtime.overlap import setup_overlap
 
     fwd_names = SP_FORWARD_PARTITIONS
@@ -113,19 +112,8 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
                 name = f"layer.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}"
                 fk = knobs_for(i, fwd_names) if n == 2 else {}
                 bk = knobs_for(i + 1, bwd_names) if n == 2 else {}  # recompute gets other slots than forward
-                fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=n, partitions=fk)
-                bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=n, partitions=bk)
-                engine = setup_overlap(trace=True, plan=None)
-                engine.install_listener()
-                batch = _batch(i)
-                base = _fwd_bwd(ref, batch)
-                got = _fwd_bwd(
-                    part, batch,
-                    before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                    before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
-                )
-                engine.uninstall_listener()
-                res[name] = {**_compare(base, got), "events": engine.tracer.events,
+                cmp, engine = planned_step(ref, part, _batch(i), i, fk, bk, n)
+                res[name] = {**cmp, "events": engine.tracer.events,
                              "knobs": {"0": fk, "1": bk}, "nanobatches": n, "recompute": recompute}
     # negative control: an engine whose reduce-scatter does nothing must not match
     from kareus_megatron.runtime.overlap import LayerSettings
@@ -150,9 +138,6 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
 def _cross_layer_scenarios(res: dict[str, Any]) -> None:
     """Cross-layer overlap with SP (cross_layer.py): 3 layers, every launch slot, recompute off and in one group
     of 3, outputs and every gradient against the standard SP layer; the trace."""
-    from kareus_megatron.plan.schema import Instruction
-    from kareus_megatron.runtime import hooks
-    from kareus_megatron.runtime.overlap import setup_overlap
     from kareus_megatron.runtime.overlap.layer import link_layers
 
     fwd_names = SP_FORWARD_PARTITIONS
@@ -162,21 +147,9 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
         res[f"cross.rc{int(recompute)}.linked"] = link_layers(part)
         for i in range(SLOT_SCENARIOS if not recompute else 1):
             fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
-            fwd = Instruction(kind="forward", microbatch=i, sm_clock_mhz=1410, nanobatches=2, partitions=fk)
-            bwd = Instruction(kind="backward", microbatch=i, sm_clock_mhz=1200, nanobatches=2, partitions=bk)
-            engine = setup_overlap(trace=True, plan=None)
-            engine.state.cross_layer = True
-            engine.install_listener()
-            batch = _batch(30 + i)
-            base = _fwd_bwd(ref, batch)
-            got = _fwd_bwd(
-                part, batch,
-                before_fwd=lambda fwd=fwd: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                before_bwd=lambda bwd=bwd: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
-            )
-            engine.uninstall_listener()
+            cmp, engine = planned_step(ref, part, _batch(30 + i), i, fk, bk, 2, cross_layer=True)
             res[f"cross.rc{int(recompute)}.s{i}"] = {
-                **_compare(base, got), "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
+                **cmp, "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
                 "recompute": recompute, "carry_left": engine.carry is not None}
 
 

@@ -196,6 +196,11 @@ def test_tp2_pp2_vp2_interleaved_equal(pp_ranks):
     assert sum(len(rk["train.vp2"]["losses"][0]) == 4 for rk in pp_ranks) == 2  # the last stage's two TP ranks
 
 
+def _coll_layer(event) -> int:
+    """The layer that produced a trace event's collective (named L<layer>.<phase>.<segment>.nb<k>)."""
+    return int(event["coll"][1:].split(".", 1)[0])
+
+
 def _cross_names(rk):
     return sorted(k for k in rk if k.startswith("cross.rc") and not k.endswith(".linked"))
 
@@ -210,8 +215,10 @@ def test_cross_layer_outputs_and_all_grads_equal_standard_layer(ranks):
             r = rk[name]
             assert r["out"] <= 1.0 and r["grads"] <= 1.0, (name, r["worst_grad"], r["grads"])
             assert r["n_grads"] >= 20 and r["grad_norm"] > 0 and not r["carry_left"], name
+            # each linked layer got the very tensor the next one returned: checked without a host sync
+            assert r["value_checks"] == 0 and r["checks"] == (2 if r["group"] == 3 else 0), name
             assert overlap_violations(r["events"]) == [], name
-        neg = rk["cross.negative"]  # the carried all-reduce left unsummed: the comparison sees it
+        neg = rk["cross.negative"]  # the carried half never written into the output: the comparison sees it
         assert neg["out"] > 1.0 and neg["grads"] > 1.0
 
 
@@ -257,19 +264,14 @@ def test_cross_layer_backward_runs_the_next_layers_first_unit_beside_the_last_al
 
 
 def test_cross_layer_backward_refuses_an_output_gradient_it_did_not_assume():
-    import weakref
-
     import torch
 
     from kareus_megatron.errors import KareusError
     from kareus_megatron.runtime.overlap.cross_layer import Prefetched
 
-    class Source:
-        dx_out = torch.ones(4, 2, 3)
-
-    src = Source()
-    pre = Prefetched(grads=None, coll=None, used=[torch.ones(4, 1, 3)], source=weakref.ref(src))
-    pre.check(src.dx_out, list(src.dx_out.chunk(2, dim=1)), 5)  # the tensor the next layer returned
+    returned = torch.ones(4, 2, 3)
+    pre = Prefetched(grads=None, coll=None, used=[torch.ones(4, 1, 3)], returned=returned)
+    pre.check(returned, list(returned.chunk(2, dim=1)), 5)  # the tensor the next layer returned
     same = torch.ones(4, 2, 3)
     pre.check(same, list(same.chunk(2, dim=1)), 5)  # another tensor, equal values: accepted
     other = torch.ones(4, 2, 3) * 2  # a second consumer added to the gradient
@@ -284,7 +286,7 @@ def test_cross_layer_training_losses_equal_through_the_schedule_and_patch(ranks,
         _check_training(r, recompute, instructions=4)
         assert r["linked"] == 2  # check_model_for_plan linked the 3 layers for the cross-layer plan
         carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
-                   and e["layer"] == int(e["coll"][1]) + 1]
+                   and e["layer"] == _coll_layer(e) + 1]
         assert carried and {e["partition"] for e in carried} == {"fwd_attn"}
 
 
@@ -296,5 +298,5 @@ def test_cross_layer_tp2_pp2_1f1b_training_equal(pp_ranks):
         assert r["linked"] == 1
         first = 1 + 2 * r["pp_rank"]  # megatron's global layer numbers of this stage: first, first + 1
         carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
-                   and e["layer"] != int(e["coll"][1])]
-        assert carried and {(e["coll"][:2], e["layer"]) for e in carried} == {(f"L{first}", first + 1)}
+                   and e["layer"] != _coll_layer(e)]
+        assert carried and {(_coll_layer(e), e["layer"]) for e in carried} == {(first, first + 1)}

@@ -163,6 +163,7 @@ def test_sp_cross_layer_outputs_grads_and_trace(ranks):
             r = rk[name]
             assert r["out"] <= 1.0 and r["grads"] <= 1.0, (name, r["worst_grad"], r["grads"])
             assert not r["carry_left"] and overlap_violations(r["events"]) == [], name
+            assert r["value_checks"] == 0 and r["checks"] == 2, name  # the gradient check took its no-sync path
             ev = r["events"]
             for phase in ("forward", "recompute") if r["recompute"] else ("forward",):
                 knobs = r["knobs"]["0" if phase == "forward" else "1"]
