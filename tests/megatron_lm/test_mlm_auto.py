@@ -23,7 +23,7 @@ def test_pretrain_gpt_closes_the_loop(tag, native, megatron_lm_tree, plan_dir, t
     tree = megatron_lm_tree(tag, patched=native)
     plans = plan_dir("pp2")
     truth = tmp_path / "truth.json"
-    truth.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": {"time_scale": 150.0}}))
+    truth.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": {"time_scale": 300.0}}))
     args = mlm_command(tree, native, config, plans, tmp_path / "run", extra=("--train-iters", str(ITERATIONS)))
     k = args.index("--kareus-plan")
     args[k:k + 4] = ["--kareus-plan", "auto", "--kareus-workload", str(plans)]  # instead of plan + point
