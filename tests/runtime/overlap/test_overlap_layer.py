@@ -219,7 +219,7 @@ def test_cross_layer_outputs_and_all_grads_equal_standard_layer(ranks):
             assert r["value_checks"] == 0 and r["checks"] == (2 if r["group"] == 3 else 0), name
             assert overlap_violations(r["events"]) == [], name
         neg = rk["cross.negative"]  # the carried half never written into the output: the comparison sees it
-        assert neg["out"] > 1.0 and neg["grads"] > 1.0
+        assert not neg["out"] <= 1.0 and not neg["grads"] <= 1.0  # unwritten memory may hold NaN: also "differs"
 
 
 def _issues(ev, phase):
