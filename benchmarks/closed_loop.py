@@ -4,7 +4,7 @@ Setup: llama3.2-3b on a100-sxm4-40gb, TP=1, PP = 2, 4, 8 (one GPU per stage; PP=
 + 2), MBS 1, seq 2048, 2×PP microbatches, full recompute. The hidden *truth* is synthetic_log.TRUTH_PARAMS: 15-30%
 off the preset in every power parameter and in the time parameters a clock sweep reveals. A profile is a
 synthetic run log of the max-clock plan (synthetic_log.write_log: ~1% noise on every instruction time and window
-energy, the runtime's phase tags) with the closed loop's schedule shape (runtime/auto.py): 2 warm-up iterations
+energy, the runtime's phase tags) with the closed loop's schedule shape (closed_loop/auto.py): 2 warm-up iterations
 at the maximum clock, then C clocks (profile_clocks_mhz, interleaved order) × R iterations each; the fit is
 cost/calibrate_log.py fit_from_logs on all of its instruction samples and energy windows (>= 0.05 s: the
 simulated GPU's exact counter, as auto_worker.py uses it). Every plan is judged with plan/evaluate.py
@@ -69,7 +69,7 @@ from kareus_megatron.plan.schema import Plan  # noqa: E402
 from kareus_megatron.plan.workload import plan_workload  # noqa: E402
 from kareus_megatron.report.measurements import energy_windows, instruction_samples  # noqa: E402
 from kareus_megatron.report.runlog import read_run_log  # noqa: E402
-from kareus_megatron.runtime.auto import (  # noqa: E402
+from kareus_megatron.runtime.closed_loop.auto import (  # noqa: E402
     ITERATIONS_PER_CLOCK,
     PROFILE_CLOCKS,
     WARMUP_ITERATIONS,
@@ -86,7 +86,7 @@ SCHEDULES = sorted(((c, r) for c in range(2, 7) for r in range(2, 5)), key=lambd
 PP_SIZES = (2, 4, 8)
 QUANTISED_PP = 4
 QUANTUM_S, QUANTISED_WINDOW_S = 0.1, 1.0  # NVML's energy counter step (s) and the shortest window it needs (s)
-EXACT_WINDOW_S = 0.05  # the simulated GPU's exact counter (runtime/auto_worker.py SIMULATED_WINDOW_S)
+EXACT_WINDOW_S = 0.05  # the simulated GPU's exact counter (runtime/closed_loop/auto_worker.py SIMULATED_WINDOW_S)
 HORIZON = 1000  # iterations over which the auto plan's saving is compared with the profile's overhead
 # the quick mode: the tiny GPT's iterations last milliseconds, so the counter step and window shrink with them
 QUICK_SCHEDULES = ((2, 2), (3, 2), (PROFILE_CLOCKS, ITERATIONS_PER_CLOCK))

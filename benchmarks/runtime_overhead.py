@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, con
     import torch
 
     import kareus_megatron.megatron as kareus
-    from kareus_megatron.runtime import megatron_patch
+    from kareus_megatron.runtime.frameworks import megatron_patch
 
     tiny_gpt.setup(rank, world, port)
     tiny_gpt.init_parallel(PP, None)

@@ -7,7 +7,7 @@ time, with multiplicative noise. Written as the runtime's rank files (header + i
 ``instructions`` columns).
 
 Options that make a log look more like a real closed-loop run: ``tags`` adds the runtime's ``phase`` and
-``profile_mhz`` tags (runtime/auto.py), so the energy windows leave out the first iteration at every clock as they
+``profile_mhz`` tags (closed_loop/auto.py), so the energy windows leave out the first iteration at every clock as they
 do on a real run; ``energy_quantum_s`` makes each rank's energy an NVML-like counter that updates every
 `energy_quantum_s` seconds (about 0.1 s on NVIDIA GPUs; each rank's updates at its own random phase), read at
 iteration boundaries: an iteration's energy is the difference of two stale readings.

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     cpu_shim.apply()  # megatron-core's CUDA-only calls -> CPU (nothing when CUDA is available)
     world, dp = dist.get_world_size(), args.dp or 1

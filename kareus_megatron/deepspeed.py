@@ -29,7 +29,7 @@ clocks; at interpreter exit clocks are reset anyway.
 
 ``kareus plan --framework deepspeed`` plans 1 nanobatch per instruction (DeepSpeed has no nanobatch
 overlap engine, so ``kareus`` plans clocks only); DeepSpeed's DualPipeV engine is refused (see
-runtime/deepspeed_patch.py).
+runtime/frameworks/deepspeed_patch.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime import deepspeed_patch
+from kareus_megatron.runtime.frameworks import deepspeed_patch
 from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
 
 CONFIG_KEYS = ("plan", "log", "log_mode", "on_error", "point", "method")
@@ -139,8 +139,8 @@ PROG = "python -m kareus_megatron.deepspeed"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``-m kareus_megatron.deepspeed --kareus-plan PLAN [--kareus-* ...] -- train.py ARGS``: run an unmodified
-    DeepSpeed script under `PLAN` (the --kareus-* flags of runtime/entry.py); return the exit status."""
-    from kareus_megatron.runtime import entry
+    DeepSpeed script under `PLAN` (the --kareus-* flags of runtime/frameworks/entry.py); return the exit status."""
+    from kareus_megatron.runtime.frameworks import entry
 
     try:
         return entry.launch_script(PROG, list(sys.argv[1:] if argv is None else argv),

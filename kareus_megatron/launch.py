@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kareus_megatron.runtime.entry import launch_script
+from kareus_megatron.runtime.frameworks.entry import launch_script
 
 PROG = "python -m kareus_megatron.launch"
 

@@ -6,7 +6,7 @@
     session.close()   # on every rank: writes the last iteration, resets clocks
 
 ``install("auto", workload="plan-dir", log_path="kareus-run", objective="iso-time")`` runs the closed loop
-instead (runtime/auto.py): the job profiles itself, calibrates, plans and switches while it trains.
+instead (runtime/closed_loop/auto.py): the job profiles itself, calibrates, plans and switches while it trains.
 ``install`` must run before the schedule is first called. Backend, GPU preset and clock log come from
 KAREUS_GPU_BACKEND, KAREUS_GPU and KAREUS_CLOCK_LOG unless given.
 """
@@ -19,7 +19,10 @@ from pathlib import Path
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
 from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
+
+__all__ = ["current_session", "install", "megatron_lm_hook", "uninstall"]  # megatron_lm_hook: the native patches' hook
 
 _slot = MEGATRON_SESSIONS
 
@@ -36,7 +39,7 @@ def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[
     if isinstance(plan, str) and plan == "auto":
         from kareus_megatron.plan.objective import parse_objective
         from kareus_megatron.plan.points import load_point_plan
-        from kareus_megatron.runtime.auto import install_auto
+        from kareus_megatron.runtime.closed_loop.auto import install_auto
 
         if workload is None:
             raise ConfigError("install('auto') needs workload=: a plan of this job that says what to re-plan")

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.runtime.entry import (
+from kareus_megatron.runtime.frameworks.entry import (
     debug_requested,
     help_requested,
     kareus_parser,

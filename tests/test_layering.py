@@ -63,8 +63,8 @@ LAYERS: dict[str, frozenset[str]] = {
 # the simulated GPU's truth costs instructions with the cost model (only under KAREUS_SIMULATED_TRUTH), and the
 # closed loop's rank-0 worker reads the run log through its one reader (only under --kareus-plan auto).
 MODULE_ALLOWANCES: dict[str, frozenset[str]] = {
-    "kareus_megatron.runtime.truth": frozenset({"cost"}),
-    "kareus_megatron.runtime.auto_worker": frozenset({"report"}),
+    "kareus_megatron.runtime.closed_loop.truth": frozenset({"cost"}),
+    "kareus_megatron.runtime.closed_loop.auto_worker": frozenset({"report"}),
 }
 
 # Edges that break LAYERS and are to be fixed in the code: (importing module, imported module) -> why

@@ -22,7 +22,7 @@ from kareus_megatron.files import check_writable_location
 
 HELP = "check NVML, clocks, the energy counter and the model's kernels on this GPU (full, read-only or --dry-run)"
 MAX_WINDOW_S = 10.0  # longest --seconds: the kit must fit in 8 minutes
-RUNTIME_CHECKS = ("megatron_patch", "event_alignment", "partitioned_layer")  # runtime/selfcheck.py's CHECKS
+RUNTIME_CHECKS = ("megatron_patch", "event_alignment", "partitioned_layer")  # runtime/selfcheck/checks.py's CHECKS
 SELFCHECK_TIMEOUT_S = {True: 120.0, False: 300.0}  # runtime checks, by --dry-run (they take <= 30 s / 2 min)
 
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _runtime_checks(device: int, dry_run: bool, path: Path) -> dict[str, Any]:
-    """Run runtime/selfcheck.py in a subprocess; its report, or a failed entry with the reason."""
+    """Run runtime/selfcheck/checks.py in a subprocess; its report, or a failed entry with the reason."""
     cmd = [sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--out", str(path), "--device", str(device)]
     t0 = time.monotonic()
     try:

@@ -44,9 +44,9 @@ BUDGET_S = 480.0  # the whole kit on one GPU: at most 8 minutes
 KERNELS = ("gemm", "attention", "copy", "idle")
 SWEEP_CLOCKS = 8  # clocks of the full mode's kernel sweep (>= 6)
 LOCK_CLOCKS = 40  # clocks of the lock/reset check, spread over the supported list
-RUNTIME_S = 120.0  # kept for the runtime checks (runtime/selfcheck.py, run by cli/validate.py after the kit)
+RUNTIME_S = 120.0  # kept for the runtime checks (runtime/selfcheck/checks.py, run by cli/validate.py after the kit)
 # Checks of issue 16's list this kit does not run, and why: none left. The megatron-core patch, the
-# controller's CUDA-event alignment and the partitioned layer run in runtime/selfcheck.py (report "runtime").
+# controller's CUDA-event alignment and the partitioned layer run in runtime/selfcheck/checks.py (report "runtime").
 NOT_RUN: dict[str, str] = {}
 
 

@@ -9,7 +9,7 @@ the variable when it creates a context, so it must be in the environment before 
 Blackwell the requirement is gone and ``1`` is still accepted.
 
 The launch commands ``kareus launch`` writes carry it (jobs/commands.py), and the drop-in and generic
-launcher set it in-process when the user has not (runtime/entry.py). A value the user set is never changed.
+launcher set it in-process when the user has not (runtime/frameworks/entry.py). A value the user set is never changed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How Megatron-LM and megatron-core spell a plan's model record (plan/schema.py ModelShape).
 
 One table per field, in both directions: the Megatron-LM ``pretrain_gpt.py`` flags that build the model
-(jobs/commands.py) and the live megatron-core values the runtime reads back (runtime/megatron_patch.py).
+(jobs/commands.py) and the live megatron-core values the runtime reads back (runtime/frameworks/megatron_patch.py).
 Facts from Megatron-LM ``core_v0.16.1`` and ``core_v0.19.0`` (same in both):
 
 - activation: ``--swiglu`` sets ``TransformerConfig.gated_linear_unit = True`` and ``activation_func =

@@ -10,7 +10,7 @@ Objectives (time = predicted iteration time, s; energy = predicted iteration ene
 
 ``select_point`` picks the point from one method's frontier points (plan/points.py ``FrontierPoint``); an
 objective no point meets is an ObjectiveError naming the closest the frontier gets. A training job that
-meets one keeps running at its current plan (runtime/auto.py).
+meets one keeps running at its current plan (runtime/closed_loop/auto.py).
 """
 
 from __future__ import annotations

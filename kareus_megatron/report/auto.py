@@ -1,4 +1,4 @@
-"""What a ``--kareus-plan auto`` run did (runtime/auto.py): its phases, the model error, and what it saved.
+"""What a ``--kareus-plan auto`` run did (runtime/closed_loop/auto.py): its phases, the model error, and what it saved.
 
 Read from the run log alone: each iteration's tags (``phase``, ``plan_version``, ``profile_mhz``) and the
 closed loop's events (``phase``, ``calibrated``, ``switch``, ``checked``, ``drift``, ``objective-unmet``,

@@ -1,6 +1,6 @@
 """What a model can learn from in a run log: per-instruction time samples, per-GPU energy windows, events.
 
-The run log (report/runlog.py; written by runtime/measurement.py) keeps each rank's iteration lines as
+The run log (report/runlog.py; written by runtime/measure/measurement.py) keeps each rank's iteration lines as
 written, under ``RunLog.iterations[i]["ranks"]``. This module reads their optional keys:
 
 - *instruction samples* (``instruction_samples``): one per planned instruction of an iteration on one rank,
@@ -23,7 +23,7 @@ runlog.DEFAULT_SKIP_ITERATIONS, as ``kareus report``), and after any tag change 
 left out (a clock or plan switch lands inside it). Thermal drift is not corrected here: each window
 records its mean temperature, and guarding against drift is the closed loop's business.
 
-*Tags* are the keys of an iteration line other than ITERATION_KEYS, the line's own (runtime/measurement.py
+*Tags* are the keys of an iteration line other than ITERATION_KEYS, the line's own (runtime/measure/measurement.py
 RECORD_KEYS, plus the rank and pp_rank the reader adds).
 """
 

@@ -1,6 +1,6 @@
 """Run logs: the one reader of the runtime's logs and the one summary of a run.
 
-A *run log* is a directory of per-rank files (runtime/measurement.py; ``--kareus-log DIR``, ``KAREUS_LOG``):
+A *run log* is a directory of per-rank files (runtime/measure/measurement.py; ``--kareus-log DIR``, ``KAREUS_LOG``):
 ``rank-NNNNN.jsonl``, each a header (rank, world, pp_rank, pp, tp/cp/dp, plan_sha256, gpu, backend,
 clock_control) and one line per iteration with that rank's time_s and energy_j. The reader merges them
 into one record per iteration: time = the slowest rank, energy = the sum over ranks, per stage the same
@@ -45,7 +45,7 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.files import read_input_text
 
 RUN_FORMAT = "kareus-run/1"
-MEASUREMENT_FILE = "measurement"  # a directory of rank-NNNNN.jsonl files (runtime/measurement.py)
+MEASUREMENT_FILE = "measurement"  # a directory of rank-NNNNN.jsonl files (runtime/measure/measurement.py)
 LEGACY_MEASUREMENT_FILE = "measurement.jsonl"  # one merged log: run directories from before rank logs
 RANK_FILE_RE = re.compile(r"rank-(\d+)\.jsonl")
 MANIFEST_FILE = "run.json"
@@ -292,7 +292,7 @@ _INT_COLUMNS, _TIME_COLUMNS = ("index", "chunk", "microbatch", "sm_clock_mhz"), 
 
 
 def _columns_problem(it: Any, cols: Any) -> str | None:
-    """What is wrong with an iteration's ``instructions`` columns (runtime/instruction_times.py), or None."""
+    """What is wrong with an iteration's ``instructions`` columns (runtime/measure/instruction_times.py), or None."""
     where = f"iteration {it}: 'instructions'"
     if not isinstance(cols, dict) or not isinstance(cols.get("kind"), str) or set(cols["kind"]) - {"F", "B"}:
         return f"{where} must be an object whose 'kind' is a string of F and B"

@@ -29,12 +29,13 @@ from kareus_megatron.errors import ClockControlError, ConfigError
 from kareus_megatron.hardware.device.base import SimulationHooks
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime import hooks, megatron_patch, megatron_writers
+from kareus_megatron.runtime import hooks
 from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.clock.transport_gpu import CudaEvents
-from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.closed_loop.truth import Truth, session_truth
+from kareus_megatron.runtime.frameworks import megatron_patch, megatron_writers
+from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
 from kareus_megatron.runtime.process_env import global_rank_and_world, gpu_target, local_rank_from_env
-from kareus_megatron.runtime.truth import Truth, session_truth
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
@@ -89,8 +90,8 @@ class RuntimeSession:
         self.meter: IterationMeter | None = None
         self.patch: Any = None  # the framework patch's PatchState
         self.overlap_engine: Any = None  # set up here when the plan runs 2 nanobatches
-        self.auto: Any = None  # the closed loop's controller under --kareus-plan auto (runtime/auto.py)
-        self.truth: Truth | None = None  # a simulated truth (KAREUS_SIMULATED_TRUTH; runtime/truth.py)
+        self.auto: Any = None  # the closed loop's controller under --kareus-plan auto (runtime/closed_loop/auto.py)
+        self.truth: Truth | None = None  # a simulated truth (KAREUS_SIMULATED_TRUTH; runtime/closed_loop/truth.py)
         self.closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class RuntimeSession:
 
     def _close_meter(self, wait_s: float) -> None:
         self._restore_signal_handlers()
-        if self.auto is not None:  # the closed loop (runtime/auto.py) stops planning
+        if self.auto is not None:  # the closed loop (runtime/closed_loop/auto.py) stops planning
             self.auto.stop()
         if self.meter is not None:
             self.meter.close(wait_s)
@@ -330,7 +331,7 @@ class RuntimeSession:
     def instruction_callables(self) -> tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]:
         """What the patch calls at every instruction: (begins(iteration, index, mhz, kind) or None,
         ends()). With a clock controller these are the client's own methods (the shortest path), timed by
-        the meter for the run log's per-instruction columns (runtime/instruction_times.py)."""
+        the meter for the run log's per-instruction columns (runtime/measure/instruction_times.py)."""
         pair: tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]
         if self.client is not None:
             pair = self.client.instruction_begins, self.client.instruction_ends
@@ -347,7 +348,7 @@ class RuntimeSession:
         return self.iteration_begins, self.iteration_ends
 
     def switch_plan(self, plan: Plan) -> None:
-        """Run `plan` (the same job's) from the next iteration on: the closed loop's switch (runtime/auto.py).
+        """Run `plan` (the same job's) from the next iteration on: the closed loop's switch (closed_loop/auto.py).
 
         Between iterations, on every rank at the same boundary (a 2-nanobatch plan sets up the overlap engine,
         collectively). A plan that does not fit the live run raises PlanMismatchError and the old one stays."""

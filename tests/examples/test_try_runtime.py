@@ -118,7 +118,8 @@ def test_try_runtime_refuses_a_directory_that_is_not_a_try_out(tmp_path: Path) -
 
 def test_cpu_shim_imports_without_torch() -> None:
     """The shim is a runtime module; importing it must not load torch (only apply() does)."""
-    code = "import sys, kareus_megatron.runtime.cpu_shim as s; assert callable(s.apply); print('torch' in sys.modules)"
+    code = ("import sys, kareus_megatron.runtime.frameworks.cpu_shim as s; "
+            "assert callable(s.apply); print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

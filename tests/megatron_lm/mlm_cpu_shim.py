@@ -8,7 +8,7 @@ line that needs it (NVIDIA/Megatron-LM at ``core_v0.16.1`` and ``core_v0.19.0``,
 
 - ``TORCHDYNAMO_DISABLE=1``: megatron/core/fusions/*.py wrap their eager fallbacks in ``torch.compile``
   (jit_fuser); on a CPU build dynamo would try inductor, which needs a C++/triton toolchain.
-- a stub ``triton`` module (kareus_megatron/runtime/cpu_shim.py ``stub_missing_triton``, which megatron-core
+- a stub ``triton`` module (kareus_megatron/runtime/frameworks/cpu_shim.py ``stub_missing_triton``, which megatron-core
   0.19's schedules need on a CPU too): ``megatron/training/initialize.py`` (0.16.1 line 25, 0.19.0 line 26) imports
   ``megatron/core/transformer/custom_layers/batch_invariant_kernels.py``, which imports triton
   unguarded (lines 15-16); CPU torch wheels do not ship triton. torch itself probes for triton
@@ -52,7 +52,7 @@ import sys
 import types
 from typing import Any
 
-from kareus_megatron.runtime.cpu_shim import is_cuda_device, stub_missing_triton
+from kareus_megatron.runtime.frameworks.cpu_shim import is_cuda_device, stub_missing_triton
 
 _applied = False
 HOPPER_MAJOR = 9  # compute capability major of the faked GPU: pre-Blackwell (< 10)

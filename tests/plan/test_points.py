@@ -24,7 +24,7 @@ from kareus_megatron.plan.points import (
     select_frontier_points,
 )
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.entry import resolve_plan
+from kareus_megatron.runtime.frameworks.entry import resolve_plan
 from kareus_megatron.search.schedules import instruction_order
 
 # method -> [(time_s, energy_j)], fastest first: NN, fastest and min-energy all differ.

@@ -17,7 +17,7 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
 from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT3 = ROOT / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
@@ -60,7 +60,7 @@ def test_report_prints_the_table_and_writes_the_plot(tmp_path, capsys):
 
 
 def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
-    """runtime/measurement.py writes, report/runlog.py reads: medians of the meter's own records."""
+    """runtime/measure/measurement.py writes, report/runlog.py reads: medians of the meter's own records."""
     durations = [d for d, _ in ROWS]
     clock = iter([x for k, d in enumerate(durations) for x in (10.0 * k, 10.0 * k + d)])
 

@@ -77,7 +77,7 @@ def _live_model(pp: int, vp: int | None) -> dict[str, Any]:
     """What the patch reads of the tiny GPT's model (LiveRun.model) from a schedule call's arguments."""
     import tiny_gpt
 
-    from kareus_megatron.runtime.megatron_patch import live_run_from_call
+    from kareus_megatron.runtime.frameworks.megatron_patch import live_run_from_call
 
     tiny_gpt.init_parallel(pp, vp)
     return live_run_from_call({"model": tiny_gpt.build_chunks(pp, vp)[0], "num_microbatches": M}).model

@@ -229,7 +229,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     cpu_shim.apply()
     from megatron.core import parallel_state as ps
@@ -239,7 +239,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 
     # the reference's torch softmax path builds its default causal mask (no mask given) on "cuda"
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
-    from kareus_megatron.runtime.megatron_patch import megatron_core_version
+    from kareus_megatron.runtime.frameworks.megatron_patch import megatron_core_version
 
     res: dict[str, Any] = {"megatron_core": megatron_core_version()}
     _core_scenarios(res)

@@ -139,15 +139,15 @@ def test_an_objective_no_plan_meets_is_an_event_not_a_failure(tmp_path: Path) ->
         import synthetic_log as synth
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    from kareus_megatron.runtime.auto import AutoSettings
-    from kareus_megatron.runtime.auto_worker import AutoWorker
+    from kareus_megatron.runtime.closed_loop.auto import AutoSettings
+    from kareus_megatron.runtime.closed_loop.auto_worker import AutoWorker
 
     base = synth.make_plan(tmp_path / "p", synth.TINY)
     truth = synth.truth_calibration({**synth.TRUTH_PARAMS, "time_scale": 200.0})  # iterations of ~0.3 s
     log = synth.write_log(tmp_path / "run", base, truth, clocks=(1410, 705, 1230, 885, 1050),
                           iters_per_clock=3, tags=True)
 
-    class Ctl:  # what the worker reads of runtime/auto.py's AutoController
+    class Ctl:  # what the worker reads of runtime/closed_loop/auto.py's AutoController
         log_dir, version, clocks, method = str(log), 0, [1410, 705, 1230, 885, 1050], None
         settings = AutoSettings(objective=Objective("max-time", 1e-6))
         session = type("S", (), {"backend": "simulated"})()

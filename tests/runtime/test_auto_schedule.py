@@ -1,4 +1,4 @@
-"""runtime/auto.py's schedule on one rank, with a stand-in session: phases, profile clocks, switch, re-profile."""
+"""closed_loop/auto.py's schedule on one rank, with a stand-in session: phases, profile clocks, switch, re-profile."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.objective import Objective
-from kareus_megatron.runtime.auto import (
+from kareus_megatron.runtime.closed_loop.auto import (
     CMD_REPROFILE,
     CMD_SWITCH,
     AutoController,
@@ -103,7 +103,7 @@ def test_bad_settings(kw: dict[str, Any]) -> None:
 
 
 def test_interleaved_order() -> None:
-    from kareus_megatron.runtime.auto import interleaved
+    from kareus_megatron.runtime.closed_loop.auto import interleaved
 
     assert interleaved([5, 4, 3, 2, 1]) == [5, 1, 4, 2, 3]
     assert interleaved([5]) == [5]

@@ -1,4 +1,4 @@
-"""The durable run log (runtime/measurement.py, report/runlog.py): every rank writes its own file, so
+"""The durable run log (runtime/measure/measurement.py, report/runlog.py): every rank writes its own file, so
 every completed iteration is on disk on every exit path, and the reader merges the rank files.
 
 The kill tests start 2 ranks of a real megatron-core schedule (tiny GPT, gloo, simulated GPU) as plain
@@ -22,7 +22,7 @@ from _dist import free_port
 from kareus_megatron.cli.main import main
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "durable_train.py"

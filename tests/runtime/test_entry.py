@@ -17,7 +17,7 @@ import pytest
 
 from kareus_megatron.errors import PlanMismatchError
 from kareus_megatron.plan.io import save_plan
-from kareus_megatron.runtime.entry import megatron_lm_hook
+from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
 from kareus_megatron.versions import supported_series
 
 
@@ -42,7 +42,7 @@ def test_hook_bad_plan_exits_with_one_line(tmp_path, capsys):
 
 def test_hook_installs_session(tmp_path, monkeypatch):
     import kareus_megatron.megatron as kareus
-    from kareus_megatron.runtime import megatron_patch
+    from kareus_megatron.runtime.frameworks import megatron_patch
 
     monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
     monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "0")
@@ -110,8 +110,8 @@ def test_each_shipped_patch_applies_strictly_to_its_release(series, tmp_path):
 
 def test_the_patch_flags_are_the_launchers_flags():
     """Every --kareus-* flag of the native patch exists on the drop-in with the same choices."""
-    from kareus_megatron.runtime.entry import kareus_parser
-    from kareus_megatron.runtime.measurement import LOG_MODES
+    from kareus_megatron.runtime.frameworks.entry import kareus_parser
+    from kareus_megatron.runtime.measure.measurement import LOG_MODES
 
     flags = {a.option_strings[0]: a for a in kareus_parser("x")._actions if a.option_strings}
     for series in supported_series("megatron-core"):
@@ -173,7 +173,7 @@ def test_native_path_closes_the_session_when_train_ends(how, tmp_path, monkeypat
 @pytest.mark.parametrize("layout, want", [(dict(tp=2, gpus_per_node=4), "1"), (dict(cp=2, gpus_per_node=4), "1"),
                                           (dict(), None)])
 def test_launchers_set_cuda_device_max_connections_for_tp_or_cp(layout, want, monkeypatch, capsys):
-    from kareus_megatron.runtime.entry import apply_required_environment
+    from kareus_megatron.runtime.frameworks.entry import apply_required_environment
 
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.setenv("RANK", "0")
@@ -184,7 +184,7 @@ def test_launchers_set_cuda_device_max_connections_for_tp_or_cp(layout, want, mo
 
 
 def test_a_value_the_user_set_is_kept_and_named(monkeypatch, capsys):
-    from kareus_megatron.runtime.entry import apply_required_environment
+    from kareus_megatron.runtime.frameworks.entry import apply_required_environment
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     monkeypatch.setenv("RANK", "0")

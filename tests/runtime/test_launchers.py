@@ -194,7 +194,7 @@ def test_pretrain_gpt_needs_megatron_lm(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("point,index", [("fastest", 0), ("min-energy", 1), ("00", 0), ("kareus-01", 1), (None, 0),
                                          ("kareus-fastest", 0), ("kareus-min-energy", 1)])
 def test_plan_directory_points(tmp_path, point, index):
-    from kareus_megatron.runtime.entry import resolve_plan
+    from kareus_megatron.runtime.frameworks.entry import resolve_plan
 
     expected = _plan_dir(tmp_path)[index]
     plan, source = resolve_plan(str(tmp_path), point)

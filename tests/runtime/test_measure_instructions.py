@@ -1,5 +1,5 @@
-"""Per-instruction columns, temperature/clock fields, tags and events in the run log (runtime/measurement.py,
-runtime/instruction_times.py): a real megatron-core run (2 gloo ranks, PP=2, 1F1B and interleaved, simulated
+"""Per-instruction columns, temperature/clock fields, tags and events in the run log (runtime/measure/measurement.py,
+runtime/measure/instruction_times.py): a real megatron-core run (2 gloo ranks, PP=2, 1F1B and interleaved, simulated
 GPUs, clock controller in a side process), and the meter alone (CPU and a stand-in for CUDA events)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from _dist import spawn
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.measurements import ITERATION_KEYS, energy_windows, instruction_samples, run_events
 from kareus_megatron.report.runlog import read_run_log
-from kareus_megatron.runtime.instruction_times import InstructionTimes, TimingEvents
-from kareus_megatron.runtime.measurement import RECORD_KEYS, IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents
+from kareus_megatron.runtime.measure.measurement import RECORD_KEYS, IterationMeter, open_rank_log
 
 M = 4
 PROFILE, PLANNED = 3, 2  # iterations before and after the tag switch
@@ -217,7 +217,7 @@ def test_gpu_stamps_are_timing_events_read_after_the_iteration_and_reused():
 def test_a_measurement_only_session_logs_the_temperature(tmp_path):
     from kareus_megatron.hardware.device.sim import SimulatedGPU
     from kareus_megatron.hardware.gpus import gpu_spec
-    from kareus_megatron.runtime import deepspeed_patch
+    from kareus_megatron.runtime.frameworks import deepspeed_patch
     from kareus_megatron.runtime.session import RuntimeSession
 
     session = RuntimeSession(None, framework_patch=deepspeed_patch)  # not started: only its reading is used

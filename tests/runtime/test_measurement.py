@@ -1,4 +1,4 @@
-"""runtime/measurement.py: the iteration meter's log (single process, simulated GPU), `kareus report` on
+"""runtime/measure/measurement.py: the iteration meter's log (single process, simulated GPU), `kareus report` on
 that log. (Rank files, exit paths and merging: tests/runtime/test_durable_log.py; report/ itself:
 tests/report/; `kareus env`: tests/cli/test_cli_env.py.)"""
 
@@ -18,7 +18,7 @@ from kareus_megatron.plan.io import plan_sha256, save_plan
 from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.runlog import read_run_log, summarize
 from kareus_megatron.runtime.clock.client import ClockClient
-from kareus_megatron.runtime.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
 
 
 def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
@@ -146,7 +146,7 @@ def test_the_sink_is_fed_outside_the_meter_lock_and_never_from_a_signal_drain(tm
 def test_the_header_names_the_cuda_device_once_cuda_is_initialised(tmp_path, monkeypatch):
     import torch
 
-    from kareus_megatron.runtime.measurement import cuda_device_identity
+    from kareus_megatron.runtime.measure.measurement import cuda_device_identity
 
     assert cuda_device_identity() == {}  # CPU: never initialises CUDA
     props = type("Props", (), {"name": "NVIDIA H200", "uuid": "5a8b3c1d-0000-1111-2222-333344445555"})()

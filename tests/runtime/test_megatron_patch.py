@@ -15,8 +15,8 @@ from _dist import read_ranks, spawn
 from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
 from kareus_megatron.plan.megatron_model import live_architecture
 from kareus_megatron.plan.schema import MODEL_RECORD_FIELDS
-from kareus_megatron.runtime import megatron_patch
-from kareus_megatron.runtime.megatron_patch import LiveRun, plan_mismatches, validate_plan
+from kareus_megatron.runtime.frameworks import megatron_patch
+from kareus_megatron.runtime.frameworks.megatron_patch import LiveRun, plan_mismatches, validate_plan
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_live_architecture_names_what_megatron_runs():
     import torch
     import torch.nn.functional as F
 
-    from kareus_megatron.runtime.cpu_shim import stub_missing_triton
+    from kareus_megatron.runtime.frameworks.cpu_shim import stub_missing_triton
 
     stub_missing_triton()  # megatron-core 0.19 imports Triton (test_framework_versions.py runs this file on it)
     from megatron.core.activations import squared_relu
@@ -207,7 +207,7 @@ def test_unsupported_megatron_version(monkeypatch):
 
 
 def test_version_read_without_importing_megatron():
-    from kareus_megatron.runtime.megatron_patch import _version_from_package_info
+    from kareus_megatron.runtime.frameworks.megatron_patch import _version_from_package_info
 
     assert _version_from_package_info("MAJOR = 0\nMINOR = 16\nPATCH = 1\nPRE_RELEASE = ''\n") == "0.16.1"
     assert _version_from_package_info("MAJOR = 0\nMINOR = 13\nPATCH = 0\nPRE_RELEASE = 'rc2'\n") == "0.13.0rc2"

@@ -1,4 +1,4 @@
-"""runtime/megatron_writers.py: a real session (simulated GPU, CPU) copies each iteration to Megatron-LM's
+"""runtime/frameworks/megatron_writers.py: a real session (simulated GPU, CPU) copies each iteration to Megatron-LM's
 TensorBoard and W&B writers, found lazily in megatron.training.global_vars (here a stand-in module holding
 fake writers that record their calls), at Megatron's iteration number (resumed at 100 here)."""
 
@@ -15,9 +15,9 @@ import plans
 import pytest
 
 from kareus_megatron.plan.io import save_plan
-from kareus_megatron.runtime import megatron_writers
-from kareus_megatron.runtime.megatron_patch import LiveRun
-from kareus_megatron.runtime.megatron_writers import STEP_METRIC, TAGS, TEXT_TAG
+from kareus_megatron.runtime.frameworks import megatron_writers
+from kareus_megatron.runtime.frameworks.megatron_patch import LiveRun
+from kareus_megatron.runtime.frameworks.megatron_writers import STEP_METRIC, TAGS, TEXT_TAG
 from kareus_megatron.runtime.session import RuntimeSession
 
 RESUMED_AT = 100  # the checkpoint's iteration (args.iteration): Megatron's steps go on from 101
@@ -184,7 +184,7 @@ def test_a_finished_wandb_run_gets_nothing_more(tmp_path, monkeypatch):
 
 def test_a_failing_writer_is_dropped_and_training_goes_on(tmp_path, monkeypatch, caplog):
     tb = FakeTensorBoard(fail=True)
-    with caplog.at_level("WARNING", logger="kareus_megatron.runtime.megatron_writers"):
+    with caplog.at_level("WARNING", logger="kareus_megatron.runtime.frameworks.megatron_writers"):
         _, recs = _train(tmp_path, monkeypatch, tb, None)
     assert [r["iteration"] for r in recs] == list(range(ITERATIONS))  # the run log is whole
     warned = [r for r in caplog.records if "tensorboard writer failed" in r.getMessage()]
@@ -201,7 +201,7 @@ def test_no_writer_on_this_rank_means_no_sink(tmp_path, monkeypatch):
 
 
 def test_the_runtime_never_imports_megatron_training():
-    code = ("import sys, kareus_megatron.runtime.session, kareus_megatron.runtime.megatron_writers as w; "
+    code = ("import sys, kareus_megatron.runtime.session, kareus_megatron.runtime.frameworks.megatron_writers as w; "
             "assert w.attach(None) is None; print(sorted(m for m in sys.modules if m.startswith('megatron')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""The validation kit's runtime checks (runtime/selfcheck.py) as a CPU dry run, in their own process.
+"""The validation kit's runtime checks (runtime/selfcheck/checks.py) as a CPU dry run, in their own process.
 
 The simulated GPU writes every clock call to KAREUS_SIMULATED_LOG, so "read-only: recorded, none applied"
 is checked on what the device saw.
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kareus_megatron.runtime.selfcheck import CHECKS
+from kareus_megatron.runtime.selfcheck.checks import CHECKS
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def test_read_only_run_records_planned_clocks_and_changes_nothing(tmp_path, monk
     import json
     import time
 
-    from kareus_megatron.runtime.megatron_patch import LiveRun
+    from kareus_megatron.runtime.frameworks.megatron_patch import LiveRun
 
     monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
     monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "0")

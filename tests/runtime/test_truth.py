@@ -1,4 +1,4 @@
-"""The truthful simulated GPU (runtime/truth.py): tables against the kernel model, the time stretch, the power
+"""The truthful simulated GPU (closed_loop/truth.py): tables against the kernel model, the time stretch, the power
 that reaches the simulated device, drift, bad truth files, and a 2-rank CPU run that obeys a truth."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.workload import plan_workload
 from kareus_megatron.runtime.clock.controller import ClockController
 from kareus_megatron.runtime.clock.wire import CODE_MARK, begin_record, encode_control, encode_records
-from kareus_megatron.runtime.truth import TRUTH_ENV, Truth, load_truth, session_truth
+from kareus_megatron.runtime.closed_loop.truth import TRUTH_ENV, Truth, load_truth, session_truth
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = "a100-sxm4-40gb"

@@ -25,7 +25,7 @@ def setup(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     cpu_shim.apply()
 

@@ -128,7 +128,7 @@ class OwnedLocks:
 class SimulationHooks(Protocol):
     """What a simulated GPU offers beyond ``GPUDevice``. Times are ``time.monotonic()`` seconds; power is
     the cost model's, busy while an instruction runs (or the power the caller gives for that interval: a
-    simulated truth's, runtime/truth.py) and the preset's blocked power otherwise."""
+    simulated truth's, runtime/closed_loop/truth.py) and the preset's blocked power otherwise."""
 
     latency_s: float  # duration (s) of one simulated NVML clock call
 

@@ -5,7 +5,7 @@ blocks for a simulated NVML latency (default 15 ms, ``KAREUS_SIMULATED_LATENCY_M
 change is appended with a timestamp to a JSONL log (``KAREUS_SIMULATED_LOG``). Energy (J) integrates
 the cost model's power ``hardware.power.power_w(spec, clock, compute_activity, memory_activity)`` over
 wall time while an instruction runs (*busy*; or the power the caller gives for that busy interval, a
-simulated truth's, runtime/truth.py) and the preset's blocked power ``spec.p_blocked_w`` while none runs
+simulated truth's, runtime/closed_loop/truth.py) and the preset's blocked power ``spec.p_blocked_w`` while none runs
 (``use_power_model`` swaps the preset's power fields for a truth's). Timestamps are ``time.monotonic()``
 seconds (one clock for every process on the machine). ``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock
 calls fail as NVML does without root. A read-only simulated GPU (``read_only=True``, KAREUS_GPU_READ_ONLY=1)

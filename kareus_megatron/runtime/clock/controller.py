@@ -10,7 +10,7 @@ overtake the earlier ones (``skip``, reason ``stale``), skips a clock already lo
 and otherwise calls ``device.set_sm_clock_mhz`` (``nvmlDeviceSetGpuLockedClocks``). With a simulated
 GPU, its ``SimulationHooks`` are passed in explicitly and its input goes to timeline.py instead, which
 decides at the records' own times; with KAREUS_SIMULATED_TRUTH set, ``probe`` first gives it the truth's
-power fields (runtime/truth.py ``apply_truth_power``; a bad truth is the ``error`` reply).
+power fields (runtime/closed_loop/truth.py ``apply_truth_power``; a bad truth is the ``error`` reply).
 
 Clocks are reset when the client closes or asks for it, when the controller is stopped (SIGTERM/SIGINT
 in the side process), and when the trainer is gone (stdin closes, or ``parent_alive`` turns False,
@@ -45,7 +45,7 @@ from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, route_control
 from kareus_megatron.runtime.clock.timeline import SimulatedTimeLine
 from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, FrameReader
-from kareus_megatron.runtime.truth import apply_truth_power
+from kareus_megatron.runtime.closed_loop.truth import apply_truth_power
 
 _POLL_S = 0.2
 TEMPERATURE_EVERY_S = 1.0  # a simulated GPU's sensor is read at most this often (s; its thermal lag is ~20 s)

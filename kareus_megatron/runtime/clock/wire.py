@@ -5,7 +5,7 @@ d, e), sent in blocks ``b"R <n>\\n"`` followed by n records (``encode_records``)
 
 - *begin* (CODE_BEGIN): instruction a=iteration, b=index began at t at c=mhz MHz; d=kind (KINDS index);
   e=the power (W) a simulated GPU draws while it runs (NaN: the device's own model; set only by a
-  simulated truth, runtime/truth.py);
+  simulated truth, runtime/closed_loop/truth.py);
 - *end* (CODE_END): the running instruction ended at t (only a simulated GPU needs it: busy vs
   blocked power);
 - *mark* (CODE_MARK): a measurement point at t, a=seq; b=1 when the answer may be held (lazy).

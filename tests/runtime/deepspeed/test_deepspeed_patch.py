@@ -26,7 +26,7 @@ from kareus_megatron.errors import ConfigError, UnsupportedVersionError  # noqa:
 from kareus_megatron.plan.io import save_plan, write_json_atomic  # noqa: E402
 from kareus_megatron.plan.schema import Plan  # noqa: E402
 from kareus_megatron.report.runlog import MEASUREMENT_FILE, read_run_log  # noqa: E402
-from kareus_megatron.runtime import deepspeed_patch  # noqa: E402
+from kareus_megatron.runtime.frameworks import deepspeed_patch  # noqa: E402
 from kareus_megatron.search.schedules import instruction_order  # noqa: E402
 
 M, PP = ds_worker.MICRO_BATCHES, 2

@@ -42,7 +42,7 @@ def _setup(rank: int, world: int, port: int, tp: int) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     cpu_shim.apply()
     mrandom._get_cuda_rng_state = lambda *a, **k: None
@@ -318,7 +318,7 @@ def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recompu
                     sp: bool = False) -> None:
     from megatron.core import parallel_state as ps
 
-    from kareus_megatron.runtime import megatron_patch
+    from kareus_megatron.runtime.frameworks import megatron_patch
     from kareus_megatron.runtime.overlap import set_engine, setup_overlap, validate_plan_for_layer
 
     cp = ps.get_context_parallel_world_size()

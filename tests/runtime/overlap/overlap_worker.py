@@ -34,7 +34,7 @@ def _setup(rank: int, world: int, port: int, pp: int = 1) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     cpu_shim.apply()
     # Full recompute saves/restores the CUDA RNG state (torch.cuda.get_rng_state): none on CPU.
@@ -299,7 +299,7 @@ class _Session:
     """Minimal session for the runtime patch: validates the plan against the live run, nothing else."""
 
     def validate(self, plan, live, source):
-        from kareus_megatron.runtime.megatron_patch import validate_plan
+        from kareus_megatron.runtime.frameworks.megatron_patch import validate_plan
 
         validate_plan(plan, live, source=source)
 
@@ -376,7 +376,7 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
     a cross-layer plan on 3 layers, 2 per stage with PP, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
 
-    from kareus_megatron.runtime import megatron_patch
+    from kareus_megatron.runtime.frameworks import megatron_patch
     from kareus_megatron.runtime.overlap import set_engine, setup_overlap
 
     for recompute in recomputes:

@@ -183,7 +183,7 @@ def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(Fa
     (`cross_layer`: a cross-layer plan on 3 layers, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
 
-    from kareus_megatron.runtime import megatron_patch
+    from kareus_megatron.runtime.frameworks import megatron_patch
     from kareus_megatron.runtime.overlap import set_engine, setup_overlap
 
     for recompute in recomputes:

@@ -11,7 +11,7 @@ Phases (every rank follows the same iteration schedule; the run log tags each it
    ratios and the power curve identifiable (with the warm-up, 17 iterations by default). The clocks run in
    interleaved order (max, lowest, highest left, ...), so a slow drift in temperature during the profile is
    not confounded with the clock; each iteration's GPU temperature is in the run log;
-3. ``planning``: training goes on at the maximum clock while rank 0 (runtime/auto_worker.py) waits for
+3. ``planning``: training goes on at the maximum clock while rank 0 (runtime/closed_loop/auto_worker.py) waits for
    every rank's profile iterations in the run log, runs ``kareus calibrate --from-log`` and ``kareus plan
    --calibration`` as subprocesses (the runtime never imports the search) and picks the point that meets the
    objective (plan/objective.py);
@@ -154,7 +154,7 @@ class AutoController:
     def start(self) -> None:
         """Before the first iteration: run the first scheduled plan; rank 0 starts its worker."""
         if self.rank == 0:
-            from kareus_megatron.runtime.auto_worker import AutoWorker
+            from kareus_megatron.runtime.closed_loop.auto_worker import AutoWorker
 
             self.worker = AutoWorker(self)
             self.worker.start()
@@ -207,7 +207,7 @@ class AutoController:
     def _method_for_model(self) -> str:
         """kareus where the model can run 2 nanobatches (megatron-core with partitioned layers), else perseus
         (clocks only): a 2-nanobatch plan on a standard model would be refused at the switch."""
-        from kareus_megatron.runtime import megatron_patch
+        from kareus_megatron.runtime.frameworks import megatron_patch
 
         patch = self.session.patch
         if self.session.framework_patch is not megatron_patch or patch is None or patch.live is None:

@@ -20,8 +20,8 @@ from kareus_megatron.errors import ConfigError, KareusError, print_error
 from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_environment
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.auto import AUTO
-from kareus_megatron.runtime.measurement import LOG_MODES
+from kareus_megatron.runtime.closed_loop.auto import AUTO
+from kareus_megatron.runtime.measure.measurement import LOG_MODES
 
 
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +99,9 @@ def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
 
 
 def start_auto_session(ns: argparse.Namespace, slot: Any, **session_kwargs: Any) -> Any:
-    """``--kareus-plan auto``: start the closed loop (runtime/auto.py) for the job --kareus-workload names."""
+    """``--kareus-plan auto``: start the closed loop (closed_loop/auto.py) for the job --kareus-workload names."""
     from kareus_megatron.plan.objective import parse_objective
-    from kareus_megatron.runtime.auto import install_auto
+    from kareus_megatron.runtime.closed_loop.auto import install_auto
 
     objective = parse_objective(ns.kareus_objective)
     if not ns.kareus_workload:

@@ -32,7 +32,13 @@ from typing import Any
 
 from kareus_megatron.errors import InfeasibleConfigError, UnsupportedVersionError
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.patch_common import BasePatchState, PatchSlot, compare, device_mismatches, raise_mismatches
+from kareus_megatron.runtime.frameworks.patch_common import (
+    BasePatchState,
+    PatchSlot,
+    compare,
+    device_mismatches,
+    raise_mismatches,
+)
 from kareus_megatron.versions import is_supported, supported_series, unsupported_message
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED
 

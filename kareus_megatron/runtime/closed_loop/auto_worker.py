@@ -1,4 +1,4 @@
-"""Rank 0's side of ``--kareus-plan auto`` (runtime/auto.py): calibrate, plan, check for drift, off the training thread.
+"""Rank 0's side of ``--kareus-plan auto`` (auto.py): calibrate, plan, check for drift, off the training thread.
 
 A daemon thread that never blocks training. After a profile phase it waits until every rank's profile
 iterations are in the run log, then runs, as subprocesses of this Python (the runtime never imports the

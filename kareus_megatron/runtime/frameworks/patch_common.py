@@ -133,7 +133,7 @@ class BasePatchState:
         self.position = 0
         self.rank = 0  # this pipeline rank (stage), set by bind
         self.live: Any = None  # the patch's view of the run, read at validation
-        self.on_iteration_end: Callable[[int], None] | None = None  # the closed loop's hook (runtime/auto.py)
+        self.on_iteration_end: Callable[[int], None] | None = None  # the closed loop's hook (closed_loop/auto.py)
         self.order_deviations = 0
         # key -> (index in the rank's plan, Instruction, SM clock MHz, kind)
         self._entries: dict[Any, tuple[int, Instruction, int, str]] = {}

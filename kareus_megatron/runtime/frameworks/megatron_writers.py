@@ -78,7 +78,7 @@ def plan_text(plan: Plan, source: str) -> str:
 
 
 class MegatronWriters:
-    """The IterationSink (runtime/measurement.py) that copies each iteration to Megatron's writers."""
+    """The IterationSink (runtime/measure/measurement.py) that copies each iteration to Megatron's writers."""
 
     def __init__(self, tensorboard: Any, wandb: Any, args: Any, plan: Plan, source: str) -> None:
         """`tensorboard`/`wandb`: Megatron's writers (either may be None); `args`: Megatron's args or None."""

@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kareus_megatron.runtime.selfcheck_model import Sizes, build_gpt, gpt_plan, train
+from kareus_megatron.runtime.selfcheck.model import Sizes, build_gpt, gpt_plan, train
 
 FORMAT = "kareus-selfcheck/1"
 CHECKS = ("megatron_patch", "event_alignment", "partitioned_layer")
@@ -207,7 +207,7 @@ def _init(dry_run: bool, device: int, work: str) -> tuple[Any, str]:
         torch.cuda.set_device(device)
     torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("gloo" if dry_run else "nccl", init_method=f"file://{work}/store", rank=0, world_size=1)
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
 
     if dry_run:
         torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -238,7 +238,7 @@ def run_checks(dry_run: bool, device: int) -> dict[str, Any]:
                                              lambda: check_event_alignment(torch, None if dry_run else device))
 
         def layer() -> dict[str, Any]:
-            from kareus_megatron.runtime.selfcheck_layer import check_partitioned_layer
+            from kareus_megatron.runtime.selfcheck.layer import check_partitioned_layer
 
             return check_partitioned_layer(torch, sizes, dev)
 

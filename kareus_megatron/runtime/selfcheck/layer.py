@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kareus_megatron.runtime.selfcheck_model import Sizes, config
+from kareus_megatron.runtime.selfcheck.model import Sizes, config
 
 # fp32, sums in another order (per nanobatch, then merged): a few ulps; the limits leave room for TF32-free
 # GPU GEMMs over a hidden size of 512 and bf16-free SDPA kernels

@@ -23,7 +23,7 @@ with the first iteration), then one line per iteration::
 locked then (MHz; null when none), ``clock_stale``/``clock_errors`` how many of the clock calls between the
 iteration's two marks were skipped as stale or failed (the controller's counts on its mark answers; on
 NVML, decided meanwhile, so an iteration may be charged a neighbour's); each null where unknown (no clock
-controller, measurement only). ``instructions`` (runtime/instruction_times.py; KAREUS_LOG_INSTRUCTIONS=0:
+controller, measurement only). ``instructions`` (runtime/measure/instruction_times.py; KAREUS_LOG_INSTRUCTIONS=0:
 left out) holds each planned instruction's time, as columns. *Tags* (``set_tags``: e.g. phase, plan_sha256,
 plan_version) are keys every iteration that begins after they are set carries; *events* (``event``) are
 lines ``{"kind": "event", "event": name, "iteration": i, "t": s, ...}`` (i: the iteration in progress,
@@ -35,7 +35,7 @@ The GPU a rank measured: ``gpu_index`` is its NVML index (the simulated backend'
 initialised at validation, or the clock controller's ready message); readers treat every one of these
 keys as optional, so logs from before them stay readable under the same RANK_LOG_FORMAT.
 
-A *sink* (IterationSink; runtime/megatron_writers.py) is the one hook for other consumers of the figures:
+A *sink* (IterationSink; runtime/frameworks/megatron_writers.py) is the one hook for other consumers of the figures:
 ``iteration_ended(i)`` on the training thread right after the end mark (must not wait), ``record(rec)``
 on whichever thread writes a line, once per iteration line, and ``close()`` after the last line.
 
@@ -59,7 +59,7 @@ from typing import Any, Protocol
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
 from kareus_megatron.runtime.clock import sched
-from kareus_megatron.runtime.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
+from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
 
 RANK_FILE = "rank-{rank:05d}.jsonl"
 RANK_LOG_FORMAT = "kareus-rank-log/1"

@@ -1,6 +1,6 @@
 """Per-instruction times for the run log: when each planned instruction of an iteration began and how long it ran.
 
-The columns of one iteration line (runtime/measurement.py), in the order the instructions ran::
+The columns of one iteration line (runtime/measure/measurement.py), in the order the instructions ran::
 
     "instructions": {"index": [k..], "chunk": [..], "microbatch": [..], "kind": "FBFB..",
                      "sm_clock_mhz": [..], "t_start_s": [..], "time_s": [..]}

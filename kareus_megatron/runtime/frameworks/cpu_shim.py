@@ -1,7 +1,7 @@
 """Run megatron-core pipeline schedules (0.15, 0.16, 0.19) on a CPU-only torch with gloo (no NVIDIA GPU needed).
 
     import torch.distributed as dist
-    from kareus_megatron.runtime import cpu_shim
+    from kareus_megatron.runtime.frameworks import cpu_shim
     dist.init_process_group("gloo")
     cpu_shim.apply()          # then initialize_model_parallel(...), build the model, run the schedule
 

@@ -1,0 +1,1 @@
+"""The closed loop (``--kareus-plan auto``): profile, calibrate, plan, switch; the simulated truth."""

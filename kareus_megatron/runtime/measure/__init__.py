@@ -1,0 +1,1 @@
+"""The measurement path: per-iteration time and energy per rank, per-instruction times."""
