@@ -76,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if args.from_log and len(args.plan) not in (1, len(args.from_log)):
         raise ConfigError(f"{len(args.from_log)} --from-log runs but {len(args.plan)} --plan files; give one --plan "
                           "per run, or one for all.")
+    if args.run:
+        from kareus_megatron.hardware.device import READ_ONLY_ENV, read_only_from_env
+
+        if read_only_from_env():
+            raise ConfigError(f"kareus calibrate --run locks the SM clock at each clock it measures, and "
+                              f"{READ_ONLY_ENV} is set (change nothing on the GPU); unset it to calibrate, or check "
+                              "the GPU read-only with kareus validate --no-clock-control.")
     if not 0 <= args.device < 1024:
         raise ConfigError(f"--device {args.device} must be a GPU index from 0 to 1023.")
     if not 0 < args.seconds <= MAX_SECONDS:
@@ -146,10 +153,10 @@ def _from_run(args: argparse.Namespace):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from kareus_megatron.cost.microbench import calibrate_run
-    from kareus_megatron.hardware.device import open_cuda_gpu, simulation_of
+    from kareus_megatron.hardware.device import dry_run_backend, open_cuda_gpu, simulation_of
 
     try:  # --device is the CUDA index the kernels run on; NVML finds that GPU by its UUID (cuda_map.py)
-        dev = open_cuda_gpu(args.device, backend="simulated" if args.dry_run else "nvml")
+        dev = open_cuda_gpu(args.device, backend=dry_run_backend() if args.dry_run else "nvml")
     except DeviceUnavailableError as e:  # also ClockControlError: one line, exit 2
         raise type(e)(f"kareus calibrate --run needs an NVIDIA GPU with NVML and clock-lock permission: {e}") from e
     console = Console(stderr=True)

@@ -1,10 +1,11 @@
 """`kareus env`: what this machine offers the runtime (driver, NVML, clocks, permissions, versions).
 
 Reads versions from package metadata (nothing heavy is imported) and asks NVML about one GPU (by NVML
-index; supported clocks at the highest memory clock, UUID, temperature). ``--check-permission`` finds
-out whether this user may lock clocks (root or CAP_SYS_ADMIN): without either the answer is no and
-nothing is touched; otherwise it locks the supported clock nearest the current one and resets that lock
-(which also ends a lock an administrator set; nvml.check_clock_permission).
+index; supported clocks at the highest memory clock, UUID, temperature, power). ``--check-permission``
+tells from what it can read whether this user may lock clocks (root or CAP_SYS_ADMIN, a clock setting in
+force, persistence mode; nvml_report.clock_permission) and changes nothing. ``--try-lock`` also locks the
+clock the GPU runs at and resets that lock, unless a clock setting is in force (left alone) or
+KAREUS_GPU_READ_ONLY is set (refused in one line).
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-index", "--device", dest="gpu_index", type=int, default=0,
                         help="local GPU index to inspect (default 0)")
     parser.add_argument("--check-permission", action="store_true",
-                        help="test clock-lock permission: no change without root/CAP_SYS_ADMIN, else lock the "
-                        "current clock and reset that lock once")
+                        help="tell whether this user may lock clocks from what can be read (capabilities, a clock "
+                        "setting in force); changes nothing on the GPU")
+    parser.add_argument("--try-lock", action="store_true",
+                        help="with --check-permission: also lock the current clock once and reset that lock (not "
+                        "when a clock setting is in force, nor with KAREUS_GPU_READ_ONLY)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -42,9 +46,10 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def environment(gpu_index: int = 0, check_permission: bool = False) -> dict[str, Any]:
+def environment(gpu_index: int = 0, check_permission: bool = False, try_lock: bool = False) -> dict[str, Any]:
     """The environment report as a dict (see module doc)."""
-    from kareus_megatron.hardware.device.nvml import nvml_report
+    from kareus_megatron.hardware.device import read_only_from_env
+    from kareus_megatron.hardware.device.nvml_report import nvml_report
     from kareus_megatron.versions import is_supported, supported_series
 
     versions = _versions()
@@ -58,7 +63,8 @@ def environment(gpu_index: int = 0, check_permission: bool = False) -> dict[str,
         "supported_deepspeed": [s.series + ".x" for s in supported_series("deepspeed")],
         "gpu_backend": backend or "(default: nvml when available)",
         "root": os.geteuid() == 0 if hasattr(os, "geteuid") else None,
-        "nvml": nvml_report(gpu_index, check_permission),
+        "read_only": read_only_from_env(),
+        "nvml": nvml_report(gpu_index, check_permission, try_lock=try_lock),
     }
     if backend == "simulated":
         from kareus_megatron.hardware.device.sim import latency_from_env
@@ -83,7 +89,16 @@ def run(args: argparse.Namespace) -> int:
         from kareus_megatron.errors import ConfigError
 
         raise ConfigError(f"--gpu-index {args.gpu_index} must be a GPU index from 0 to {MAX_GPU_INDEX - 1}.")
-    rep = environment(args.gpu_index, args.check_permission)
+    if args.try_lock:
+        from kareus_megatron.errors import ConfigError
+        from kareus_megatron.hardware.device import READ_ONLY_ENV, read_only_from_env
+
+        if not args.check_permission:
+            raise ConfigError("--try-lock goes with --check-permission.")
+        if read_only_from_env():
+            raise ConfigError(f"--try-lock locks and resets the SM clock, and {READ_ONLY_ENV} is set (change nothing "
+                              "on the GPU); drop --try-lock, or unset it.")
+    rep = environment(args.gpu_index, args.check_permission, args.try_lock)
     if args.json:
         print(json.dumps(rep, indent=1))
         return 0
@@ -105,14 +120,41 @@ def run(args: argparse.Namespace) -> int:
                   f"{n['memory_clock_mhz']} MHz; now {n['sm_clock_mhz']} MHz")
             print(f"{'energy counter':16s} "
                   f"{'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}")
+        if "power_w" in n and n["power_w"] is not None:
+            print(f"{'power':16s} {n['power_w']:.1f} W (limit {n['power_limit_w']:.0f} W)")
         if "clock_permission" in n:
-            print(f"{'lock clocks':16s} {'allowed' if n['clock_permission'] else n.get('permission_error')}")
+            print(f"{'lock clocks':16s} {_permission_text(n)}")
+            in_force = _settings_text(n["clock_settings"])
+            if in_force:
+                print(f"{'clock settings':16s} {in_force}")
         else:
             print(f"{'lock clocks':16s} {'likely (running as root)' if rep['root'] else 'needs root or CAP_SYS_ADMIN'}"
                   " (test with --check-permission)")
         if n.get("error"):
             print(f"{'NVML error':16s} {n['error']}")
+    if rep["read_only"]:
+        print(f"{'read-only':16s} yes (KAREUS_GPU_READ_ONLY): no command changes a GPU setting")
     if "simulated" in rep:
         s = rep["simulated"]
         print(f"{'simulated GPU':16s} {s['gpu']}, NVML latency {s['latency_ms']:g} ms, log {s['log'] or 'off'}")
     return 0
+
+
+def _permission_text(n: dict[str, Any]) -> str:
+    if n["clock_permission"] is True:
+        return f"allowed (locked {n['locked_mhz']} MHz once and reset that lock)"
+    if n["clock_permission"] is False:
+        return str(n.get("permission_error"))
+    return str(n.get("permission_note"))
+
+
+def _settings_text(s: dict[str, Any]) -> str:
+    """The clock settings in force, in words ('' when nothing is known to be set)."""
+    from kareus_megatron.hardware.device.nvml_report import setting_in_force
+
+    parts = []
+    if setting_in_force(s):
+        parts.append("a lock or application clocks limit the SM clock now (left alone)")
+    if s.get("persistence_mode") is not None:
+        parts.append(f"persistence mode {'on' if s['persistence_mode'] else 'off'}")
+    return "; ".join(parts)

@@ -32,9 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU index (CUDA's numbering; default 0)")
     parser.add_argument("--gpu", default=None, help="preset to compare with (default: found by the device name)")
     parser.add_argument("--no-clock-control", dest="read_only", action="store_true",
-                        help="read-only: change nothing on the GPU (no clock lock or reset); measure as it runs")
+                        help="read-only: change nothing on the GPU (no clock lock or reset); measure as it runs "
+                        "(also when KAREUS_GPU_READ_ONLY is set)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="simulated GPU, kernels on the CPU, tiny sizes (seconds; no GPU needed)")
+                        help="simulated GPU (KAREUS_GPU_BACKEND=nvml: this machine's NVML), kernels on the CPU, "
+                        "tiny sizes (seconds; no GPU needed)")
     parser.add_argument("--seconds", type=float, default=1.0,
                         help="shortest measurement window (s; default 1; windows also span >= 10 counter updates)")
     parser.add_argument("--out", default="kareus-validate", help="output directory (default ./kareus-validate)")
@@ -43,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the flags, run the kit, write the report files; 0 on success."""
     from kareus_megatron.cost.gpu_validate import validate_gpu
-    from kareus_megatron.hardware.device import simulation_of
+    from kareus_megatron.hardware.device import dry_run_backend, simulation_of
     from kareus_megatron.hardware.validate import close_after_validation, open_for_validation
 
     if not 0 <= args.device < 1024:
@@ -52,17 +54,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seconds {args.seconds} must be above 0 and at most {MAX_WINDOW_S} s per window.")
     out = Path(args.out)
     check_writable_location(out, "--out", directory=True)
-    backend = "simulated" if args.dry_run else "nvml"
+    backend = dry_run_backend() if args.dry_run else "nvml"
     try:
         dev = open_for_validation(args.device, backend, args.gpu, args.read_only)
     except DeviceUnavailableError as e:
         raise type(e)(f"kareus validate needs an NVIDIA GPU with NVML (or --dry-run): {e}") from e
+    read_only = dev.read_only  # --no-clock-control, or KAREUS_GPU_READ_ONLY (which always wins)
     try:
         with _progress() as (advance, plan):
-            report = validate_gpu(dev, read_only=args.read_only, dry_run=args.dry_run, sim=simulation_of(dev),
+            report = validate_gpu(dev, read_only=read_only, dry_run=args.dry_run, sim=simulation_of(dev),
                                   min_window_s=args.seconds, progress=advance, on_plan=plan)
     finally:
-        close_after_validation(dev, args.read_only)
+        close_after_validation(dev, read_only)
     out.mkdir(parents=True, exist_ok=True)
     report["runtime"] = _runtime_checks(args.device, args.dry_run, out / "selfcheck.json")
     report["elapsed_s"] += report["runtime"]["wall_s"]

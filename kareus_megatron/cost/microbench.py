@@ -28,7 +28,7 @@ from kareus_megatron.cost.calibrate import (
 )
 from kareus_megatron.cost.calibration import Calibration
 from kareus_megatron.cost.kernel import KernelModel
-from kareus_megatron.errors import DeviceUnavailableError
+from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
 from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.hardware.gpus import clock_grid_mhz
 from kareus_megatron.hardware.measure import Sweep, WindowPolicy, sample_energy_counter, sweep, sweep_seconds
@@ -153,6 +153,10 @@ def calibrate_run(device: GPUDevice, *, dry_run: bool, sim: SimulationHooks | No
                   on_plan: Callable[[int], None] | None = None) -> tuple[Calibration, dict[str, Any]]:
     """`kareus calibrate --run`: warm up, sweep GEMM, copy and idle over the clock grid in interleaved random
     order with windows of >= `seconds` (s) and >= 10 counter periods, fit; (calibration, measurement record)."""
+    if device.read_only:  # each window is labelled with the clock it locked: read-only, none is locked
+        raise ClockControlError("calibrating with microbenchmarks locks the SM clock at each measured clock; this "
+                                "device is read-only (--no-clock-control or KAREUS_GPU_READ_ONLY), so it would "
+                                "measure nothing")
     torch = load_torch(cuda=not dry_run)
     sizes = DRY_RUN_SIZES if dry_run else FULL_SIZES
     gpu = device.spec

@@ -127,7 +127,7 @@ def test_read_only_records_and_changes_nothing(read_only_gpu, tmp_path):
     with pytest.raises(ClockControlError, match="cannot lock"):  # still checked like a real lock
         gpu.set_sm_clock_mhz(clocks[0] + 1)
     gpu.reset_clocks()
-    assert gpu.recorded == [("set", clocks[-1]), ("reset", None)]
+    assert list(gpu.recorded) == [("set", clocks[-1]), ("reset", None)]
     assert not gpu.locked
     if isinstance(gpu, SimulatedGPU):
         assert gpu.sm_clock_mhz() == before == clocks[0]
@@ -140,9 +140,11 @@ def test_read_only_records_and_changes_nothing(read_only_gpu, tmp_path):
         gpu, SimulatedGPU) else True
 
 
-def test_read_only_argument_overrides_env(monkeypatch):
+def test_read_only_environment_wins_over_the_argument(monkeypatch):
+    """KAREUS_GPU_READ_ONLY=1 makes every device read-only, whatever a flag asks (issue 23: `kareus validate`
+    without --no-clock-control passed read_only=False and so ignored it)."""
     monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
-    assert not open_gpu(0, backend="simulated", read_only=False).read_only
+    assert open_gpu(0, backend="simulated", read_only=False).read_only
     monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "0")
     assert not open_gpu(0, backend="simulated").read_only
     assert open_gpu(0, backend="simulated", read_only=True).read_only

@@ -5,13 +5,14 @@ Faking pynvml is confined to this file; everything else uses a real backend.
 
 from __future__ import annotations
 
+import sys
 from unittest import mock
 
 import pynvml
 import pytest
 
 from kareus_megatron.errors import ClockControlError, ConfigError, DeviceUnavailableError, UnknownPresetError
-from kareus_megatron.hardware.device import nvml as nvml_mod
+from kareus_megatron.hardware.device import nvml_access, nvml_report
 from kareus_megatron.hardware.device.nvml import NVMLGPU
 
 
@@ -23,7 +24,7 @@ def _nvml_error(code: int) -> pynvml.NVMLError:
 def fake(monkeypatch):
     f = mock.create_autospec(pynvml, instance=False)
     for name in dir(pynvml):  # keep the real constants and exception classes
-        if name.startswith(("NVML_", "NVMLError")):
+        if name.startswith(("NVML_", "NVMLError", "nvmlClocks")):
             setattr(f, name, getattr(pynvml, name))
     f.nvmlDeviceGetHandleByIndex.return_value = "handle0"
     f.nvmlDeviceGetName.return_value = "NVIDIA A100-SXM4-40GB"
@@ -35,7 +36,15 @@ def fake(monkeypatch):
     f.nvmlDeviceGetTemperature.return_value = 41
     f.nvmlDeviceGetUUID.return_value = "GPU-1111"
     f.nvmlDeviceGetTotalEnergyConsumption.return_value = 1_000_000  # mJ
-    monkeypatch.setattr(nvml_mod, "_pynvml", lambda: f)
+    f.nvmlDeviceGetCurrentClocksEventReasons.return_value = pynvml.nvmlClocksEventReasonGpuIdle
+    f.nvmlDeviceGetApplicationsClock.return_value = 1410
+    f.nvmlDeviceGetDefaultApplicationsClock.return_value = 1410
+    f.nvmlDeviceGetPersistenceMode.return_value = 1
+    f.nvmlDeviceGetAPIRestriction.return_value = 1
+    f.nvmlDeviceGetPowerUsage.return_value = 61_250  # mW
+    f.nvmlDeviceGetPowerManagementLimit.return_value = 400_000
+    monkeypatch.setitem(sys.modules, "pynvml", f)  # what nvml_access.nvml_module imports
+    monkeypatch.delenv("KAREUS_GPU_READ_ONLY", raising=False)
     return f
 
 
@@ -94,7 +103,7 @@ def test_read_only_reads_real_and_applies_nothing(fake):
     dev.reset_clocks()
     dev.set_sm_clock_mhz(1395)
     dev.close()
-    assert dev.recorded == [("set", 1200), ("reset", None), ("set", 1395), ("reset", None)]  # close resets
+    assert list(dev.recorded) == [("set", 1200), ("reset", None), ("set", 1395), ("reset", None)]  # close resets
     fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
     fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
 
@@ -189,41 +198,128 @@ def test_closed_device_refuses_calls(fake):
 def test_environment_report(fake, monkeypatch):
     fake.nvmlSystemGetDriverVersion.return_value = "550.54.15"
     fake.nvmlDeviceGetCount.return_value = 2
-    fake.nvmlDeviceSetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
-    monkeypatch.setattr(nvml_mod, "may_administer", lambda: True)
-    rep = nvml_mod.nvml_report(1, check_permission=True)
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
+    rep = nvml_report.nvml_report(1, check_permission=True)
     assert rep["nvml"] and rep["driver_version"] == "550.54.15" and rep["device_count"] == 2
     assert rep["name"] == "NVIDIA A100-SXM4-40GB" and rep["preset"] == "a100-sxm4-40gb"
     assert rep["supported_sm_clocks_mhz"] == [1410, 1395, 1200] and rep["energy_counter_mj"] == 1_000_000
-    assert rep["clock_permission"] is False and "root" in rep["permission_error"]
-    fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1410, 1410)  # at the current clock
-    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()  # nothing was locked: nothing reset
+    assert rep["power_w"] == 61.25 and rep["power_limit_w"] == 400.0
+    # root: likely allowed, but --check-permission alone never touches the GPU
+    assert rep["clock_permission"] is None and "not tried" in rep["permission_note"]
+    assert rep["clock_settings"]["persistence_mode"] is True and not rep["clock_settings"]["user_clock_setting"]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
     fake.nvmlDeviceGetHandleByIndex.assert_called_with(1)
     fake.nvmlShutdown.assert_called_once_with()
-    assert "out of range" in nvml_mod.nvml_report(5)["error"]
+    assert "out of range" in nvml_report.nvml_report(5)["error"]
 
 
 def test_permission_check_without_capability_changes_nothing(fake, monkeypatch):
-    monkeypatch.setattr(nvml_mod, "may_administer", lambda: False)
-    rep = nvml_mod.nvml_report(0, check_permission=True)
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: False)
+    rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
     assert rep["clock_permission"] is False and rep["permission_method"] == "capability"
     fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
     fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
 
 
-def test_permission_check_resets_only_its_own_lock(fake, monkeypatch):
-    monkeypatch.setattr(nvml_mod, "may_administer", lambda: True)
+def test_try_lock_resets_only_its_own_lock(fake, monkeypatch):
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
     fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
                                                                pynvml.NVML_CLOCK_SM: 1390}[kind]
-    rep = nvml_mod.nvml_report(0, check_permission=True)
-    assert rep["clock_permission"] is True and rep["permission_method"] == "lock"
+    rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
+    assert rep["clock_permission"] is True and rep["permission_method"] == "lock" and rep["locked_mhz"] == 1395
     fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1395, 1395)  # nearest supported
     fake.nvmlDeviceResetGpuLockedClocks.assert_called_once_with("handle0")
     assert rep["temperature_c"] == 41.0 and rep["uuid"] == "GPU-1111"
 
 
+def test_try_lock_without_permission_resets_nothing(fake, monkeypatch):
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
+    fake.nvmlDeviceSetGpuLockedClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
+    rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
+    assert rep["clock_permission"] is False and "root" in rep["permission_error"]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1410, 1410)  # at the current clock
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()  # nothing was locked: nothing reset
+
+
+@pytest.mark.parametrize("setting", ["lock", "application clocks"])
+def test_try_lock_leaves_a_clock_setting_in_force_alone(fake, monkeypatch, setting):
+    """An administrator's lock (NVML's 'applications clocks setting' event reason) or application clocks off
+    their default: --try-lock does not lock, since its reset would end that setting."""
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
+    if setting == "lock":
+        fake.nvmlDeviceGetCurrentClocksEventReasons.return_value = pynvml.nvmlClocksEventReasonApplicationsClocksSetting
+    else:
+        fake.nvmlDeviceGetApplicationsClock.return_value = 1200
+    rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
+    assert rep["clock_permission"] is None and "left alone" in rep["permission_note"]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_try_lock_is_refused_in_read_only_mode(fake, monkeypatch):
+    monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
+    rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
+    assert rep["clock_permission"] is False and "read-only" in rep["permission_error"]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_read_only_environment_wins_over_the_argument(fake, monkeypatch):
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
+    dev = NVMLGPU(0, read_only=False)
+    assert dev.read_only
+    dev.set_sm_clock_mhz(1395)
+    dev.close()
+    assert list(dev.recorded) == [("set", 1395), ("reset", None)]
+    fake.nvmlDeviceSetGpuLockedClocks.assert_not_called()
+    fake.nvmlDeviceResetGpuLockedClocks.assert_not_called()
+
+
+def test_the_choke_point_refuses_in_read_only_mode(fake, monkeypatch):
+    with pytest.raises(nvml_access.ReadOnlyViolation, match="read-only"):
+        nvml_access.change_setting("locking", "nvmlDeviceSetGpuLockedClocks", "handle0", 1410, 1410, read_only=True)
+    monkeypatch.setenv("KAREUS_GPU_READ_ONLY", "1")
+    with pytest.raises(nvml_access.ReadOnlyViolation):
+        nvml_access.change_setting("locking", "nvmlDeviceSetGpuLockedClocks", "handle0", 1410, 1410, read_only=False)
+    # the module handed out in read-only mode refuses every changing call, whoever makes it
+    guarded = nvml_access.nvml_module()
+    for name in ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit",
+                 "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetApplicationsClocks", "nvmlDeviceResetMemoryLockedClocks",
+                 "nvmlDeviceSetMemoryLockedClocks", "nvmlDevicePowerSmoothingSetState"):
+        with pytest.raises(nvml_access.ReadOnlyViolation, match=name):
+            getattr(guarded, name)("handle0")
+        getattr(fake, name).assert_not_called()
+    assert guarded.nvmlDeviceGetName("handle0") == "NVIDIA A100-SXM4-40GB"  # getters pass
+    with pytest.raises(ValueError, match="reads"):
+        nvml_access.change_setting("reading", "nvmlDeviceGetName", "handle0", read_only=False)
+
+
+def test_every_changing_nvml_function_is_classified():
+    """Every nvml* function of the installed nvidia-ml-py is a getter (is_read_call) or is refused read-only."""
+    names = [n for n in dir(pynvml) if n.startswith("nvml") and callable(getattr(pynvml, n))
+             and not isinstance(getattr(pynvml, n), type)]
+    changing = {n for n in names if not nvml_access.is_read_call(n)}
+    assert {"nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit",
+            "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetApplicationsClocks", "nvmlDeviceClearEccErrorCounts",
+            "nvmlDeviceSetMigMode"} <= changing
+    assert not {n for n in changing if "Get" in n}  # no getter is taken for a change
+    assert "nvmlDeviceGetTotalEnergyConsumption" not in changing and "nvmlInit" not in changing
+
+
+def test_recorded_calls_are_bounded(fake):
+    from kareus_megatron.hardware.device.base import RECORDED_MAX
+
+    dev = NVMLGPU(0, read_only=True)
+    for i in range(RECORDED_MAX + 10):
+        dev.set_sm_clock_mhz((1410, 1395)[i % 2])
+    assert len(dev.recorded) == RECORDED_MAX and dev.recorded_total["set"] == RECORDED_MAX + 10
+    dev.close()
+
+
 def test_may_administer_reads_the_capability(monkeypatch, tmp_path):
-    monkeypatch.setattr(nvml_mod.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(nvml_access.os, "geteuid", lambda: 1000)
     status = tmp_path / "status"
     real_open = open
 
@@ -232,11 +328,11 @@ def test_may_administer_reads_the_capability(monkeypatch, tmp_path):
 
     monkeypatch.setattr("builtins.open", fake_open)
     status.write_text("Name:\tpython\nCapEff:\t0000000000200000\n")
-    assert nvml_mod.may_administer() is True
+    assert nvml_access.may_administer() is True
     status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
-    assert nvml_mod.may_administer() is False
-    monkeypatch.setattr(nvml_mod.os, "geteuid", lambda: 0)
-    assert nvml_mod.may_administer() is True
+    assert nvml_access.may_administer() is False
+    monkeypatch.setattr(nvml_access.os, "geteuid", lambda: 0)
+    assert nvml_access.may_administer() is True
 
 
 # -- board power limit (issue 16, powercap): W here, mW in NVML; restore only what this object set ------
@@ -268,7 +364,7 @@ def test_power_limit_out_of_range_and_read_only(fake):
     ro = NVMLGPU(0, read_only=True)
     ro.set_power_limit_w(300.0)
     ro.close()
-    assert ro.recorded == [("power_limit", 300), ("power_limit_reset", None)]
+    assert list(ro.recorded) == [("power_limit", 300), ("power_limit_reset", None)]
     fake.nvmlDeviceSetPowerManagementLimit.assert_not_called()
 
 

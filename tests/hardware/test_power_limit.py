@@ -75,7 +75,7 @@ def test_read_only_records_and_changes_nothing():
     g.set_power_limit_w(300.0)
     assert g.power_limit_w() == 400.0
     g.close()
-    assert g.recorded == [("power_limit", 300), ("power_limit_reset", None)]
+    assert list(g.recorded) == [("power_limit", 300), ("power_limit_reset", None)]
 
 
 def test_controller_sets_the_limit_at_start_and_restores_it_at_close():

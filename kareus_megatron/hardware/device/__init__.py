@@ -3,8 +3,9 @@
 ``KAREUS_GPU_BACKEND=nvml|simulated`` picks the backend (default: nvml when NVML initialises). Asking
 for nvml where it is missing is an error naming the fix; there is no silent fallback to the simulator.
 The simulated GPU's preset comes from ``gpu=`` or ``KAREUS_GPU`` (default a100-sxm4-40gb). ``read_only=True``
-or KAREUS_GPU_READ_ONLY=1 opens a device that reads real values but never changes a GPU setting
-(base.py). ``open_cuda_gpu`` opens the NVML device of a CUDA device (cuda_map.py: by UUID). What only the
+or KAREUS_GPU_READ_ONLY=1 (which wins over any argument) opens a device that reads real values but never
+changes a GPU setting (base.py; on NVML every change goes through nvml_access.change_setting, which refuses).
+``open_cuda_gpu`` opens the NVML device of a CUDA device (cuda_map.py: by UUID). What only the
 simulated GPU can do (``SimulationHooks``) is handed out by ``simulation_of``: the runtime passes that
 object on explicitly and treats every device as a plain ``GPUDevice`` otherwise.
 """
@@ -25,7 +26,8 @@ from kareus_megatron.hardware.device.base import (
 
 DEFAULT_SIMULATED_GPU = "a100-sxm4-40gb"
 
-__all__ = ["BACKENDS", "READ_ONLY_ENV", "GPUDevice", "SimulationHooks", "backend_from_env", "nearest_supported_mhz",
+__all__ = ["BACKENDS", "READ_ONLY_ENV", "GPUDevice", "SimulationHooks", "backend_from_env", "dry_run_backend",
+           "nearest_supported_mhz",
            "open_cuda_gpu", "open_gpu", "read_only_from_env", "simulation_of"]
 
 
@@ -44,6 +46,12 @@ def backend_from_env(backend: str | None = None) -> str:
         "NVML could not be initialised (no NVIDIA driver or nvidia-ml-py). "
         "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
     )
+
+
+def dry_run_backend() -> str:
+    """The backend of a command's ``--dry-run`` (tiny CPU kernels): simulated, unless KAREUS_GPU_BACKEND=nvml
+    asks for the real NVML device's reads beside CPU kernels (how the read-only tests drive the NVML paths)."""
+    return "nvml" if os.environ.get("KAREUS_GPU_BACKEND") == "nvml" else "simulated"
 
 
 def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, read_only: bool | None = None,

@@ -4,8 +4,9 @@ Terms: the *SM clock* is the graphics/SM clock in MHz; *locking* it pins min and
 *resetting* returns clock management to the driver's default. A device resets only what it locked
 itself: ``reset_clocks()`` and ``close()`` are no-ops until a lock went through this object, so an
 administrator's lock on a shared node survives a process that never locked. A *read-only* device
-(``open_gpu(..., read_only=True)`` or KAREUS_GPU_READ_ONLY=1) reads everything real (clocks, supported
-clocks, energy, temperature) but only records set/reset calls in ``recorded`` and never applies them.
+(``open_gpu(..., read_only=True)`` or KAREUS_GPU_READ_ONLY=1, which wins over any argument) reads everything
+real (clocks, supported clocks, energy, temperature) but only records set/reset calls in ``recorded`` (the
+latest RECORDED_MAX, with ``recorded_total`` counting all) and never applies them.
 The board *power limit* (W, ``nvidia-smi -pl``) follows the same rule: ``reset_power_limit()`` and
 ``close()`` restore the limit found at open only if this object changed it; read-only, it is recorded.
 Energy is cumulative GPU energy in J since the device was opened; temperature is in °C.
@@ -17,6 +18,7 @@ explicitly (``hardware.device.simulation_of``) and never probes a device for it.
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -27,10 +29,9 @@ READ_ONLY_ENV = "KAREUS_GPU_READ_ONLY"  # 1: every device opened by open_gpu is 
 
 
 def read_only_from_env(read_only: bool | None = None) -> bool:
-    """`read_only` when given, else whether KAREUS_GPU_READ_ONLY is set to something other than 0/empty."""
-    if read_only is not None:
-        return bool(read_only)
-    return os.environ.get(READ_ONLY_ENV, "").strip() not in ("", "0")
+    """Whether a device is read-only: `read_only` asks for it, or KAREUS_GPU_READ_ONLY is set to something other
+    than 0/empty. The environment always wins: a process told to be read-only is, whatever a flag says."""
+    return bool(read_only) or os.environ.get(READ_ONLY_ENV, "").strip() not in ("", "0")
 
 
 @runtime_checkable
@@ -39,7 +40,8 @@ class GPUDevice(Protocol):
 
     spec: GPUSpec
     index: int
-    recorded: list[tuple[str, int | None]]  # read-only: the ("set", MHz) / ("reset", None) calls not applied
+    recorded: deque[tuple[str, int | None]]  # read-only: the latest ("set", MHz) / ("reset", None) calls not applied
+    recorded_total: dict[str, int]  # read-only: every call not applied, counted by kind ("set", "reset", ...)
 
     @property
     def read_only(self) -> bool:
@@ -105,13 +107,29 @@ class GPUDevice(Protocol):
         ...
 
 
+RECORDED_MAX = 4096  # calls a read-only device keeps in ``recorded`` (a run records one per clock change)
+
+
 class OwnedLocks:
     """What both backends keep of their own changes: read-only mode, whether a lock is theirs, the calls
-    a read-only device recorded instead of applying (set in each backend's ``__init__``)."""
+    a read-only device recorded instead of applying (set in each backend's ``__init__`` by ``_init_owned``):
+    the latest RECORDED_MAX in ``recorded``, every one counted by kind in ``recorded_total``."""
 
     _read_only: bool
     _locked: bool  # a clock lock went through this object (scheduled ones count) and was not reset
-    recorded: list[tuple[str, int | None]]
+    recorded: deque[tuple[str, int | None]]
+    recorded_total: dict[str, int]
+
+    def _init_owned(self, read_only: bool) -> None:
+        self._read_only = read_only_from_env(read_only)  # KAREUS_GPU_READ_ONLY wins, however the device is made
+        self._locked = False
+        self.recorded = deque(maxlen=RECORDED_MAX)
+        self.recorded_total = {}
+
+    def _record(self, call: str, value: int | None) -> None:
+        """Keep a call a read-only device did not apply (``recorded``, bounded) and count it."""
+        self.recorded.append((call, value))
+        self.recorded_total[call] = self.recorded_total.get(call, 0) + 1
 
     @property
     def read_only(self) -> bool:

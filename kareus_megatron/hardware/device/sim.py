@@ -72,8 +72,7 @@ class SimulatedGPU(OwnedLocks):
         """Open simulated GPU `index`; unset options come from the KAREUS_SIMULATED_* variables."""
         self.spec = spec
         self.index = index
-        self._read_only = bool(read_only)
-        self.recorded: list[tuple[str, int | None]] = []
+        self._init_owned(read_only)
         self._would_lock = False  # read-only: a recorded set not followed by a recorded reset
         self.latency_s = latency_from_env() if latency_s is None else float(latency_s)
         if deny_clock_control is None:
@@ -86,7 +85,6 @@ class SimulatedGPU(OwnedLocks):
         self._default_mhz = int(spec.max_sm_clock_mhz)
         self._lock = threading.Lock()
         self._mhz = self._default_mhz
-        self._locked = False
         self._busy = False
         self._busy_w = _MODEL  # the busy power (W) the caller gave; NaN: the power model's
         self._compute = DEFAULT_COMPUTE_ACTIVITY
@@ -199,7 +197,7 @@ class SimulatedGPU(OwnedLocks):
         self._check_permission(f"locking GPU {self.index} to {mhz} MHz")
         t_done = float(t_issue) + self.latency_s
         if self._read_only:
-            self.recorded.append(("set", mhz))
+            self._record("set", mhz)
             self._would_lock = True
             self.log_event("recorded", call="set", mhz=mhz, t_issue=t_issue)
             return t_done
@@ -239,7 +237,7 @@ class SimulatedGPU(OwnedLocks):
         if self.latency_s > 0:
             time.sleep(self.latency_s)
         if self._read_only:
-            self.recorded.append(("set", mhz))
+            self._record("set", mhz)
             self._would_lock = True
             self.log_event("recorded", call="set", mhz=mhz)
             return
@@ -261,7 +259,7 @@ class SimulatedGPU(OwnedLocks):
         self._check_open()
         if self._read_only:
             if self._would_lock:  # as a real reset: only a lock this object (would have) made
-                self.recorded.append(("reset", None))
+                self._record("reset", None)
                 self._would_lock = False
                 self.log_event("recorded", call="reset")
             return
@@ -357,7 +355,7 @@ class SimulatedGPU(OwnedLocks):
             raise ClockControlError(f"simulated {self.spec.name} cannot set a power limit of {watts:g} W; "
                                     f"allowed: {lo:g}..{hi:g} W")
         if self._read_only:
-            self.recorded.append(("power_limit", int(round(watts))))
+            self._record("power_limit", int(round(watts)))
             self._limit_set = True  # as if applied: a later reset is recorded too
             self.log_event("recorded", call="power_limit", w=watts)
             return
@@ -374,7 +372,7 @@ class SimulatedGPU(OwnedLocks):
         if not self._limit_set:
             return
         if self._read_only:
-            self.recorded.append(("power_limit_reset", None))
+            self._record("power_limit_reset", None)
             self._limit_set = False
             self.log_event("recorded", call="power_limit_reset")
             return
