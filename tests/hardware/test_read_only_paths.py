@@ -112,8 +112,8 @@ def _train(tmp_path: Path, read_only: bool, name: str) -> subprocess.CompletedPr
     plan_dir = tmp_path / "plan"
     if not plan_dir.exists():
         r = _kareus(tmp_path, ["plan", "--model", str(ROOT / "examples" / "small-gpt.yaml"), "--gpu", "a40",
-                               "--tp", "1", "--pp", "2", "--mbs", "8", "--seq", "256", "--microbatches", "4", "--nodes", "1",
-                               "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
+                               "--tp", "1", "--pp", "2", "--mbs", "8", "--seq", "256", "--microbatches", "4",
+                               "--nodes", "1", "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
                                "--methods", "perseus", "--out", str(plan_dir)], read_only=False)
         assert r.returncode == 0, r.stderr[-2000:]
         (tmp_path / "nvml-calls.jsonl").unlink(missing_ok=True)
