@@ -36,6 +36,7 @@ class _StandInCuda:
         class Event:
             def __init__(self, enable_timing=False, blocking=False):
                 self.t = None
+                outer.made += bool(blocking)
 
             def record(self):
                 self.t = time.monotonic()
@@ -52,6 +53,7 @@ class _StandInCuda:
 
         self.Event = Event
         self.waits = 0  # by any thread (the forwarder's)
+        self.made = 0  # the transport's (blocking) events constructed: its pool refills itself
 
     @staticmethod
     def current_device():
@@ -114,7 +116,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gpu_path: bool) -> N
     finally:
         engine.uninstall_listener()
         kareus.uninstall()
-    res.update(event_waits=cuda.waits, logged=len(session.meter.records) if session.meter else None)
+    res.update(event_waits=cuda.waits, events_made=cuda.made,
+               logged=len(session.meter.records) if session.meter else None)
     with open(os.path.join(out_dir, f"rank{rank}.{int(gpu_path)}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()
@@ -137,8 +140,9 @@ def test_the_patched_instruction_path_has_no_host_syncs(ranks):
         assert rk["transport"] == ("GpuTransport" if gpu_path else "CpuTransport")
         assert rk["switches"] == ITERATIONS * per_rank  # the listeners ran at every instruction
         assert rk["syncs"] == 0, rk["sites"]
-        if gpu_path:  # the forwarder waited on the events (off the training thread)
+        if gpu_path:  # the forwarder waited on the events (off the training thread), which came back to the pools
             assert rk["event_waits"] >= ITERATIONS * per_rank
+            assert rk["events_made"] < ITERATIONS * per_rank, rk  # a message per begin, end and mark: 3x more
         assert rk["logged"] == ITERATIONS + 1
 
 

@@ -18,9 +18,12 @@ wait by design), and an operation inside a counted one is not counted again (``r
 ``tolist``). ``paused()`` and ``counting()`` narrow the count to the code of interest, e.g. a patch's
 hooks and not the model step they wrap. Every count keeps its caller's file and line (``sites``).
 
-Conservative on a CPU: ``.to(d)`` with an explicit device (and no ``non_blocking``) counts even where it is
-a no-op, because on a GPU the same call either copies between host and device or is a same-device
-no-op, and the CPU cannot tell which.
+Conservative on a CPU (``SyncCount(device="cpu")``): ``.to(d)`` with an explicit device (and no
+``non_blocking``) counts even where it is a no-op, because on a GPU the same call either copies between host
+and device or is a same-device no-op, and the CPU cannot tell which; with ``device="cuda"`` only copies that
+cross between host and device count. ``torch.tensor(data, device=d)`` of Python data counts unless it asks
+for a host tensor by name (``device="cpu"``, or ``pin_memory=True``: megatron's pattern before a
+``non_blocking`` copy).
 """
 
 from __future__ import annotations

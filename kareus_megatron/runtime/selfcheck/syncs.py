@@ -143,7 +143,8 @@ def _counters(cuda: bool) -> Iterator[tuple[SyncCount, CudaSyncCounter | None]]:
             return
         with CudaSyncCounter() as detected:
             yield ops, detected
-        torch.cuda.synchronize()  # after the count: the case's kernels are done before the next one
+        with ops.paused():
+            torch.cuda.synchronize()  # after the count: the case's kernels are done before the next one
 
 
 def _result(counters: tuple[SyncCount, CudaSyncCounter | None], cuda: bool) -> dict[str, Any]:
