@@ -17,6 +17,16 @@ changes on a shared machine cancel in it, so it is the sharper estimate of the s
 printed: CPU time per iteration (trainer processes, from the kernel's per-thread run time; the clock
 controller process), which is less sensitive to other load than wall time. ``--strict`` exits 1 when
 the target is missed.
+
+Then the **training thread's CPU time** (``time.thread_time_ns``: this thread's user+system time, unaffected by
+other processes' load, though cold caches on a busy machine still inflate it): per iteration in each arm
+above, and, in ``--hook-iterations`` more iterations per arm (default 40, random order per block), the patch's
+own path measured in place: megatron-core's original ``forward_step``/``backward_step`` and schedule
+functions are wrapped by a timer *inside* the patch's wrappers (the same code as installed, around the
+timed originals) and by one *outside*; outside minus inside is the patch's path per instruction (announce ->
+clock client -> transport, the meter's stamps, instruction end) and per schedule call (validation check,
+iteration marks). The same timers around the unpatched originals give the timers' own cost, which is
+subtracted. Medians over every instruction of both ranks.
 """
 
 from __future__ import annotations
@@ -52,7 +62,50 @@ def _cpu_s(pid: int | None) -> float:
     return total / 1e9
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, controller: str, rounds: int) -> None:
+def _timed_arms(schedules, originals: dict, records: dict) -> dict:
+    """Per arm ("with", "without"): megatron's functions with a thread-CPU timer outside and one inside the
+    patch's wrappers ("with": megatron_patch's own wrapper code around the timed originals; "without": none)."""
+    from kareus_megatron.runtime.frameworks import megatron_patch
+
+    tt, inner = time.thread_time_ns, [0]
+
+    def timed_inside(fn):
+        def call(*a, **k):
+            t0 = tt()
+            try:
+                return fn(*a, **k)
+            finally:
+                inner[0] += tt() - t0
+        return call
+
+    def timed_outside(fn, key):
+        def call(*a, **k):
+            saved, inner[0] = inner[0], 0
+            t0 = tt()
+            try:
+                return fn(*a, **k)
+            finally:
+                records.setdefault(key, []).append(tt() - t0 - inner[0])
+                inner[0] = saved
+        return call
+
+    def patched(name, fn):
+        if name == "forward_step":
+            return megatron_patch._wrap_forward(fn)
+        if name == "backward_step":
+            return megatron_patch._wrap_backward(fn)
+        return megatron_patch._wrap_schedule(name, fn)
+
+    arms = {}
+    for arm in ("with", "without"):
+        arms[arm] = {name: timed_outside(patched(name, timed_inside(fn)) if arm == "with" else timed_inside(fn),
+                                         f"{arm}_{'step' if name.endswith('_step') else 'schedule'}_ns")
+                     for name, fn in originals.items()}
+    return arms
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, controller: str, rounds: int,
+            hook_iterations: int) -> None:
     import plans
     import tiny_gpt
     import torch
@@ -68,7 +121,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, con
 
     session = kareus.install(plan, log_path=os.path.join(out_dir, "run.jsonl"), controller=controller)
     tiny_gpt.train(chunks, M, WARMUP)  # patched warm-up: validation, controller and log are live
-    times: dict[str, list] = {k: [] for side in ARMS for k in (side, "cpu_" + side)}
+    times: dict[str, list] = {k: [] for side in ARMS for k in (side, "cpu_" + side, "thread_" + side)}
     # Toggle between megatron-core's original functions and the installed wrappers (same validated
     # patch state, as in a real run, which validates once).
     originals = megatron_patch._slot.replaced.originals()
@@ -83,11 +136,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, con
     for _ in range(rounds * iterations):
         for side in rng.sample(ARMS, len(ARMS)):
             use(wrapped if side == "with" else originals)
-            c0 = time.process_time()  # this trainer process, all its threads (client helper threads)
+            c0, t0 = time.process_time(), time.thread_time()  # this trainer process (all its threads); this thread
             tiny_gpt.train(chunks, M, 1, times_s=times[side])
+            times["thread_" + side].append(time.thread_time() - t0)
             times["cpu_" + side].append(time.process_time() - c0)
     times["controller_cpu_s"] = [_cpu_s(session.client.controller_pid) - ctl0]  # 0 in thread mode
     times["coalesce_ms"] = [session.client.coalesce_s * 1e3]  # the gathering window in effect
+    timed = _timed_arms(schedules, originals, times)  # the training thread's CPU on the patch's own path
+    for _ in range(hook_iterations):
+        for side in rng.sample(("with", "without"), 2):
+            use(timed[side])
+            tiny_gpt.train(chunks, M, 1)
     use(wrapped)
     kareus.uninstall()
     with open(os.path.join(out_dir, f"times{rank}.json"), "w") as f:
@@ -129,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="clock controller as a side process per GPU (default, as in production) or a thread")
     ap.add_argument("--coalesce-ms", type=float, default=None,
                     help="clock messages gathered per write on CPU (KAREUS_CLOCK_COALESCE_MS; default 100)")
+    ap.add_argument("--hook-iterations", type=int, default=40,
+                    help="iterations per arm timing the patch's path on the training thread (default 40)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when the overhead exceeds 2%%")
     args = ap.parse_args(argv)
-    if args.iterations < 1 or args.rounds < 1:
-        print("runtime_overhead: --iterations and --rounds must be at least 1", file=sys.stderr)
+    if args.iterations < 1 or args.rounds < 1 or args.hook_iterations < 1:
+        print("runtime_overhead: --iterations, --rounds and --hook-iterations must be at least 1", file=sys.stderr)
         return 2
     import torch.multiprocessing as mp
 
@@ -144,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.spawn(_worker, args=(2, port, tmp, args.iterations, args.controller, args.rounds), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, port, tmp, args.iterations, args.controller, args.rounds, args.hook_iterations),
+                 nprocs=2, join=True)
         times = [json.loads((Path(tmp) / f"times{r}.json").read_text()) for r in range(2)]
         rank0_log = Path(tmp) / "run.jsonl" / "rank-00000.jsonl"
         logged = sum(1 for line in rank0_log.read_text().splitlines() if '"iteration"' in line)
@@ -179,6 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU time per iteration and trainer process (median): without {cpu['without'] * 1e3:.2f} ms, control "
           f"{cpu['control'] * 1e3:.2f} ms, with {cpu['with'] * 1e3:.2f} ms; clock controller process: "
           f"{ctl * 1e3:.3f} ms per patched iteration")
+    thread = {side: statistics.median(times[0]["thread_" + side] + times[1]["thread_" + side]) for side in ARMS}
+    print(f"training-thread CPU time per iteration (median of both ranks): without {thread['without'] * 1e3:.2f} ms, "
+          f"control {thread['control'] * 1e3:.2f} ms, with {thread['with'] * 1e3:.2f} ms")
+    hook = {k: statistics.median(times[0][k] + times[1][k]) / 1e3 for k in
+            ("with_step_ns", "without_step_ns", "with_schedule_ns", "without_schedule_ns")}  # µs
+    per_instr, per_call = hook["with_step_ns"] - hook["without_step_ns"], \
+        hook["with_schedule_ns"] - hook["without_schedule_ns"]
+    n_instr = len(times[0]["with_step_ns"]) + len(times[1]["with_step_ns"])
+    print(f"training-thread CPU time of the patch's own path (medians over {n_instr} instructions, timers' own cost "
+          f"{hook['without_step_ns']:.1f} us subtracted): {per_instr:.1f} us per instruction, {per_call:.1f} us per "
+          f"schedule call; {2 * M} instructions per iteration and rank: {(2 * M * per_instr + per_call) / 1e3:.3f} ms "
+          f"per iteration ({(2 * M * per_instr + per_call) / 1e3 / (thread['without'] * 1e3) * 100:.2f}% of the "
+          f"unpatched training thread's CPU)")
     print(f"measurement log lines written with the patch: {logged}")
     return 1 if (args.strict and overhead > 0.02) else 0
 

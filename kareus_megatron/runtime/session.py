@@ -142,7 +142,8 @@ class RuntimeSession:
             self.meter = IterationMeter(log, mark=self._read_now, header=header)
         else:
             events = CudaEvents.available(self.local_rank)
-            client = ClockClient(event_factory=events, bind_thread=None if events is None else events.bind_thread)
+            client = ClockClient(event_factory=events, bind_thread=None if events is None else events.bind_thread,
+                                 recycle=None if events is None else events.give_back)
             cap_w = self.plan.power_limit_w  # powercap: the controller sets it and restores it on every way out
             if self.controller == "thread":
                 device = open_gpu(index, backend=backend, gpu=gpu, uuid=uuid)

@@ -4,7 +4,9 @@ GPUs, clock controller in a side process), and the meter alone (CPU and a stand-
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 
 import plans
@@ -188,6 +190,52 @@ class _FakeTorch:
     class cuda:  # noqa: N801 - the attribute path torch.cuda.Event
         Event = _FakeEvent
 
+        @staticmethod
+        def current_device():
+            return 0
+
+        device = staticmethod(lambda index: contextlib.nullcontext())
+
+
+class _ThreadDevices:
+    """A stand-in for torch.cuda's current device, as the CUDA runtime keeps it: per thread, 0 in a thread that
+    never set one; every CUDA call (an event's query, elapsed_time) is made on the calling thread's device
+    (where the runtime would make a context, ~0.5 GB, if there was none)."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self.calls: list[tuple[str, int, str]] = []  # (call, device current then, thread name)
+        devices = self
+
+        class Event(_FakeEvent):
+            def query(self):
+                devices.note("query")
+                return super().query()
+
+            def elapsed_time(self, other):
+                devices.note("elapsed_time")
+                return super().elapsed_time(other)
+
+        self.Event = Event
+
+    def note(self, call):
+        self.calls.append((call, self.current_device(), threading.current_thread().name))
+
+    def current_device(self):
+        return getattr(self._local, "device", 0)
+
+    def set_device(self, index):
+        self._local.device = index
+
+    @contextlib.contextmanager
+    def device(self, index):
+        prev = self.current_device()
+        self.set_device(index)
+        try:
+            yield
+        finally:
+            self.set_device(prev)
+
 
 def test_gpu_stamps_are_timing_events_read_after_the_iteration_and_reused():
     events = TimingEvents(_FakeTorch)
@@ -230,3 +278,33 @@ def test_a_measurement_only_session_logs_the_temperature(tmp_path):
     session.device.close()
     line = read_run_log(tmp_path / "log").iterations[0]["ranks"][0]
     assert isinstance(line["temperature_c"], float) and line["sm_clock_mhz"] is None and line["clock_stale"] is None
+
+
+def test_the_writer_thread_reads_the_events_on_the_training_threads_device(tmp_path, monkeypatch):
+    """Rank 3 of a node trains on CUDA device 3; the meter's writer thread (a thread that never set a device)
+    must query and time its events there, not on device 0."""
+    cuda = _ThreadDevices()
+    fake_torch = type("torch", (), {"cuda": cuda})
+    monkeypatch.setattr(TimingEvents, "available", classmethod(lambda cls: cls(fake_torch)))
+    cuda.set_device(3)  # the training thread's device (torch.cuda.set_device(local_rank))
+    meter = IterationMeter(open_rank_log(tmp_path / "log", 3), header={"rank": 3, "world": 4}, flush_interval_s=0.01,
+                           instructions=True)
+    begins, ends = meter.instruction_callables(lambda *a: None, lambda: None)
+    meter.set_plan(_instrs(1))
+    meter.set_stage(0)
+    for it in range(2):
+        meter.begin(it)
+        begins(it, 0, 1410, "forward")
+        ends()
+        begins(it, 1, 1410, "backward")
+        ends()
+        meter.end(it)
+    deadline = time.monotonic() + 10.0
+    while len(meter.records) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    meter.close()
+    assert [r["instructions"]["kind"] for r in meter.records] == ["FB", "FB"]
+    assert meter.records[0]["instructions"]["time_s"] == [0.0015, 0.0015]
+    by_writer = [c for c in cuda.calls if c[2] == "kareus-log-writer"]
+    assert by_writer and {c[1] for c in by_writer} == {3}, cuda.calls  # never device 0
+    assert cuda.current_device() == 3

@@ -88,30 +88,36 @@ def test_partitioned_layer_with_either_core_attention_equals_the_standard_layer(
                 assert {"rope", "attention", "qkv"} <= bwd and bwd <= slots | fwd_ops, (core, n, bwd)
 
 
-def test_mask_conversion_and_its_cache():
-    import gc
-
+def test_mask_conversion_reads_shape_and_dtype_only():
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
     from kareus_megatron.errors import InfeasibleConfigError
     from kareus_megatron.runtime.overlap import attention as a
+    from kareus_megatron.runtime.selfcheck.sync_count import SyncCount
 
-    s = 8
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
-    assert a.sdpa_mask(causal, AttnMaskType.causal, s, s) == (True, None)  # flash-eligible: no mask
-    assert a.sdpa_mask(None, AttnMaskType.causal, s, s) == (True, None)
+    s, b = 8, 3
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    padding = torch.rand(b, 1, s, s, generator=torch.Generator().manual_seed(1)) < 0.3
+    with SyncCount() as sc:  # megatron's masks for a GPT layer: None, [1, 1, s, s], [b, 1, s, s]; none is read
+        for mask in (None, causal.view(1, 1, s, s), causal.expand(b, 1, s, s).contiguous()):
+            assert a.sdpa_mask(mask, AttnMaskType.causal, s, s) == (True, None)  # flash-eligible: no mask
+            for half in (mask.chunk(2, dim=0) if mask is not None and mask.shape[0] > 1 else ()):  # nanobatches
+                assert a.sdpa_mask(half, AttnMaskType.causal, s, s) == (True, None)
+        # the causal type's contract (megatron's fused softmax and TE): a square mask is not looked at
+        assert a.sdpa_mask(padding, AttnMaskType.causal, s, s) == (True, None)
+        is_causal, m = a.sdpa_mask(padding, AttnMaskType.padding, s, s)  # other types: the mask as given
+        assert not is_causal and m.shape == padding.shape
+        rect = causal[: s // 2]
+        is_causal, m2 = a.sdpa_mask(rect, AttnMaskType.causal, s // 2, s)  # not square: as given
+        assert not is_causal and m2.shape == rect.shape
+    assert sc.total == 0, sc.report()
+    assert torch.equal(m, ~padding | padding.all(dim=-1, keepdim=True))  # a fully masked row attends to all
     assert a.sdpa_mask(None, AttnMaskType.causal, 1, s) == (False, None)  # one query (decoding): nothing to mask
     assert a.sdpa_mask(None, AttnMaskType.padding, s, s) == (False, None)
-    is_causal, m = a.sdpa_mask(causal, AttnMaskType.padding, s, s)  # not a causal type: the mask as given
-    assert not is_causal and torch.equal(m, ~causal)
-    causal[0, 0, 0, 0] = True  # in place (version bump): row 0 now masks everything
-    is_causal, m = a.sdpa_mask(causal, AttnMaskType.causal, s, s)
-    assert not is_causal and bool(m[0, 0, 0].all()) and torch.equal(m[0, 0, 1:], ~causal[0, 0, 1:])
-    assert a._mask_cache is not None and a._mask_cache[0]() is causal
-    del causal, m
-    gc.collect()
-    assert a._mask_cache is None  # the cached SDPA mask does not outlive its megatron mask
-    for bad, sq in ((torch.zeros(1, 1, s, s), s), (None, s - 1)):
+    cached = a.causal_attend_mask(s, s, torch.device("cpu"))  # the bias path's causal mask: once per shape, device
+    assert cached is a.causal_attend_mask(s, s, torch.device("cpu")) and torch.equal(cached, ~causal)
+    for bad, sq, kind in ((torch.zeros(1, 1, s, s), s, AttnMaskType.causal), (None, s - 1, AttnMaskType.causal),
+                          (torch.zeros(1, 1, s, s), s, AttnMaskType.padding)):
         with pytest.raises(InfeasibleConfigError):
-            a.sdpa_mask(bad, AttnMaskType.causal, sq, s)
+            a.sdpa_mask(bad, kind, sq, s)

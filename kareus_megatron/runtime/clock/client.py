@@ -43,18 +43,19 @@ class ClockClient:
     measurement point, returning a ``MarkTicket`` that fills with its time (s) and energy (J)."""
 
     def __init__(self, event_factory: Callable[[], Any] | None = None, coalesce_s: float | None = None,
-                 bind_thread: Callable[[], None] | None = None) -> None:
+                 bind_thread: Callable[[], None] | None = None, recycle: Callable[[Any], None] | None = None) -> None:
         """`event_factory` makes a recorded CUDA event (GPU); None means CPU timing (time.monotonic).
         `coalesce_s`: how long messages gather before one write (default: KAREUS_CLOCK_COALESCE_MS,
         else CPU_COALESCE_S on CPU, where timestamps are taken at hand-over, and 0 on GPU, where
         waiting on events paces the forwarder). `bind_thread` runs in the forwarder before its first
-        wait (``CudaEvents.bind_thread``: the training thread's CUDA device)."""
+        wait (``CudaEvents.bind_thread``: the training thread's CUDA device); `recycle` gets each event back
+        once the forwarder has waited on it (``CudaEvents.give_back``: the factory's pool)."""
         transport: Transport
         if event_factory is None:
             transport = CpuTransport(coalesce_from_env(CPU_COALESCE_S) if coalesce_s is None else coalesce_s)
         else:
             transport = GpuTransport(event_factory, coalesce_from_env(0.0) if coalesce_s is None else coalesce_s,
-                                     bind_thread)
+                                     bind_thread, recycle)
         self.transport = transport
         self.instruction_begins: Callable[[int, int, int, str], None] = transport.instruction_begins
         self.instruction_ends: Callable[[], None] = transport.instruction_ends

@@ -67,9 +67,16 @@ class CpuTransport(Transport):
 
     def instruction_begins(self, iteration: int, index: int, mhz: int, kind: str, power_w: float = NO_POWER) -> None:
         """Append "instruction `index` of `iteration` (`kind`) begins now at `mhz` MHz" (training thread;
-        `power_w`: a simulated truth's busy power, W)."""
+        `power_w`: a simulated truth's busy power, W). ``_append`` written out: this runs at every instruction."""
         if self.sending:
-            self._append(CODE_BEGIN, iteration, index, mhz, KIND_CODE.get(kind, -1), power_w)
+            now = monotonic()
+            idle, self._idle_from = self._idle_from, NO_TIME  # the previous instruction's end rides along
+            recs = self._recs
+            if not recs:
+                self._out_since = now
+            recs.extend((CODE_BEGIN, now, idle, iteration, index, mhz, KIND_CODE.get(kind, -1), power_w))
+            if self._parked:
+                self._doorbell.set()
 
     def instruction_ends(self) -> None:
         """Note "the running instruction ends now" (training thread): no record, no queue operation."""

@@ -9,10 +9,13 @@ gather for that long before the forwarder looks.
 
 ``CudaEvents`` is the event factory of a CUDA run. Its events are *blocking* (``cudaEventBlockingSync``:
 the forwarder sleeps in ``synchronize()`` instead of spinning a CPU core per rank), without timing
-(cheaper to record). Its ``bind_thread()`` makes the training thread's CUDA device current in the
-forwarder before it first waits: a thread that never set its device works on device 0, so on a
-multi-GPU node every rank > 0 would create a context there (~0.5 GB each; pytorch#135273 is the same
-bug class). The device is the one current on the training thread when the first event is made.
+(cheaper to record), and pooled: the forwarder gives each event back once it has waited on it
+(``give_back``), so the training thread records an event it already has instead of making one (a driver
+call, ``cudaEventCreate``, at its first record) per instruction. Its ``bind_thread()`` makes the training
+thread's CUDA device current in the forwarder before it first waits: a thread that never set its device
+works on device 0, so on a multi-GPU node every rank > 0 would create a context there (~0.5 GB each;
+pytorch#135273 is the same bug class). The device is the one current on the training thread when the
+first event is made.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class CudaEvents:
         self._torch = torch_module
         self.device: int | None = None  # the training thread's device at the first event
         self._fallback = fallback_device
+        self._free: collections.deque[Any] = collections.deque()  # waited on by the forwarder, ready to record
 
     @classmethod
     def available(cls, fallback_device: int | None = None) -> CudaEvents | None:
@@ -89,13 +93,20 @@ class CudaEvents:
         return cls(torch, fallback_device) if torch.cuda.is_available() else None
 
     def __call__(self) -> Any:
-        """A blocking CUDA event recorded on the current stream (training thread)."""
-        cuda = self._torch.cuda
-        if self.device is None:
-            self.device = int(cuda.current_device())
-        ev = cuda.Event(blocking=True)
+        """A blocking CUDA event recorded on the current stream (training thread), from the pool if it has one."""
+        try:
+            ev = self._free.pop()
+        except IndexError:
+            cuda = self._torch.cuda
+            if self.device is None:
+                self.device = int(cuda.current_device())
+            ev = cuda.Event(blocking=True)
         ev.record()
         return ev
+
+    def give_back(self, event: Any) -> None:
+        """`event` has been waited on (forwarder thread): record it again for a later message."""
+        self._free.append(event)
 
     def bind_thread(self) -> None:
         """Make the training thread's CUDA device current in the calling thread (the forwarder)."""
@@ -110,12 +121,14 @@ class GpuTransport(Transport):
     HELPER = "forwarder"
 
     def __init__(self, event_factory: Callable[[], Any], coalesce_s: float,
-                 bind_thread: Callable[[], None] | None = None) -> None:
+                 bind_thread: Callable[[], None] | None = None, recycle: Callable[[Any], None] | None = None) -> None:
         """`event_factory` returns a recorded CUDA event (anything with ``synchronize()``); `bind_thread`
-        (``CudaEvents.bind_thread``), when given, runs in the forwarder once before it first waits."""
+        (``CudaEvents.bind_thread``), when given, runs in the forwarder once before it first waits; `recycle`
+        (``CudaEvents.give_back``), when given, gets each event back once the forwarder has waited on it."""
         super().__init__(coalesce_s)
         self._event_factory = event_factory
         self._bind = bind_thread
+        self._recycle = recycle
         self._local: collections.deque[Item] = collections.deque()
         self._ring_each = coalesce_s <= 0  # no gathering: every message wakes the forwarder
 
@@ -184,6 +197,8 @@ class GpuTransport(Transport):
                         self._bind()
                         self._bind = None
                     event.synchronize()  # blocks this thread only, until the GPU reaches the point
+                    if self._recycle is not None:  # nothing else holds it: the training thread may record it again
+                        self._recycle(event)
                 if isinstance(msg, dict):
                     out.control(msg)
                 else:

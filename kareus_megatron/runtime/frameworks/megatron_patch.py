@@ -291,39 +291,50 @@ def _wrap_schedule(name: str, fn: Any) -> Any:
     return schedule
 
 
-def _forward_ident(st: PatchState, args: Any, kwargs: Any) -> tuple[str, int, int] | None:
-    """The plan instruction of a forward_step call: megatron passes its microbatch and chunk."""
-    mb = kwargs.get("current_microbatch")
-    return None if mb is None else ("forward", kwargs.get("vp_stage") or 0, mb)
+def _wrap_forward(fn: Any) -> Any:
+    """Wrap megatron-core's forward_step: announce the instruction megatron names (microbatch, chunk) and
+    remember its output tensor for the backward (its backward_step gets the same object back).
 
-
-def _backward_ident(st: PatchState, args: Any, kwargs: Any) -> tuple[str, int, int] | None:
-    """The plan instruction of a backward_step call: the one whose forward produced its output tensor."""
-    output_tensor = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output
-    ident = st.fwd_ids.pop(_tensor_key(output_tensor), None)
-    return None if ident is None else ("backward", ident[0], ident[1])
-
-
-def _wrap_step(fn: Any, identify: Any) -> Any:
-    """Wrap megatron-core's forward_step or backward_step: announce the instruction `identify` names."""
+    This runs at every instruction on the training thread, after megatron's own work has evicted it from the
+    CPU caches, so it is written flat (no helper calls besides the patch state's)."""
 
     @functools.wraps(fn)
-    def step(*args: Any, **kwargs: Any) -> Any:
+    def forward_step(*args: Any, **kwargs: Any) -> Any:
+        st = _slot.state
+        mb = kwargs.get("current_microbatch")
+        if st is None or not st.active or mb is None:
+            return fn(*args, **kwargs)
+        chunk = kwargs.get("vp_stage") or 0
+        if not st.announce(("forward", chunk, mb)):
+            st.warn_unplanned("forward", chunk, mb)
+        out = fn(*args, **kwargs)
+        st.instruction_ends()
+        t = out[0]
+        st.fwd_ids[id(t) if not isinstance(t, (list, tuple)) else _tensor_key(t)] = (chunk, mb)
+        return out
+
+    return forward_step
+
+
+def _wrap_backward(fn: Any) -> Any:
+    """Wrap megatron-core's backward_step: announce the backward of the forward whose output it gets."""
+
+    @functools.wraps(fn)
+    def backward_step(*args: Any, **kwargs: Any) -> Any:
         st = _slot.state
         if st is None or not st.active:
             return fn(*args, **kwargs)
-        ident = identify(st, args, kwargs)
+        t = args[1] if len(args) > 1 else kwargs.get("output_tensor")  # the forward's output
+        ident = st.fwd_ids.pop(id(t) if not isinstance(t, (list, tuple)) else _tensor_key(t), None)
         if ident is None:
             return fn(*args, **kwargs)
-        if not st.announce(ident):
-            st.warn_unplanned(*ident)
+        if not st.announce(("backward", ident[0], ident[1])):
+            st.warn_unplanned("backward", ident[0], ident[1])
         out = fn(*args, **kwargs)
         st.instruction_ends()
-        if identify is _forward_ident:
-            st.fwd_ids[_tensor_key(out[0])] = (ident[1], ident[2])  # its backward gets the same object back
         return out
 
-    return step
+    return backward_step
 
 
 def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
@@ -332,8 +343,7 @@ def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
     from megatron.core.pipeline_parallel import schedules
 
     replacements = [(schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS]
-    replacements += [(schedules, "forward_step", functools.partial(_wrap_step, identify=_forward_ident)),
-                     (schedules, "backward_step", functools.partial(_wrap_step, identify=_backward_ident))]
+    replacements += [(schedules, "forward_step", _wrap_forward), (schedules, "backward_step", _wrap_backward)]
     state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
     return state
 

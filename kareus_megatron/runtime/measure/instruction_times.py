@@ -17,7 +17,10 @@ CPU a stamp is ``time.monotonic()``; on a GPU it is a CUDA timing event recorded
 (``TimingEvents``, a pool: events come back once read), read by the meter's writer thread with
 ``elapsed_time`` only after the iteration's end mark has resolved, i.e. after the GPU passed every
 event of the iteration, so reading needs no device synchronisation (a stamp it had not passed reads
-null rather than wait). KAREUS_LOG_INSTRUCTIONS=0 turns the columns off (default 1).
+null rather than wait). The writer reads under the training thread's CUDA device (``torch.cuda.device``,
+taken when the pool is made at validation): a thread that never set its device works on device 0, so on a
+multi-GPU node every rank > 0 would otherwise make a CUDA context there (as ``CudaEvents.bind_thread`` does
+for the clock client's forwarder). KAREUS_LOG_INSTRUCTIONS=0 turns the columns off (default 1).
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ class TimingEvents:
     """CUDA timing events from a pool (training thread: take and record; writer thread: read and give back)."""
 
     def __init__(self, torch_module: Any) -> None:
+        """`torch_module`: torch (or a stand-in); made on the training thread, whose current CUDA device the
+        events are recorded on and read under."""
         self._cuda = torch_module.cuda
+        self.device = int(self._cuda.current_device())
         self._free: deque[Any] = deque()
 
     @classmethod
@@ -74,13 +80,15 @@ class TimingEvents:
         return ev
 
     def seconds(self, base: Any, stamps: list[Any]) -> list[float | None]:
-        """Each stamp's time (s) after `base`, null where the GPU has not passed it (writer thread)."""
+        """Each stamp's time (s) after `base`, null where the GPU has not passed it (writer thread, under the
+        training thread's device)."""
         out: list[float | None] = []
-        for ev in stamps:
-            try:
-                out.append(base.elapsed_time(ev) / 1000.0 if ev.query() else None)
-            except Exception:  # not recorded, or a device error: unknown
-                out.append(None)
+        with self._cuda.device(self.device):
+            for ev in stamps:
+                try:
+                    out.append(base.elapsed_time(ev) / 1000.0 if ev.query() else None)
+                except Exception:  # not recorded, or a device error: unknown
+                    out.append(None)
         return out
 
     def give_back(self, events: list[Any]) -> None:

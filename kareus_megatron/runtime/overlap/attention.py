@@ -16,12 +16,16 @@ and ``megatron/core/fusions/fused_softmax.py``; the 0.15.3 wheel's is the same i
   by the layer number under ``apply_query_key_layer_scaling`` and multiplies the scores back in fp32, so
   the net scale is unchanged; SDPA applies it once inside the kernel, whose softmax runs in fp32 on every
   GPU kernel (so ``attention_softmax_in_fp32=False`` in fp16/bf16 is, if anything, more precise here).
-- mask: megatron's boolean mask (True = masked out) is inverted into SDPA's (True = attend). With a
-  causal mask type and no mask, or a mask equal to the causal one (checked once per mask tensor, then
-  cached: GPTModel passes the same mask to every layer), SDPA runs with ``is_causal=True`` and no mask, so
-  flash kernels apply. Otherwise the given mask is used, as megatron's torch softmax path does (it uses
-  a given mask whatever the mask type). A query row masked out entirely (padding) attends to every key
-  here; megatron gives it a uniform average instead (both are finite placeholders the loss ignores).
+- mask: with the causal mask type, self-attention is causal and a square mask (``[.., s, s]``: megatron's
+  default ``[b, 1, s, s]`` or ``[1, 1, s, s]``, or none) is not read: SDPA runs with ``is_causal=True`` and no
+  mask, so flash kernels apply and the host never waits to look at the mask (reading it would be a host sync
+  per layer call). That is megatron's own contract for the causal type: its fused softmax
+  (``ScaledUpperTriangMaskedSoftmax``) and Transformer Engine's attention ignore the mask the same way; only
+  its unfused torch-softmax fallback applies it, so a dataloader mask that is not causal (Megatron-LM's
+  ``--reset-attention-mask``) needs a padding/arbitrary mask type or ``core_attention='local'``. For other
+  mask types (and non-square masks) megatron's boolean mask (True = masked out) is inverted into SDPA's
+  (True = attend) on the device. A query row masked out entirely (padding) attends to every key here;
+  megatron gives it a uniform average instead (both are finite placeholders the loss ignores).
 - GQA: ``enable_gqa=True`` (torch >= 2.5) or ``repeat_interleave`` of key/value, megatron's head order.
 - dropout: ``attention_dropout`` (or ``config.attention_dropout``) as SDPA's ``dropout_p`` in training,
   0 in eval, under megatron's model-parallel RNG tracker (as megatron forks it) unless sequence parallel.
@@ -39,8 +43,8 @@ Refused in one line: packed sequences, sliding-window attention, softmax offsets
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -59,10 +63,6 @@ CORE_ATTENTION_LOCAL = "local"  # megatron-core's DotProductAttention
 CORE_ATTENTIONS = (CORE_ATTENTION_SDPA, CORE_ATTENTION_LOCAL)
 _HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
 _CAUSAL_TYPES = (AttnMaskType.causal,)
-
-# (weak ref to the last megatron mask seen, (its version counter, causal type, sq, sk), is_causal, SDPA
-# mask): one entry, shared by every layer, so a model's layers convert (and compare) the same mask once.
-_mask_cache: tuple[Any, tuple[int, bool, int, int], bool, torch.Tensor | None] | None = None
 
 
 class SDPAttention(MegatronModule):
@@ -121,7 +121,7 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             bias, neg = attention_bias.to(query.dtype), float("-inf")
             if is_causal:  # SDPA takes is_causal or a mask, not both
-                is_causal, mask = False, ~_causal(sq, sk, query.device)
+                is_causal, mask = False, causal_attend_mask(sq, sk, query.device)
             mask = bias if mask is None else torch.where(mask, bias, neg)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn] views
         dropout_p = self.dropout_p if self.training else 0.0
@@ -165,39 +165,27 @@ class SDPAttention(MegatronModule):
                                               scale=self.softmax_scale, **kw)
 
 
-def _causal(sq: int, sk: int, device: torch.device) -> torch.Tensor:
-    """megatron's causal mask [sq, sk] (True = masked out: keys after the query)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
+@functools.lru_cache(maxsize=4)  # [s, s] bools each: a model uses one or two shapes
+def causal_attend_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """SDPA's causal mask [sq, sk] (True = attend: keys up to the query), built once per shape and device."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril_()
 
 
 def sdpa_mask(mask: torch.Tensor | None, mask_type: AttnMaskType, sq: int, sk: int) -> tuple[bool, torch.Tensor | None]:
-    """(is_causal, SDPA boolean mask: True = attend) for megatron's mask (True = masked out) and mask type."""
-    global _mask_cache
+    """(is_causal, SDPA boolean mask: True = attend) for megatron's mask (True = masked out) and mask type.
+
+    Reads only the mask's dtype and shape (no device value: no host sync); see the module doc for the rules.
+    """
     causal_type = mask_type in _CAUSAL_TYPES
-    if mask is None:
+    if mask is None or (causal_type and sq == sk and tuple(mask.shape[-2:]) == (sq, sk)):
+        if mask is not None and mask.dtype != torch.bool:
+            raise InfeasibleConfigError(f"attention_mask must be boolean (True = masked out), got {mask.dtype}")
         if causal_type and sq > 1 and sq != sk:
             raise InfeasibleConfigError(f"causal attention needs equal query and key lengths, got {sq} and {sk}")
         return causal_type and sq > 1, None
     if mask.dtype != torch.bool:
         raise InfeasibleConfigError(f"attention_mask must be boolean (True = masked out), got {mask.dtype}")
-    c, key = _mask_cache, (mask._version, causal_type, sq, sk)
-    if c is not None and c[0]() is mask and c[1] == key:
-        return c[2], c[3]
-    if causal_type and sq == sk and mask.shape[-2:] == (sq, sk) and torch.equal(
-        mask, _causal(sq, sk, mask.device).expand_as(mask)
-    ):
-        result: tuple[bool, torch.Tensor | None] = (sq > 1, None)
-    else:
-        result = (False, ~mask | mask.all(dim=-1, keepdim=True))  # a fully masked row attends to every key
-    _mask_cache = (weakref.ref(mask, _forget_mask), key, *result)
-    return result
-
-
-def _forget_mask(ref: Any) -> None:
-    """Drop the cached SDPA mask once its megatron mask is freed (it can be as large: [b, 1, s, s])."""
-    global _mask_cache
-    if _mask_cache is not None and _mask_cache[0] is ref:
-        _mask_cache = None
+    return False, ~mask | mask.all(dim=-1, keepdim=True)  # a fully masked row attends to every key
 
 
 def _config_problems(config: Any, layer_number: int) -> list[str]:

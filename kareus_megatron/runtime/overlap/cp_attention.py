@@ -12,13 +12,18 @@ the core attention gets the local queries and every rank's keys in *rank order* 
 ``j`` and ``2·cp − 1 − j``, at rows ``2·j·c .. 2·(j+1)·c``). ``cp_attend`` puts the keys in sequence order
 and lets each local query chunk (global chunk ``g``) attend to its true causal past: with no mask, to the
 keys of chunks ``0..g`` under a lower-right causal bias (``torch.nn.attention.bias.causal_lower_right``,
-which keeps SDPA's flash kernels); with a megatron mask, to every key under that mask. Autograd gives dK/dV
-for the gathered keys, which the layer reduce-scatters back to their owners. On the TP axis nothing
-changes (heads are split as without CP).
+which keeps SDPA's flash kernels). Megatron's CP-sliced mask, when given, is checked for its dtype and shape
+only and not read (the causal mask type's contract, as without CP: attention.py). Autograd gives dK/dV for
+the gathered keys, which the layer reduce-scatters back to their owners. On the TP axis nothing changes
+(heads are split as without CP).
+
+No host sync per call: the reordering index is made on the device from ``arange`` (no host data to copy)
+once per (cp, device) and cached.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -43,8 +48,14 @@ def to_sequence_order(t: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
     if n % (2 * cp):
         raise InfeasibleConfigError(f"gathered length {n} is not divisible by 2*cp={2 * cp}")
     shape = (*t.shape[:dim], 2 * cp, n // (2 * cp), *t.shape[dim + 1:])
-    idx = torch.tensor(sequence_order(cp), device=t.device)
-    return t.reshape(shape).index_select(dim, idx).reshape(t.shape)
+    return t.reshape(shape).index_select(dim, sequence_index(cp, t.device)).reshape(t.shape)
+
+
+@functools.lru_cache(maxsize=8)
+def sequence_index(cp: int, device: torch.device) -> torch.Tensor:
+    """``sequence_order(cp)`` as an int64 tensor on `device`, computed there (no copy from the host), cached."""
+    g = torch.arange(2 * cp, device=device)
+    return torch.where(g < cp, 2 * g, 4 * cp - 1 - 2 * g)  # g >= cp: slot 2*(2cp-1-g)+1
 
 
 Attend = Callable[..., torch.Tensor]  # (q, k, v, mask, is_causal, dropout_p) -> [b, np, sq, hv]
@@ -55,8 +66,8 @@ def cp_attend(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of local queries over gathered keys; returns [b, np, sq, hv].
 
     ``q`` [b, np, sq, hn] holds this rank's two chunks; ``k``/``v`` [b, ng, cp·sq, hn] every rank's, in rank
-    order. ``mask``: None (causal) or megatron's boolean mask (True = masked out) [.., sq, cp·sq] with keys in
-    sequence order. ``attend(q, k, v, mask, is_causal, dropout_p)`` is SDPAttention._attend.
+    order. ``mask``: None or megatron's causal boolean mask [.., sq, cp·sq] (checked, not read: the
+    attention is causal either way). ``attend(q, k, v, mask, is_causal, dropout_p)`` is SDPAttention._attend.
     """
     sq, sk = q.shape[2], k.shape[2]
     if sq % 2 or sk != cp * sq:
@@ -64,21 +75,16 @@ def cp_attend(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"context-parallel attention needs the local queries (2 chunks, got {sq} rows) and the K/V of all "
             f"{cp} CP ranks ({cp * sq} rows, got {sk}); SDPAttention runs CP only inside the partitioned layer"
         )
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape[-2:]) != (sq, sk)):
+        raise InfeasibleConfigError(
+            f"context-parallel attention needs a boolean attention_mask [.., {sq}, {sk}] (megatron's CP "
+            f"batch layout) or None, got {tuple(mask.shape)} {mask.dtype}"
+        )
     c = sq // 2
     k_seq, v_seq = to_sequence_order(k, cp, 2), to_sequence_order(v, cp, 2)
     outs = []
     for i, g in enumerate(local_chunks(cp, rank)):
-        qi = q[:, :, i * c:(i + 1) * c]
-        if mask is None:
-            end = (g + 1) * c
-            outs.append(attend(qi, k_seq[:, :, :end], v_seq[:, :, :end], causal_lower_right(c, end), False,
-                               dropout_p))
-            continue
-        if mask.dtype != torch.bool or tuple(mask.shape[-2:]) != (sq, sk):
-            raise InfeasibleConfigError(
-                f"context-parallel attention needs a boolean attention_mask [.., {sq}, {sk}] (megatron's CP "
-                f"batch layout) or None, got {tuple(mask.shape)} {mask.dtype}"
-            )
-        mi = mask[..., i * c:(i + 1) * c, :]
-        outs.append(attend(qi, k_seq, v_seq, ~mi | mi.all(dim=-1, keepdim=True), False, dropout_p))
+        end = (g + 1) * c
+        outs.append(attend(q[:, :, i * c:(i + 1) * c], k_seq[:, :, :end], v_seq[:, :, :end],
+                           causal_lower_right(c, end), False, dropout_p))
     return torch.cat(outs, dim=2)

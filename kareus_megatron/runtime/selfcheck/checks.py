@@ -42,45 +42,13 @@ def _p95(xs: list[float]) -> float:
     return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
 
 
-class SyncCounter:
-    """Within: torch.cuda.synchronize counts its calls (still synchronising) and CUDA's sync debug mode
-    counts the implicit synchronisations (a .item(), a host copy; torch.cuda.set_sync_debug_mode "warn")."""
-
-    def __init__(self, torch: Any) -> None:
-        self._cuda = torch.cuda
-        self.explicit = 0
-        self.implicit = 0
-
-    def __enter__(self) -> SyncCounter:
-        import warnings
-
-        self._orig = self._cuda.synchronize
-
-        def counted(*a: Any, **k: Any) -> Any:
-            self.explicit += 1
-            return self._orig(*a, **k)
-
-        self._cuda.synchronize = counted
-        self._debug = self._cuda.get_sync_debug_mode()
-        self._warnings = warnings.catch_warnings(record=True)
-        self._seen = self._warnings.__enter__()
-        warnings.simplefilter("always")
-        self._cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._cuda.set_sync_debug_mode(self._debug)
-        self._warnings.__exit__(None, None, None)
-        self.implicit += sum("synchroniz" in str(w.message) for w in self._seen)
-        self._cuda.synchronize = self._orig
-
-
 def check_megatron_patch(torch: Any, sizes: Sizes, device: str, work: str) -> dict[str, Any]:
     """Train without, then with, the patch (read-only device, thread controller); compare."""
+    from kareus_megatron.runtime.selfcheck.sync_count import CudaSyncCounter
     from kareus_megatron.runtime.session import MEGATRON_SESSIONS
 
     cuda = device.startswith("cuda")
-    counters = [SyncCounter(torch) if cuda else None for _ in range(2)]
+    counters = [CudaSyncCounter(torch) if cuda else None for _ in range(2)]
     times_a: list[float] = []
     losses_a = train(build_gpt(torch, sizes, device), sizes, device, times_a, around_schedule=counters[0])
     gpu_name, clocks = _device_preset()

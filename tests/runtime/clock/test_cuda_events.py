@@ -67,3 +67,19 @@ def test_bind_before_any_event_uses_the_fallback_device():
     events = CudaEvents(types.SimpleNamespace(cuda=cuda), fallback_device=1)
     events.bind_thread()
     assert cuda.set_device_calls[-1][1] == 1
+
+
+def test_events_come_back_to_the_pool_once_waited_on():
+    cuda = FakeCuda(training_device=0)
+    events = CudaEvents(types.SimpleNamespace(cuda=cuda))
+    client = ClockClient(event_factory=events, bind_thread=events.bind_thread, recycle=events.give_back)
+    client.transport.connect(lambda data: None)
+    client.transport.begin(clock_control=True, want_ends=False)
+    for k in range(3):
+        client.instruction_begins(0, k, 1200, "forward")
+    assert wait_for(lambda: len(cuda.sync_devices) == 3 and len(events._free) == 3, 5)
+    for k in range(3, 9):  # the training thread records the pool's events again: none made while it has some
+        client.instruction_begins(0, k, 1200, "forward")
+        assert wait_for(lambda n=k + 1: len(cuda.sync_devices) == n, 5)
+    client.transport.shut()
+    assert len(cuda.event_kwargs) == 3, cuda.event_kwargs

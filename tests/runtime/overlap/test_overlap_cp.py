@@ -20,7 +20,14 @@ from _dist import read_ranks, spawn
 from kareus_megatron.errors import InfeasibleConfigError, PlanError
 from kareus_megatron.runtime.overlap import overlap_violations
 from kareus_megatron.runtime.overlap.config import cp_engine_slots, cp_sp_engine_slots, validate_plan_for_layer
-from kareus_megatron.runtime.overlap.cp_attention import cp_attend, local_chunks, to_sequence_order
+from kareus_megatron.runtime.overlap.cp_attention import (
+    cp_attend,
+    local_chunks,
+    sequence_index,
+    sequence_order,
+    to_sequence_order,
+)
+from kareus_megatron.runtime.selfcheck.sync_count import SyncCount
 from kareus_megatron.vocab import CP_PARTITION_SLOTS
 
 
@@ -61,6 +68,33 @@ def test_cp_attend_equals_full_causal_attention_rows_and_grads(cp, with_mask):
     torch.testing.assert_close(dk, gk)
     with pytest.raises(InfeasibleConfigError, match="K/V of all"):
         cp_attend(_attend, q[:, :, :2 * c], k[:, :, :2 * c], v[:, :, :2 * c], None, cp, 0, 0.0)
+
+
+def test_the_reordering_index_is_built_on_the_device_once_without_host_data():
+    sequence_index.cache_clear()
+    t = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3).requires_grad_()
+    with SyncCount() as sc:  # the first call builds the index: no Python data copied to the device
+        out = to_sequence_order(t, 2, 1)
+        out.backward(torch.ones_like(out))
+        out = to_sequence_order(t, 2, 1)
+    assert sc.total == 0, sc.report()
+    assert sequence_index.cache_info().misses == 1 and sequence_index(2, t.device) is sequence_index(2, t.device)
+    for cp in (1, 2, 3, 4):
+        assert sequence_index(cp, torch.device("cpu")).tolist() == sequence_order(cp)
+    torch.testing.assert_close(out, t.detach().view(2, 4, 2, 3)[:, [0, 2, 3, 1]].reshape(2, 8, 3))
+
+
+def test_a_cp_mask_is_checked_not_read():
+    q = torch.randn(1, 2, 4, 8)
+    k = v = torch.randn(1, 2, 8, 8)
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)[[0, 1, 6, 7]]  # rank 0 of CP=2, chunks of 2
+    with SyncCount() as sc:
+        out = cp_attend(_attend, q, k, v, causal.expand(3, 1, 4, 8), 2, 0, 0.0)
+    assert sc.total == 0
+    torch.testing.assert_close(out, cp_attend(_attend, q, k, v, None, 2, 0, 0.0))
+    for bad in (causal.float(), causal[:, :4]):
+        with pytest.raises(InfeasibleConfigError, match="boolean attention_mask"):
+            cp_attend(_attend, q, k, v, bad, 2, 0, 0.0)
 
 
 def test_cp_engine_slots_match_the_planners_cut():
