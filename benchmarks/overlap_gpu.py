@@ -31,6 +31,18 @@ megatron's DotProductAttention does not run it).
         [--out kareus-out/overlap_measurements.json] [--write-calibration overlap_cal.json]
     python benchmarks/overlap_gpu.py --dry-run [--sp | --cp 2]   # CPU: 2 gloo processes (TP=2, or CP=2 TP=1),
                                                                  # a tiny layer, simulated energy
+
+On ONE GPU (``python benchmarks/overlap_gpu.py``, or torchrun with one process; ``--dry-run --procs 1`` on a
+CPU) there is no TP or CP collective: the layer runs at TP=1 and only the reference rows (1 and 2 nanobatches,
+no knobs) are measured and predicted; the comm-SM and launch-slot rows need 2 or more GPUs. The output then
+also holds ``communicators``: the engine's SM-limited communicators for the planner's TP grid built on this one
+GPU (runtime/overlap/comm_probe.py: init time s, device memory bytes; at world size 1, so without the peers'
+buffers a real TP group has).
+
+Clocks: with ``--clock-mhz`` the SM clock is locked and the prediction is made at it; without, the clock is
+whatever the GPU runs at, sampled through the device (NVML) while each row is measured, and each row is
+predicted at its own measured clock (``clock_mhz`` of the row; the document's ``clock_mhz`` is then null and
+``measured_clock_mhz`` the median over the rows).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring), with the layout they describe checked."""
     ap = argparse.ArgumentParser(prog="overlap_gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU: 2 gloo processes, tiny layer, simulated energy")
+    ap.add_argument("--procs", type=int, default=DRY_RUN_WORLD, choices=(1, 2),
+                    help="gloo processes of the dry run (1: the single-GPU path); on GPUs torchrun's WORLD_SIZE")
     ap.add_argument("--model", default=None, help="model preset (workload/models.toml); tiny in a dry run")
     ap.add_argument("--gpu", default=None, help="GPU preset for the prediction (default: the device's)")
     ap.add_argument("--calibration", default=None, help="calibration file the prediction starts from")
@@ -99,8 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--mbs {a.mbs} must be even (2 nanobatches)")
     if a.sms and not all(s.strip().isdigit() and int(s) > 0 for s in a.sms.split(",")):
         ap.error(f"--sms {a.sms!r} must be positive integers, comma-separated (e.g. 6,18)")
-    a.world = DRY_RUN_WORLD if a.dry_run else int(os.environ.get("WORLD_SIZE", "1"))
-    where = "the dry run's 2 processes" if a.dry_run else f"world size {a.world}"
+    from kareus_megatron.vocab import MAX_COMM_SM_VALUES
+
+    if a.sms and len({int(s) for s in a.sms.split(",")}) > MAX_COMM_SM_VALUES:
+        ap.error(f"--sms {a.sms!r}: at most {MAX_COMM_SM_VALUES} counts (the overlap engine's communicators per group)")
+    a.world = a.procs if a.dry_run else int(os.environ.get("WORLD_SIZE", "1"))
+    where = f"the dry run's {a.world} process(es)" if a.dry_run else f"world size {a.world}"
     if a.cp < 1:
         ap.error(f"--cp {a.cp} must be a positive integer (1: no context parallelism)")
     if a.world % a.cp:
@@ -111,11 +130,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.sp and a.tp == 1:
         ap.error(f"--sp needs TP >= 2, but {where} / --cp {a.cp} leaves TP=1; drop --sp or lower --cp")
     a.engine_slots, a.layout = layout_slots(a.tp, a.cp, a.sp)
-    if not a.layout:
-        ap.error(f"{where} with --cp {a.cp} has no TP or CP collective to overlap; run on 2 or more GPUs")
+    a.single = not a.layout  # one GPU: no collective, the reference rows only
+    if a.single and (a.partitions or a.write_calibration):
+        ap.error(f"--{'partitions' if a.partitions else 'write-calibration'}: {where} has no TP or CP collective to "
+                 "overlap; run on 2 or more GPUs")
     a.partitions = [p for p in (a.partitions or ",".join(a.layout)).split(",") if p]
     bad = [p for p in a.partitions if p not in a.layout]
-    if bad or not a.partitions:
+    if bad or (not a.partitions and not a.single):
         ap.error(f"--partitions {','.join(bad) or '(none)'}: not a partition of this layout "
                  f"({layout_name(a.tp, a.cp, a.sp)}); use some of {', '.join(a.layout)}")
     from kareus_megatron.errors import KareusError
@@ -165,9 +186,13 @@ def model_spec(args: argparse.Namespace):
 
 
 def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
-    """Rows to measure: references, then every (partition, comm SMs, slot) of the chosen partitions."""
-    from kareus_megatron.search.tables import comm_sms_range
+    """Rows to measure: references, then every (partition, comm SMs, slot) of the chosen partitions (comm SMs:
+    the planner's grid, search/tables.py knob_sms, unless --sms)."""
+    from kareus_megatron.cost.kernel import KernelModel
+    from kareus_megatron.cost.overlap import OverlapCost
+    from kareus_megatron.search.tables import knob_sms
 
+    default_sms = getattr(args, "default_sms", None) or OverlapCost(KernelModel(gpu)).default_sms
     rows: list[dict[str, Any]] = []
     for phase in PHASES:
         rows.append({"phase": phase, "nanobatches": 1, "partition": None, "comm_sms": None, "slot": None})
@@ -175,7 +200,8 @@ def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
         for name, slots in args.layout.items():
             if phase_of(name) != phase or name not in args.partitions:
                 continue
-            sms = [int(s) for s in args.sms.split(",")] if args.sms else [int(s) for s in comm_sms_range(gpu, name)]
+            sms = ([int(s) for s in args.sms.split(",")] if args.sms  # default: the planner's grid
+                   else [int(s) for s in knob_sms(gpu, name, default_sms)])
             if args.dry_run:  # exercise the path, not the grid
                 sms, slots = sms[:1], tuple(dict.fromkeys((slots[0], slots[-1])))
             for s in sms:
@@ -185,17 +211,23 @@ def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------- prediction (cost model; no torch)
-def predict_rows(rows: list[dict[str, Any]], km: Any, model: Any, par: Any, clock_mhz: int):
-    """Predicted (time s, energy J) of one layer's phase for each row: arrays (n_rows,)."""
+def row_clocks(rows: list[dict[str, Any]], clock_mhz: int | None) -> list[int]:
+    """The SM clock (MHz) to predict each row at: `clock_mhz` (locked) for all, else each row's measured one."""
+    return [int(clock_mhz) if clock_mhz else int(r["clock_mhz"]) for r in rows]
+
+
+def predict_rows(rows: list[dict[str, Any]], km: Any, model: Any, par: Any, clock_mhz: int | Sequence[int]):
+    """Predicted (time s, energy J) of one layer's phase for each row, at `clock_mhz` (MHz: one for all rows, or
+    one per row): arrays (n_rows,)."""
     from kareus_megatron.cost.overlap import OverlapCost
     from kareus_megatron.search.tables import phase_table
 
     ad = OverlapCost(km)
-    clocks = np.array([float(clock_mhz)])
+    per_row = [int(clock_mhz)] * len(rows) if isinstance(clock_mhz, (int, np.integer)) else [int(c) for c in clock_mhz]
     t_out, e_out = np.zeros(len(rows)), np.zeros(len(rows))
-    tables = {ph: phase_table(ad, model, par, ph, [clock_mhz], 2) for ph in {r["phase"] for r in rows}}
+    tables = {(r["phase"], c): phase_table(ad, model, par, r["phase"], [c], 2) for r, c in zip(rows, per_row)}
     for i, r in enumerate(rows):
-        table = tables[r["phase"]]
+        table, clocks = tables[r["phase"], per_row[i]], np.array([float(per_row[i])])
         if r["nanobatches"] == 1:
             t_out[i], e_out[i] = table.seq_time_s[0], table.seq_energy_j[0]
             continue
@@ -222,8 +254,9 @@ def _valid(r: dict[str, Any]) -> bool:
     return math.isfinite(t) and math.isfinite(e) and t > 0 and e > 0
 
 
-def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, clock_mhz: int, base_cal: Any):
-    """Fit the overlap parameters to the measured 2-nanobatch rows; return a Calibration."""
+def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, clock_mhz: int | None, base_cal: Any):
+    """Fit the overlap parameters to the measured 2-nanobatch rows, each at `clock_mhz` (MHz; None: each row's
+    measured clock); return a Calibration."""
     from kareus_megatron.cost.calibrate import FreeParam, Series, fit_series, series_metrics
     from kareus_megatron.cost.calibration import FORMAT, Calibration
     from kareus_megatron.cost.kernel import KernelModel
@@ -235,9 +268,9 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
             continue
         t = np.array([r["measured_time_s"] for r in sel])
         e = np.array([r["measured_energy_j"] for r in sel])
-        f = np.full(len(sel), float(clock_mhz))
-        series.append(Series(f"{phase} knobs", f, t, e,
-                             lambda km, sel=sel: predict_rows(sel, km, model, par, clock_mhz)))
+        clocks = row_clocks(sel, clock_mhz)
+        series.append(Series(f"{phase} knobs", np.array(clocks, dtype=float), t, e,
+                             lambda km, sel=sel, clocks=clocks: predict_rows(sel, km, model, par, clocks)))
     base_km = KernelModel(gpu, base_cal)
     free = [FreeParam(*x) for x in OVERLAP_FREE]
     before = series_metrics(base_km, series)
@@ -246,7 +279,8 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
     merged = {**(base_cal.params if base_cal else {}), **values}
     return Calibration(
         format=FORMAT, gpu=gpu.name, params=merged, fit={"uncalibrated": before, "calibrated": after},
-        source=f"benchmarks/overlap_gpu.py ({len(rows)} knob rows at {clock_mhz} MHz)",
+        source=f"benchmarks/overlap_gpu.py ({len(rows)} knob rows at "
+               f"{f'{clock_mhz} MHz' if clock_mhz else 'their measured clocks'})",
         workload={"model": model.name, "tp": par.tp, "cp": par.cp, "sequence_parallel": par.sequence_parallel,
                   "mbs": par.micro_batch_size, "seq": par.seq_length},
     )
@@ -370,7 +404,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     base = {name: Knobs(None, slots[0]) for name, slots in args.engine_slots.items()}  # the layout's defaults
     sync = (lambda: None) if cpu else torch.cuda.synchronize
 
-    def window(fn) -> tuple[float, float, int]:
+    def window(fn) -> tuple[float, float, int, int]:
         fn()  # warm-up (and NCCL communicator creation)
         sync()
         t0 = time.perf_counter()
@@ -380,12 +414,13 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
         reps = max(2 if cpu else 10, int(np.ceil(args.min_window_s / single)))
         dist.barrier()
         sync()
-        e0, t0 = dev.energy_j(), time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        t1, e1 = time.perf_counter(), dev.energy_j()
-        return (t1 - t0) / reps, (e1 - e0) / reps, reps
+        with ClockSampler(dev) as clock:  # the SM clock the GPU runs the window at (locked or not)
+            e0, t0 = dev.energy_j(), time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            t1, e1 = time.perf_counter(), dev.energy_j()
+        return (t1 - t0) / reps, (e1 - e0) / reps, reps, clock.median_mhz()
 
     def every_rank(ok: bool) -> bool:
         flag = torch.tensor([1.0 if ok else 0.0], device=device)
@@ -406,25 +441,62 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     for r in rows:
         knobs = {**base, r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else base
         engine.state.set(LayerSettings(nanobatches=r["nanobatches"], knobs=knobs))
-        tf, ef, nf = window(fwd)
+        tf, ef, nf, mhz = window(fwd)
         if r["phase"] == "forward":
             t, e, n = tf, ef, nf
         else:
             for attempt in range(BACKWARD_ATTEMPTS):  # backward = (forward+backward) - forward: on a
                 if attempt:                           # noisy machine the difference can come out <= 0
-                    tf, ef, nf = window(fwd)
-                tb, eb, n = window(fwd_bwd)
+                    tf, ef, nf, _ = window(fwd)
+                tb, eb, n, mhz = window(fwd_bwd)
                 t, e = tb - tf, eb - ef
                 if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
                     break
         groups = engine.comm.cp_sm_groups if is_cp.get(r["partition"]) else engine.comm.sm_groups
-        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n, "clock_mhz": dev.sm_clock_mhz(),
-                    "sm_limit_applied": r["comm_sms"] in groups})  # this row's partition ran SM-limited
+        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n, "clock_mhz": mhz,
+                    "sm_limit_requested": r["comm_sms"] in groups})  # issued on an SM-limited communicator
     set_engine(None)
     dev.close()
     attn = {} if args.cp > 1 else attention_op_times(layer.config, args.seq, args.mbs, device, dtype,
                                                      reps=3 if cpu else 10, sync=sync)
-    return out, attn
+    extra: dict[str, Any] = {}
+    if args.single:  # no collective to measure: what the TP communicators cost to build here, at world size 1
+        from kareus_megatron.runtime.overlap.comm_probe import probe_sm_limited_comms
+        from kareus_megatron.search.tables import knob_sms
+
+        grid = [int(v) for v in knob_sms(args.gpu_spec, "fwd_attn", args.default_sms)]
+        extra["communicators"] = probe_sm_limited_comms(str(device), grid)
+    return out, attn, extra
+
+
+class ClockSampler:
+    """Reads the device's SM clock (MHz) every `period_s` on a helper thread while the block runs (NVML, or the
+    simulated device), so a window's clock is the one the GPU ran it at, not one read before or after it."""
+
+    def __init__(self, dev: Any, period_s: float = 0.02) -> None:
+        import threading
+
+        self.dev, self.period_s, self.samples = dev, period_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kareus-clock-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(int(self.dev.sm_clock_mhz()))
+            if self._stop.wait(self.period_s):
+                return
+
+    def __enter__(self) -> ClockSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def median_mhz(self) -> int:
+        """Median of the samples (MHz; at least one is taken)."""
+        return int(np.median(self.samples))
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: list, result: dict) -> None:
@@ -434,9 +506,9 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: l
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    got, attn = measure(rank, world, args, rows)
+    got, attn, extra = measure(rank, world, args, rows)
     if rank == 0:
-        result["rows"], result["attention_op"] = got, attn
+        result["rows"], result["attention_op"], result["extra"] = got, attn, extra
     dist.barrier()
     dist.destroy_process_group()
 
@@ -454,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kareus_megatron.cost.calibration import load_calibration, save_calibration
     from kareus_megatron.cost.kernel import KernelModel
+    from kareus_megatron.cost.overlap import OverlapCost
     from kareus_megatron.hardware.gpus import gpu_spec
     from kareus_megatron.plan.io import write_json_atomic
 
@@ -469,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gpu = gpu_spec(gpu_name)
     base_cal = load_calibration(args.calibration) if args.calibration else None
+    args.gpu_spec, args.default_sms = gpu, OverlapCost(KernelModel(gpu, base_cal)).default_sms
     rows = knob_rows(args, gpu)
     if args.dry_run:
         import torch.multiprocessing as mp
@@ -476,28 +550,42 @@ def main(argv: list[str] | None = None) -> int:
         with mp.Manager() as mgr:
             result = mgr.dict()
             mp.spawn(_spawned, args=(args.world, _free_port(), args, rows, result), nprocs=args.world, join=True)
-            measured, attn = list(result["rows"]), dict(result["attention_op"])
+            measured, attn, extra = list(result["rows"]), dict(result["attention_op"]), dict(result["extra"])
     else:
         import torch.distributed as dist
 
-        dist.init_process_group("nccl")
-        measured, attn = measure(dist.get_rank(), dist.get_world_size(), args, rows)
+        if "WORLD_SIZE" in os.environ:  # torchrun
+            dist.init_process_group("nccl")
+        else:  # plain `python overlap_gpu.py` on one GPU: a world of one, bound to it
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+        measured, attn, extra = measure(dist.get_rank(), dist.get_world_size(), args, rows)
         if dist.get_rank() != 0:
             dist.destroy_process_group()
             return 0
         dist.destroy_process_group()
-    clock = args.clock_mhz or int(gpu.max_sm_clock_mhz)
-    pt, pe = predict_rows(measured, KernelModel(gpu, base_cal), model, par, clock)
+    locked = args.clock_mhz  # None: each row is predicted at the clock the GPU ran it at
+    clocks = row_clocks(measured, locked)
+    pt, pe = predict_rows(measured, KernelModel(gpu, base_cal), model, par, clocks)
     for r, t, e in zip(measured, pt, pe):
         r["predicted_time_s"], r["predicted_energy_j"] = float(t), float(e)
+    notes = [] if not args.single else [
+        "world size 1: no TP or CP collective, so only the reference rows (1 and 2 nanobatches, no knobs) are "
+        "measured; comm-SM and launch-slot rows need 2 or more GPUs; 'communicators' holds what the engine's "
+        "SM-limited communicators cost to build here (at world size 1: no peers' buffers)"]
     doc = {"format": "kareus-overlap-measurements/1", "dry_run": args.dry_run, "gpu": gpu.name,
            "model": model.name, "tp": args.tp, "cp": args.cp, "sequence_parallel": args.sp,
            "partitions": {n: list(args.layout[n]) for n in args.partitions}, "mbs": args.mbs, "seq": args.seq,
-           "clock_mhz": clock,
+           "clock_mhz": locked, "measured_clock_mhz": int(np.median(clocks)) if clocks else None,
+           "clock_source": "locked" if locked else "measured",
            "core_attention": args.core_attention, "attention_op": {f"{k}_s": v for k, v in attn.items()},
-           "rows": measured}
+           "rows": measured, "notes": notes, **extra}
     write_json_atomic(args.out, doc)
-    print(f"{layout_name(args.tp, args.cp, args.sp)}, {model.name}, mbs {args.mbs}, seq {args.seq}, {clock} MHz")
+    where = f"locked at {locked} MHz" if locked else (f"not locked: measured {doc['measured_clock_mhz']} MHz (median; "
+                                                      "each row predicted at its own measured clock)")
+    print(f"{layout_name(args.tp, args.cp, args.sp)}, {model.name}, mbs {args.mbs}, seq {args.seq}, SM clock {where}")
+    for note in notes:
+        print(f"note: {note}")
     print(f"{'phase':9} {'nb':>2} {'partition':16} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
           f"{'meas J':>9} {'pred J':>9}")
     for r in measured:
@@ -508,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"time MAPE {100 * np.mean(np.abs(pt / np.maximum(mt, 1e-12) - 1)):.1f}% over {len(measured)} rows"
           + (" (dry run: CPU times, not comparable)" if args.dry_run else ""))
     if args.write_calibration:
-        cal = fit_overlap(measured, gpu, model, par, clock, base_cal)
+        cal = fit_overlap(measured, gpu, model, par, locked, base_cal)
         save_calibration(cal, args.write_calibration)
         print(f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
               f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%")

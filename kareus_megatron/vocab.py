@@ -176,6 +176,13 @@ PARTITION_COLLECTIVE: Final[dict[str, str]] = {
 
 SUPPORTED_NANOBATCHES: Final[tuple[int, ...]] = (1, 2)
 
+# Comm-SM budget: at most this many distinct comm_sms values per communicator kind (the TP group's
+# partitions, TP all-reduce or SP; the CP group's K/V partitions). The planner searches at most this many
+# (search/tables.py knob_sms, NCCL's default included) and the runtime builds one SM-limited NCCL
+# communicator per value, so at most 2 x this many per rank (runtime/overlap/comm_groups.py;
+# docs/sources.md#comm-sm-communicators).
+MAX_COMM_SM_VALUES: Final = 10
+
 
 SP_FORWARD_PARTITIONS: Final = ("fwd_sp_attn_norm", "fwd_sp_attn", "fwd_sp_mlp_norm", "fwd_sp_mlp")
 SP_BACKWARD_PARTITIONS: Final = ("bwd_sp_mlp", "bwd_sp_attn_norm", "bwd_sp_attn")

@@ -26,6 +26,7 @@ from kareus_megatron.runtime.frameworks.entry import (
     help_requested,
     kareus_parser,
     print_kareus_help,
+    refuse_cuda_graph_flags,
     run_guarded,
     run_script_in_session,
     start_session,
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         ns, rest = kareus_parser(PROG, _extra).parse_known_args(argv)
+        refuse_cuda_graph_flags(rest)  # before Megatron-LM starts: a plan cannot run under CUDA graphs
         script = megatron_lm_script(ns.megatron_lm_dir)
         sys.path.insert(0, os.path.dirname(script))  # Megatron-LM's megatron/ package wins from here on
         session = start_session(ns)

@@ -90,6 +90,7 @@ class RuntimeSession:
         self.meter: IterationMeter | None = None
         self.patch: Any = None  # the framework patch's PatchState
         self.overlap_engine: Any = None  # set up here when the plan runs 2 nanobatches
+        self.comm_groups: list[dict[str, Any]] | None = None  # its SM-limited communicators, for the log header
         self.auto: Any = None  # the closed loop's controller under --kareus-plan auto (runtime/closed_loop/auto.py)
         self.truth: Truth | None = None  # a simulated truth (KAREUS_SIMULATED_TRUTH; runtime/closed_loop/truth.py)
         self.closed = False
@@ -282,14 +283,14 @@ class RuntimeSession:
                 if self.client is not None:
                     self.client.reset(timeout_s=2.0)
                 raise
-        if self.meter is not None:
-            self.meter.set_stage(live.pp_rank, **live.layout())
+        if plan is not None and self.framework_patch is megatron_patch:
+            self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
+        if self.meter is not None:  # comm_groups: the SM-limited communicators' costs (overlap/comm_groups.py)
+            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups)
             if plan is not None and live.pp_rank < len(plan.stages):  # what the per-instruction columns name
                 self.meter.set_plan(plan.stages[live.pp_rank].instructions)
             if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one
                 self.meter.attach_sink(megatron_writers.attach(plan, self.source))
-        if plan is not None and self.framework_patch is megatron_patch:
-            self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
 
     def _setup_overlap(self, plan: Plan, live: megatron_patch.LiveRun) -> None:
         """With 2-nanobatch instructions: check the model has partitioned layers, start the engine.
@@ -302,9 +303,9 @@ class RuntimeSession:
         from kareus_megatron.runtime import overlap
 
         overlap.check_model_for_plan(live.modules, plan)  # PlanMismatchError for a standard model
-        if hooks.is_registered(overlap.get_engine().state.on_instruction):
-            return
-        self.overlap_engine = overlap.setup_overlap(plan, micro_batch_size=plan.parallel.micro_batch_size)
+        if not hooks.is_registered(overlap.get_engine().state.on_instruction):
+            self.overlap_engine = overlap.setup_overlap(plan, micro_batch_size=plan.parallel.micro_batch_size)
+        self.comm_groups = [c.to_dict() for c in overlap.get_engine().comm.group_infos] or None
 
     @property
     def _clock_control(self) -> bool:

@@ -31,6 +31,7 @@ from kareus_megatron.cost.collectives import comm_sms_grid
 from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.search.partition import SP_COLLECTIVES, LayerSchedule, collective_kind, layer_schedule
+from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 from kareus_megatron.workload.opgraph import layer_ops
 
 # Comm-SM knob values the Kareus authors searched on A100 (TP all-reduce 3..30 in steps of 3, CP
@@ -65,6 +66,18 @@ def comm_sms_range(gpu: Any, partition: str) -> np.ndarray:
     if grid is not None:
         return np.asarray(grid, dtype=np.int64)
     return scale_sms(gpu, CP_COMM_SMS_A100 if cp else TP_COMM_SMS_A100)
+
+
+def knob_sms(gpu: Any, partition: str, default_sms: int) -> np.ndarray:
+    """Comm-SM values (ascending) the planner searches for `partition`: its range plus NCCL's default
+    (`default_sms`), thinned evenly to at most vocab.MAX_COMM_SM_VALUES (the range's ends and the default
+    kept), the runtime's budget of SM-limited communicators per group (runtime/overlap/comm_groups.py)."""
+    values = np.union1d(comm_sms_range(gpu, partition), [int(default_sms)]).astype(np.int64)
+    if values.size <= MAX_COMM_SM_VALUES:
+        return values
+    rest = values[values != int(default_sms)]
+    keep = np.unique(np.rint(np.linspace(0, rest.size - 1, MAX_COMM_SM_VALUES - 1)).astype(np.int64))
+    return np.union1d(rest[keep], [int(default_sms)]).astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +153,7 @@ def _overlap_tables(
     tables: dict[str, PartitionTable] = {}
     slots = sched.slots()
     for name in sched.partition_names():
-        sms = np.union1d(comm_sms_range(gpu, name), default)  # the baselines' default is always a knob
+        sms = knob_sms(gpu, name, adapter.default_sms).astype(float)  # the baselines' default is always a knob
         t = np.zeros((clocks.size, len(slots[name]), sms.size))
         e = np.zeros_like(t)
         for inst in sched.instances:

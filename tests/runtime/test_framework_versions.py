@@ -21,7 +21,7 @@ VENDOR = ROOT.parent / "shared" / "vendor"
 PINNED = "0.16.1"  # pyproject.toml's megatron-core: the suite itself runs against it
 # rerun against every other series: the real-schedule patch, and SDPAttention against that series'
 # DotProductAttention (fp32 numerics, TP=2)
-SERIES_TESTS = ("test_megatron_patch.py", "test_sdpa_attention.py")
+SERIES_TESTS = ("test_megatron_patch.py", "test_sdpa_attention.py", "test_cuda_graphs.py")
 
 
 def _snapshot_core(tag: str, dest: Path) -> Path:

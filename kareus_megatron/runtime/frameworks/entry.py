@@ -21,6 +21,7 @@ from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_envir
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
+from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv, cuda_graph_problem
 from kareus_megatron.runtime.measure.measurement import LOG_MODES
 
 
@@ -201,6 +202,7 @@ def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = 
                               f"its arguments after '--': {usage}")
         if not target:
             raise ConfigError(f"no training script given; usage: {usage}")
+        refuse_cuda_graph_flags(target)
         module = None
         if target[0] == "-m" and allow_module:
             if len(target) < 2:
@@ -222,6 +224,13 @@ def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = 
         return run_script_in_session(session, script_argv, run)
 
     return run_guarded(prog, debug_requested(ours), body)
+
+
+def refuse_cuda_graph_flags(argv: Sequence[str]) -> None:
+    """ConfigError naming a Megatron-LM flag in the training command `argv` that turns CUDA graphs on."""
+    problem = cuda_graph_flag_in_argv(argv)
+    if problem:
+        raise ConfigError(problem)
 
 
 def split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -264,6 +273,9 @@ def megatron_lm_hook(args: Any) -> Any:
     code_or_session: list[Any] = []
 
     def body() -> int:
+        problem = cuda_graph_problem(args)  # Megatron-LM's checked arguments: graphs would skip every hook
+        if problem:
+            raise ConfigError(problem)
         code_or_session.append(install_from_megatron_args(args))
         return 0
 

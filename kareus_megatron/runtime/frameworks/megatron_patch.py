@@ -9,7 +9,8 @@ forward wrapper remembers the identity of the output tensor it returned and the 
 which receives that same object, looks it up. Forward-only (evaluation) calls pass through untouched.
 
 Before the first instruction of the first training call the plan is checked against the live run
-(``validate_plan``); every mismatch is listed in one PlanMismatchError.
+(``validate_plan``); every mismatch is listed in one PlanMismatchError. A model under CUDA graphs is
+refused there first, in one line naming the setting (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kareus_megatron.errors import UnsupportedVersionError
+from kareus_megatron.errors import ConfigError, UnsupportedVersionError
 from kareus_megatron.plan.megatron_model import live_architecture
 from kareus_megatron.plan.schema import Plan
+from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_problem
 from kareus_megatron.runtime.frameworks.patch_common import (
     BasePatchState,
     PatchSlot,
@@ -125,6 +127,7 @@ class LiveRun:
     layers_on_rank: int | None = None
     model: dict[str, Any] = field(default_factory=dict)  # ModelShape field -> live value (our spelling)
     unsupported: list[str] = field(default_factory=list)
+    cuda_graphs: str | None = None  # cuda_graphs.cuda_graph_problem of the model's config: refused
     modules: list[Any] = field(default_factory=list, repr=False, compare=False)  # the model chunks
 
     def layout(self) -> dict[str, int | None]:
@@ -187,6 +190,7 @@ def live_run_from_call(kwargs: dict[str, Any]) -> LiveRun:
     counts = [len(getattr(getattr(_unwrap(c), "decoder", None), "layers", None) or ()) for c in chunks]
     if all(hasattr(getattr(_unwrap(c), "decoder", None), "layers") for c in chunks):
         live.layers_on_rank = sum(counts)
+    live.cuda_graphs = cuda_graph_problem(config)
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
         live.unsupported.append("overlap_moe_expert_parallel_comm=True (combined 1F1B) is not supported")
     return live
@@ -236,7 +240,10 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
 
 def validate_plan(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
                   device_gpu: str | None = None, source: str = "the plan") -> None:
-    """Raise one PlanMismatchError listing every mismatch between `plan` and the live run."""
+    """Raise one PlanMismatchError listing every mismatch between `plan` and the live run; a ConfigError
+    first when the model runs under CUDA graphs (no plan can run there: cuda_graphs.py)."""
+    if live.cuda_graphs:
+        raise ConfigError(f"{source} cannot run on this model (pipeline rank {live.pp_rank}): {live.cuda_graphs}")
     raise_mismatches(plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
                      f"{source} does not match this run (pipeline rank {live.pp_rank})",
                      "Regenerate the plan for this configuration (kareus plan) or fix the launch arguments.")

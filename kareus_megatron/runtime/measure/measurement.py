@@ -14,7 +14,9 @@ depends on any other rank and nothing needs a collective. The first line is a he
      "clock_control": bool, "local_rank": l, "gpu_index": g, "gpu_uuid": ..., "gpu_name": ..., ...}
 
 written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
-with the first iteration), then one line per iteration::
+with the first iteration); a run whose overlap engine built SM-limited NCCL communicators adds
+``"comm_groups": [{"comm_sms": n|null, "kind": "tp"|"cp", "init_s": s, "memory_bytes": b|null, "shared": bool}]``
+(runtime/overlap/comm_groups.py; null comm_sms: the shared parent). Then one line per iteration::
 
     {"kind": "iteration", "iteration": i, "t_start": s, "t_end": s, "time_s": T, "energy_j": E,
      "temperature_c": C, "sm_clock_mhz": F, "clock_stale": n, "clock_errors": n, "instructions": {...}, **tags}

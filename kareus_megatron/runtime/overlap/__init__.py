@@ -7,6 +7,7 @@ Public API:
 - ``get_sdpa_gpt_layer_spec(**local_spec_kwargs)``: megatron's local spec with only ``SDPAttention`` swapped in
   (no nanobatching; needs no overlap engine).
 - ``setup_overlap(plan, ...)``: per-rank set-up (plan check, NCCL SM-limited communicators, hooks listener).
+- ``comm_probe.probe_sm_limited_comms(device, sm_counts)``: what those communicators cost on one rank (GPU check).
 - ``validate_plan_for_layer(plan, ...)``: raise PlanError if the plan's knobs do not fit the layer.
 - ``check_model_for_plan(model, plan)``: PlanMismatchError if a 2-nanobatch plan meets a standard model.
 - ``get_engine()`` / ``set_engine()``, ``LayerSettings`` / ``Knobs``: settings for tests and benchmarks.

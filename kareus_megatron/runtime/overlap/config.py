@@ -27,6 +27,7 @@ from kareus_megatron.errors import PlanError
 from kareus_megatron.vocab import (
     CP_PARTITION_SLOTS,
     ENGINE_PARTITION_SLOTS,
+    MAX_COMM_SM_VALUES,
     PARTITION_SLOTS,
     SP_PARTITION_SLOTS,
     TP_PARTITION_SLOTS,
@@ -170,7 +171,8 @@ def validate_plan_for_layer(
     all-reduce partitions; with sequence parallelism the SP ones; with context parallelism the TP and CP K/V
     ones of ``cp_engine_slots``; with both, those of ``cp_sp_engine_slots``), its launch slot is an op of that
     partition's segment, and ``comm_sms`` is below the GPU's SM count (``gpu_sm_count``; skipped when unknown,
-    e.g. on CPU).
+    e.g. on CPU). The plan uses at most vocab.MAX_COMM_SM_VALUES distinct comm SM counts per group (TP, CP):
+    the runtime's budget of SM-limited communicators, which the planner's grid respects.
     Live values (micro-batch size, CP, sequence parallelism) default to the plan's own layout.
     """
     layout = plan.parallel
@@ -183,6 +185,13 @@ def validate_plan_for_layer(
             f"the overlap engine runs cross-layer overlap without context parallelism only (this plan: cp={cp}); "
             "re-plan without --cross-layer."
         )
+    for kind, values in (("TP", comm_sms_values(plan)), ("CP", comm_sms_values(plan, cp=True))):
+        if len(values) > MAX_COMM_SM_VALUES:
+            raise PlanError(
+                f"the plan uses {len(values)} distinct comm SM counts for the {kind} group "
+                f"({', '.join(map(str, values))}); the overlap engine builds at most {MAX_COMM_SM_VALUES} "
+                "SM-limited communicators per group. Re-plan with this version of kareus plan (its grid fits)."
+            )
     engine_slots = ((cp_sp_engine_slots() if sp else cp_engine_slots()) if cp > 1
                     else SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS)
     other = "with" if sp else "without"  # the --sp of a plan that fits this live layout

@@ -3,9 +3,10 @@
 ``setup_overlap`` is called once per rank after megatron-core's ``initialize_model_parallel``: it checks
 the plan against the layer (``validate_plan_for_layer``; PlanError on a misfit), creates one TP
 communicator per distinct comm SM count on NCCL (and one CP communicator per SM count of the CP
-partitions), and registers the hooks listener that switches the
-layers' settings before every planned instruction. Layers built with ``get_partitioned_gpt_layer_spec``
-read ``get_engine()`` at every call, so they can be built before or after the set-up.
+partitions; comm_groups.py: budget, NCCL's environment, shared resources), and registers the hooks
+listener that switches the layers' settings before every planned instruction. Layers built with
+``get_partitioned_gpt_layer_spec`` read ``get_engine()`` at every call, so they can be built before or after
+the set-up.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kareus_megatron.runtime import hooks
-from kareus_megatron.runtime.overlap.comm import Communicator, build_sm_groups
+from kareus_megatron.runtime.overlap.comm import Communicator
+from kareus_megatron.runtime.overlap.comm_groups import SmGroupSet, build_sm_group_set, check_budget
 from kareus_megatron.runtime.overlap.config import (
     LayerSettings,
     OverlapState,
@@ -126,8 +128,9 @@ def setup_overlap(
 ) -> OverlapEngine:
     """Set up the rank's engine (call on every rank, same arguments, after model-parallel init).
 
-    With a plan: validate it (PlanError on a misfit), build the SM-limited communicators (NCCL) and
-    register the hooks listener. Without one: run with fixed ``settings`` (tests, benchmarks);
+    With a plan: validate it (PlanError on a misfit, over the comm-SM budget too), build the SM-limited
+    communicators (NCCL; comm_groups.py, their costs in ``engine.comm.group_infos``) and register the hooks
+    listener. Without one: run with fixed ``settings`` (tests, benchmarks);
     ``comm_sms`` lists extra SM counts to build TP communicators for (benchmarks switching knobs), ``cp_comm_sms``
     CP ones (the K/V collectives of context parallelism).
     ``delay_s`` / ``delay_s_per_byte`` slow every collective by a fixed delay (s) plus a delay per byte
@@ -146,20 +149,22 @@ def setup_overlap(
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
     wanted = set(comm_sms) | (set(comm_sms_values(plan)) if plan is not None else set())
-    sm_groups = build_sm_groups(wanted, tp_group)
     cp_wanted = set(cp_comm_sms) | (set(comm_sms_values(plan, cp=True)) if plan is not None else set())
-    cp_sm_groups: dict[int, Any] = {}
-    if cp_wanted:  # the CP K/V collectives' communicators, one per SM count (NCCL; {} on gloo)
+    check_budget(wanted, "tp")  # both before any communicator is built
+    check_budget(cp_wanted, "cp")
+    tp_set = build_sm_group_set(wanted, tp_group, "tp")
+    cp_set = SmGroupSet()
+    if cp_wanted:  # the CP K/V collectives' communicators, one per SM count (NCCL; none on gloo)
         from megatron.core import parallel_state
 
-        cp_sm_groups = build_sm_groups(cp_wanted, parallel_state.get_context_parallel_group())
+        cp_set = build_sm_group_set(cp_wanted, parallel_state.get_context_parallel_group(), "cp")
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     if trace is False and os.environ.get("KAREUS_OVERLAP_TRACE"):
         trace = os.environ["KAREUS_OVERLAP_TRACE"]
     engine = OverlapEngine(
         state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer)),
-        comm=Communicator(tp_group=tp_group, sm_groups=sm_groups, cp_sm_groups=cp_sm_groups, delay_s=delay_s,
-                          delay_s_per_byte=delay_s_per_byte),
+        comm=Communicator(tp_group=tp_group, sm_groups=tp_set.groups, cp_sm_groups=cp_set.groups, delay_s=delay_s,
+                          delay_s_per_byte=delay_s_per_byte, group_infos=tp_set.infos + cp_set.infos),
         tracer=Tracer(enabled=bool(trace), rank=rank),
     )
     set_engine(engine)

@@ -37,6 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from kareus_megatron.errors import InfeasibleConfigError, PlanMismatchError
+from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_problem
 from kareus_megatron.runtime.overlap.attention import (
     CORE_ATTENTION_SDPA,
     SDPAttention,
@@ -221,10 +222,16 @@ def _refuse(problems: list[str]) -> None:
 
 def check_model_for_plan(model: Any, plan: Any) -> int:
     """Number of partitioned layers in `model` (a module or list of chunks); PlanMismatchError if the
-    plan runs 2 nanobatches somewhere but the model has none (it was built with the standard spec).
+    plan runs 2 nanobatches somewhere but the model has none (it was built with the standard spec), or if its
+    partitioned layers run under CUDA graphs (runtime/frameworks/cuda_graphs.py).
     With a ``cross_layer`` plan, also marks the layers that run cross-layer overlap (``link_layers``)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    count = sum(isinstance(m, PartitionedTransformerLayer) for c in chunks for m in c.modules())
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, PartitionedTransformerLayer)]
+    count = len(layers)
+    for layer in layers[:1] + [m for m in layers[1:] if m.config is not layers[0].config]:
+        problem = cuda_graph_problem(layer.config)
+        if problem:  # a captured layer replays without the engine's per-instruction settings
+            raise PlanMismatchError(f"the overlap engine cannot run this model's partitioned layers: {problem}")
     if count == 0 and any(i.nanobatches > 1 for st in plan.stages for i in st.instructions):
         raise PlanMismatchError(
             "the plan runs instructions with 2 nanobatches but the model has no partitioned layers; build it "

@@ -99,7 +99,7 @@ class LayerRun:
             c.pending, applied = comm.reduce_scatter(c.buf, c.src, c.comm_sms, group)
         self._emit(
             "issue", coll=c.name, nb=c.nb, partition=c.partition, slot=c.slot, comm_sms=c.comm_sms,
-            sm_limit_applied=applied, collective=c.kind,
+            sm_limit_requested=applied, collective=c.kind,
         )
 
     def _wait(self, c: _Coll) -> None:

@@ -9,7 +9,8 @@ One event per line of the JSON ``events`` list, in program order (``seq``), with
 - ``issue`` / ``wait``: a collective (``coll``, e.g. ``L1.fwd.attn.nb0``) of nanobatch ``nb`` is issued
   (async) or waited for; ``partition`` names the partition it overlaps (``""`` for the layer's last
   collective, which has no partner segment); ``comm_sms`` is the requested SM count and
-  ``sm_limit_applied`` whether the backend honoured it (NCCL yes, gloo no); issue events also name the
+  ``sm_limit_requested`` whether the collective went to an SM-limited communicator (NCCL yes, unless NCCL's
+  environment dropped that count; gloo no): NCCL may still run it on fewer CTAs; issue events also name the
   ``collective`` (``all_reduce``, or with sequence parallelism ``all_gather`` / ``reduce_scatter``; the
   backward's leading all-gathers of the output gradient have no partition: exposed).
 

@@ -30,9 +30,11 @@ def knobs_for(i: int, names: tuple[str, ...], sp: bool = False) -> dict[str, dic
     """Plan knobs with every partition at its engine slot i (mod count) and a distinct comm SM count (`sp`: the
     slots with sequence parallelism too)."""
     from kareus_megatron.runtime.overlap.config import cp_engine_slots, cp_sp_engine_slots
+    from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 
     slots = cp_sp_engine_slots() if sp else cp_engine_slots()
-    return {p: {"comm_sms": 3 * (k + 1) + i, "launch_slot": slots[p][i % len(slots[p])]} for k, p in enumerate(names)}
+    return {p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+                "launch_slot": slots[p][i % len(slots[p])]} for k, p in enumerate(names)}
 
 
 def _setup(rank: int, world: int, port: int, tp: int) -> Any:

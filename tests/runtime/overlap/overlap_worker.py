@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kareus_megatron.vocab import TP_PARTITION_SLOTS
+from kareus_megatron.vocab import MAX_COMM_SM_VALUES, TP_PARTITION_SLOTS
 
 HIDDEN, HEADS, VOCAB, SEQ, MBS = 32, 4, 128, 16, 4
 SLOT_SCENARIOS = 5  # max slots per partition: scenario i uses slot i mod len(slots) of every partition
@@ -22,7 +22,8 @@ SLOT_SCENARIOS = 5  # max slots per partition: scenario i uses slot i mod len(sl
 def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Plan knobs with every partition at slot i (mod its slot count) and a distinct comm SM count."""
     return {
-        p: {"comm_sms": 3 * (k + 1) + i, "launch_slot": TP_PARTITION_SLOTS[p][i % len(TP_PARTITION_SLOTS[p])]}
+        p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+            "launch_slot": TP_PARTITION_SLOTS[p][i % len(TP_PARTITION_SLOTS[p])]}
         for k, p in enumerate(names)
     }
 

@@ -31,7 +31,7 @@ from overlap_worker import (
 )
 from overlap_worker import _setup as _setup_tp2
 
-from kareus_megatron.vocab import SP_BACKWARD_PARTITIONS, SP_FORWARD_PARTITIONS, SP_PARTITION_SLOTS
+from kareus_megatron.vocab import MAX_COMM_SM_VALUES, SP_BACKWARD_PARTITIONS, SP_FORWARD_PARTITIONS, SP_PARTITION_SLOTS
 
 SLOT_SCENARIOS = max(len(s) for s in SP_PARTITION_SLOTS.values())  # scenario i: slot i mod len of every partition
 
@@ -39,7 +39,8 @@ SLOT_SCENARIOS = max(len(s) for s in SP_PARTITION_SLOTS.values())  # scenario i:
 def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Plan knobs with every SP partition at slot i (mod its slot count) and a distinct comm SM count."""
     return {
-        p: {"comm_sms": 3 * (k + 1) + i, "launch_slot": SP_PARTITION_SLOTS[p][i % len(SP_PARTITION_SLOTS[p])]}
+        p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+            "launch_slot": SP_PARTITION_SLOTS[p][i % len(SP_PARTITION_SLOTS[p])]}
         for k, p in enumerate(names)
     }
 

@@ -39,7 +39,7 @@ def test_dry_run_measures_predicts_and_writes_calibration(bench, tmp_path):
         for k in ("measured_time_s", "measured_energy_j", "predicted_time_s", "predicted_energy_j"):
             assert math.isfinite(r[k]), (k, r)
         assert r["predicted_time_s"] > 0 and r["predicted_energy_j"] > 0
-        assert r["sm_limit_applied"] is False  # gloo: the SM request is recorded only
+        assert r["sm_limit_requested"] is False  # gloo: the SM request is recorded only
     fwd = [r for r in rows if r["phase"] == "forward" and r["nanobatches"] == 2 and r["partition"] == "fwd_mlp"]
     assert len({round(r["predicted_time_s"], 12) for r in fwd}) == 2  # the slot matters to the model
     c = load_calibration(cal)
@@ -55,7 +55,7 @@ def _dry_run_rows(bench, tmp_path, *args: str) -> tuple[dict, list[dict]]:
         for k in ("measured_time_s", "measured_energy_j", "predicted_time_s", "predicted_energy_j"):
             assert math.isfinite(r[k]), (k, r)
         assert r["predicted_time_s"] > 0 and r["predicted_energy_j"] > 0, r
-        assert r["sm_limit_applied"] is False  # gloo: the SM request is recorded only
+        assert r["sm_limit_requested"] is False  # gloo: the SM request is recorded only
     return doc, doc["rows"]
 
 
@@ -201,3 +201,54 @@ def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys):
         with pytest.raises(SystemExit) as e:  # refused before anything is spawned
             cpu_bench.main(bad)
         assert e.value.code == 2
+
+
+# One process (the single-GPU path) whose device runs at 1200 MHz without being locked (a power cap, heat):
+# the rows are predicted at the clock the device reports while they run, not at the preset's maximum.
+SINGLE_DRIVER = """
+import sys
+sys.path.insert(0, {bench!r})
+import overlap_gpu as bench
+import torch.multiprocessing as mp
+from kareus_megatron.hardware import device
+mp.spawn = lambda fn, args, nprocs, join: fn(0, *args)  # in this process: the device stand-in below applies
+real = device.open_gpu
+def running_at_1200(*a, **k):
+    gpu = real(*a, **k)
+    gpu.sm_clock_mhz = lambda: 1200
+    return gpu
+device.open_gpu = running_at_1200
+sys.exit(bench.main(["--dry-run", "--procs", "1", "--out", {out!r}]))
+"""
+
+
+def test_one_process_measures_the_references_and_predicts_at_the_measured_clock(bench, tmp_path):
+    from kareus_megatron.cost.kernel import KernelModel
+    from kareus_megatron.hardware.gpus import gpu_spec
+
+    out = tmp_path / "single.json"
+    driver = SINGLE_DRIVER.format(bench=str(ROOT / "benchmarks"), out=str(out))
+    r = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["tp"] == 1 and doc["partitions"] == {} and doc["notes"] and "2 or more GPUs" in r.stdout
+    assert [(x["phase"], x["nanobatches"], x["partition"]) for x in rows] == [
+        ("forward", 1, None), ("forward", 2, None), ("backward", 1, None), ("backward", 2, None)]
+    assert doc["clock_mhz"] is None and doc["clock_source"] == "measured" and doc["measured_clock_mhz"] == 1200
+    assert all(x["clock_mhz"] == 1200 for x in rows)
+    args = bench.parse_args(["--dry-run", "--procs", "1"])
+    km = KernelModel(gpu_spec("a100-sxm4-40gb"))
+    at_1200, _ = bench.predict_rows(rows, km, bench.model_spec(args), args.par, 1200)
+    at_max, _ = bench.predict_rows(rows, km, bench.model_spec(args), args.par, 1410)
+    assert np.allclose([x["predicted_time_s"] for x in rows], at_1200) and not np.allclose(at_1200, at_max)
+    comms = doc["communicators"]  # the engine's communicators for the planner's TP grid, built on this one rank
+    assert comms["backend"] == "gloo" and comms["cleaned_up"] and len(comms["communicators"]) == len(comms["sm_counts"])
+
+
+def test_one_process_refuses_what_needs_a_collective(bench, capsys):
+    for extra in (["--partitions", "fwd_attn"], ["--write-calibration", "c.json"]):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--dry-run", "--procs", "1", *extra])
+        assert e.value.code == 2 and "2 or more GPUs" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def test_every_launch_slot_is_exercised_and_honoured(ranks):
             for e in issues:
                 knobs = r["knobs"][str(e["instr"])][e["partition"]]
                 assert e["slot"] == knobs["launch_slot"], (name, e)
-                assert e["comm_sms"] == knobs["comm_sms"] and e["sm_limit_applied"] is False  # gloo
+                assert e["comm_sms"] == knobs["comm_sms"] and e["sm_limit_requested"] is False  # gloo
                 used.setdefault((e["phase"], e["partition"]), set()).add(e["slot"])
     phases = {"fwd_attn": "forward", "fwd_mlp": "forward", "bwd_mlp": "backward", "bwd_attn": "backward"}
     for part, slots in TP_PARTITION_SLOTS.items():
