@@ -53,8 +53,8 @@ import gpu_check_steps as steps  # noqa: E402
 FORMAT = "kareus-gpu-check/1"
 BUDGET_S = 480.0  # the whole check: 8 minutes
 STEP_BUDGET_S = {  # each step's time box (s); the last snapshot always runs
-    "nvidia_smi_before": 20, "env": 30, "energy_counter": 20, "selfcheck": 150, "host_syncs": 60,
-    "nccl_comms": 45, "controller": 45, "kernels": 120, "nvidia_smi_after": 20,
+    "nvidia_smi_before": 15, "env": 20, "energy_counter": 15, "selfcheck": 120, "host_syncs": 60,
+    "nccl_comms": 45, "controller": 40, "kernels": 75, "nvidia_smi_after": 15,
 }
 
 

@@ -26,6 +26,7 @@ SETTINGS = ("name", "uuid", "driver_version", "persistence_mode", "compute_mode"
 LIVE = ("clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw", "temperature.gpu", "pstate", "utilization.gpu",
         "memory.used")
 SAMPLE_PERIOD_S = 0.002  # the power/energy sampler's period
+HOPPER_ALLREDUCE_SMS = tuple(range(2, 19, 2))  # the planner's comm-SM grid for a Hopper TP all-reduce
 
 
 @dataclass
@@ -257,8 +258,8 @@ def host_syncs(ctx: Context, box_s: float) -> dict[str, Any]:
 
 
 def nccl_comms(ctx: Context, box_s: float) -> dict[str, Any]:
-    return _probe(ctx, box_s, "kareus_megatron.runtime.overlap.comm",
-                  f"probe_sm_limited_comms({ctx.torch_device!r}, [2, 4, 8, 16, 32])")
+    return _probe(ctx, box_s, "kareus_megatron.runtime.overlap.comm_probe",
+                  f"probe_sm_limited_comms({ctx.torch_device!r}, {list(HOPPER_ALLREDUCE_SMS)!r})")
 
 
 # -- 7: the clock controller's side process --------------------------------------------------------------------
@@ -334,7 +335,8 @@ def _figures(name: str, r: dict[str, Any]) -> str:
     if name == "host_syncs":
         return f": {r.get('total_syncs')} syncs in {len(r.get('cases', []))} cases"
     if name == "nccl_comms":
-        return f": NCCL {r.get('nccl_version')}, {len(r.get('communicators', []))} communicators"
+        return (f": NCCL {r.get('nccl_version')}, {len(r.get('communicators', []))} communicators, "
+                f"shared {r.get('shared')}")
     if name == "controller":
         key = "event_to_controller" if "event_to_controller_s_median" in r else "cpu_mark_round_trip"
         return (f": {key.replace('_', ' ')} {_fmt(r.get(key + '_s_median'), 1e3, ' ms', 2)} median, counts "
