@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     report = run(ns)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     text = steps.summary(report)
     (out / "gpu_check.txt").write_text(text)
     print(text, end="")
