@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from kareus_megatron.runtime.closed_loop.truth import Truth, session_truth
 from kareus_megatron.runtime.frameworks import megatron_patch, megatron_writers
 from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
 from kareus_megatron.runtime.process_env import global_rank_and_world, gpu_target, local_rank_from_env
+from kareus_megatron.runtime.session_signals import SignalHandling
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
 
 OnError = Literal["fail", "warn"]
@@ -55,7 +54,7 @@ class _Reading:
         return True
 
 
-class RuntimeSession:
+class RuntimeSession(SignalHandling):
     """Runs `plan` in this process: validate, announce instructions, control clocks, measure."""
 
     def __init__(self, plan: Plan | None, *, source: str = "the plan", backend: str | None = None,
@@ -200,39 +199,6 @@ class RuntimeSession:
             self.meter.close(wait_s)
         if self.truth is not None:
             self.truth.close()  # warns when many instructions outlasted the truth's time
-
-    # -- signals: write what is resolved, then what was there before ---------------------------
-    def _install_signal_handlers(self) -> None:
-        if self.meter is None or threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-
-    def _restore_signal_handlers(self) -> None:
-        old, self._old_handlers = self._old_handlers, {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, handler in old.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        """SIGTERM/SIGINT: reset clocks, write the resolved iterations (up to 0.5 s for the newest), then
-        chain to what was installed before (SIGINT: KeyboardInterrupt; SIGTERM: the process ends)."""
-        if self.client is not None:
-            self.client.reset(timeout_s=0.2)  # first: the GPU must not stay locked however the rest goes
-        if self.meter is not None:
-            self.meter.drain(wait_s=0.5, to_sink=False)  # never into a writer the signal may have interrupted
-        previous = self._old_handlers.get(signum, signal.SIG_DFL)
-        if callable(previous):
-            previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
-            return
-        if previous == signal.SIG_IGN:
-            return
-        signal.signal(signum, signal.SIG_DFL)  # the default action: end the process as the signal does
-        if self.client is not None and self.controller == "thread":  # no side process outlives this one:
-            self.client.close(timeout_s=1.0)  # its final reset restores a powercap plan's limit (W) now
-        os.kill(os.getpid(), signum)
 
     def _release(self, close_overlap: bool = False) -> None:
         if self.patch is not None and self.framework_patch.installed_state() is self.patch:
