@@ -53,6 +53,8 @@ bench: $(VENV)/.test
 # The model is built with the partitioned (overlap) layer spec when the plan has 2-nanobatch instructions or
 # the layout uses SP or CP (megatron's local spec cannot run those without Apex/TE), else megatron's local spec.
 ITERATIONS ?= 6
+# iterations `kareus report` skips as warm-up (report/runlog.py DEFAULT_SKIP_ITERATIONS; a test keeps them equal)
+REPORT_WARMUP := 2
 OUT ?= try-out
 PARALLEL ?= --pp 2
 METHOD ?= kareus
@@ -65,6 +67,9 @@ TRY_SPEC := import json, sys; d = json.load(open(sys.argv[1])); p = d["parallel"
   nb = any(i["nanobatches"] > 1 for s in d["stages"] for i in s["instructions"]); \
   print("partitioned" if nb or p["sequence_parallel"] or p["cp"] > 1 else "local")
 try-runtime: $(VENV)/.test
+	@case '$(ITERATIONS)' in ''|*[!0-9]*) echo "try-runtime: ITERATIONS=$(ITERATIONS) must be a whole number" >&2; exit 2;; esac; \
+	if [ '$(ITERATIONS)' -le $(REPORT_WARMUP) ]; then echo "try-runtime: ITERATIONS=$(ITERATIONS) leaves nothing to report: \
+	the report skips the first $(REPORT_WARMUP) iterations (warm-up); use ITERATIONS=$$(( $(REPORT_WARMUP) + 1 )) or more" >&2; exit 2; fi
 	@o='$(abspath $(OUT))'; case "$(CURDIR)/" in "$$o"/*) echo "try-runtime: OUT=$(OUT) holds this repository; pick another directory" >&2; exit 2;; esac; \
 	if [ -d "$$o" ] && ls -A "$$o" | grep -qvE '^(plan|run.*)$$'; then \
 	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*); pick another OUT" >&2; exit 2; fi

@@ -111,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'GPU backend':16s} {rep['gpu_backend']}")
     n = rep["nvml"]
     if not n.get("nvml"):
-        print(f"{'NVML':16s} unavailable: {n.get('error')}")
+        error = str(n.get("error"))
+        if rep["gpu_backend"] == "simulated":  # the advice to set it is for those who have not
+            error = error.replace(" To run without an NVIDIA GPU, set KAREUS_GPU_BACKEND=simulated.", "")
+            error += " (not needed: KAREUS_GPU_BACKEND=simulated runs on the simulated GPU)"
+        print(f"{'NVML':16s} unavailable: {error}")
     else:
         print(f"{'NVML driver':16s} {n.get('driver_version')} ({n.get('device_count')} GPUs)")
         if "name" in n:

@@ -3,7 +3,8 @@
 Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 Every command runs inside one error boundary (run_command): a KareusError (bad input, unusable
 environment), an OSError or a UnicodeDecodeError is printed as one line and exits with status 2; a
-closed stdout pipe exits silently; Ctrl-C prints one line and exits with status 130. --debug (before or
+closed stdout pipe exits silently with status 0 (the reader had what it wanted); Ctrl-C prints one line and
+exits with status 130. --debug (before or
 after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
 """
 
@@ -71,22 +72,47 @@ def _silence_stdout() -> None:
         pass
 
 
+def _fd_identity(fd: int) -> tuple[int, int, int] | None:
+    """(device, inode, rdev) of what file descriptor `fd` refers to; None when it cannot be read."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_rdev
+
+
+def _devnull_identity() -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(os.devnull)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_rdev
+
+
 def run_command(args: argparse.Namespace, prog: str, debug: bool) -> int:
     """Run the parsed subcommand inside the one error boundary of `kareus`; return the exit status.
 
     KareusError, OSError (naming the path) and UnicodeDecodeError: one line on stderr, exit 2.
-    BrokenPipeError (stdout closed early, e.g. `| head`): silent, exit 1. Ctrl-C: one line, exit 130.
+    BrokenPipeError (stdout closed early, e.g. `| head`): silent, exit 0, as the reader chose to stop.
+    Ctrl-C: one line, exit 130.
     With `debug` every one of them is re-raised with its traceback.
     """
+    stdout_was = _fd_identity(1)
     try:
         rc = int(args._run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, inside the boundary, not at interpreter exit
         return rc
+    except SystemExit as e:
+        # rich's Console meets a closed pipe by pointing stdout at /dev/null and exiting 1 (its on_broken_pipe):
+        # the same closed pipe as below, so the same status
+        if e.code == 1 and not debug and stdout_was != _fd_identity(1) == _devnull_identity():
+            return 0
+        raise
     except BrokenPipeError:
         if debug:
             raise
         _silence_stdout()
-        return 1
+        return 0
     except KeyboardInterrupt:
         if debug:
             raise

@@ -123,3 +123,16 @@ def test_cpu_shim_imports_without_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+def test_try_runtime_refuses_too_few_iterations_before_training(tmp_path: Path) -> None:
+    """ITERATIONS at or below the report's warm-up is refused in one line before planning or training (it used
+    to train for 21 s and then fail in the report); the Makefile's warm-up is the report's."""
+    from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS
+
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"REPORT_WARMUP := {DEFAULT_SKIP_ITERATIONS}\n" in makefile
+    for bad in ("1", str(DEFAULT_SKIP_ITERATIONS), "two"):
+        r = _make(f"ITERATIONS={bad}", f"OUT={tmp_path / 'try'}", timeout_s=30)
+        assert r.returncode == 2 and not (tmp_path / "try").exists(), r.stderr
+        assert r.stderr.splitlines()[0].startswith(f"try-runtime: ITERATIONS={bad} "), r.stderr
