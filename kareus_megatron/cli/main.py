@@ -4,8 +4,7 @@ Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` an
 Every command runs inside one error boundary (run_command): a KareusError (bad input, unusable
 environment), an OSError or a UnicodeDecodeError is printed as one line and exits with status 2; a
 closed stdout pipe exits silently with status 0 (the reader had what it wanted); Ctrl-C prints one line and
-exits with status 130. --debug (before or
-after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
+exits with status 130. --debug (before or after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
