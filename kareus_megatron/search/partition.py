@@ -42,6 +42,13 @@ as the tail is today), so only the chunk's last layer leaves it exposed (or besi
 ``chunk_schedule`` lays out a whole chunk; ``layer_schedule(.., cross_layer=True)`` is what one more
 layer adds (``chunk(L) = layer + (L - 1) × increment``, exact: the steps repeat from the
 second layer on). The added instances use the existing partition names and knobs.
+
+``LayerSchedule.issues`` lists the same collectives in the order the engine issues them, each with its
+partner (the partition whose compute runs beside it, ``"tail"``, or ``"exposed"``); search/collective_list.py
+turns them into the per-instruction list that tests replay against the engine's trace. ``schedule_ops`` is the
+op list a 2-nanobatch schedule is cut from: the layer's, except that Megatron's selective recompute (core
+attention only) runs inside the backward, just before the attention backward that needs it (where the engine's
+checkpointed core attention recomputes it), not as a phase of its own.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ from typing import Any
 from kareus_megatron.errors import InfeasibleConfigError
 from kareus_megatron.vocab import PARTITION_COLLECTIVE, PARTITION_SLOTS
 from kareus_megatron.workload.opgraph import layer_ops
+
+PARTNER_TAIL = "tail"  # a collective issued at once on NCCL's default SMs beside the tails (LayerSchedule.fixed)
+PARTNER_EXPOSED = "exposed"  # a collective with no compute beside it
 
 COMPUTE_KINDS = ("gemm", "attention", "memory")
 COLLECTIVE_KIND = "collective"
@@ -94,13 +104,23 @@ class PartitionInstance:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveIssue:
+    """One collective of a schedule, in issue order: its op, its partner (a partition name, PARTNER_TAIL or
+    PARTNER_EXPOSED) and the layer that produced it (0 = the first layer the phase walks)."""
+
+    collective: Any
+    partner: str
+    layer: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSchedule:
     """One layer of one phase with `nanobatches` nanobatches, as the overlap engine runs it.
 
     alone: compute ops with no collective beside them (all SMs); instances: the partition instances
     (knobs from the plan); fixed: instances on NCCL's default comm SMs launched before their first op
     (the last collective beside the tails; name ``"tail"``); exposed: collectives run alone on NCCL's
-    default comm SMs.
+    default comm SMs; issues: every collective of the above in issue order (empty for an increment).
     """
 
     phase: str
@@ -109,6 +129,7 @@ class LayerSchedule:
     instances: tuple[PartitionInstance, ...]
     fixed: tuple[PartitionInstance, ...]
     exposed: tuple[Any, ...]
+    issues: tuple[CollectiveIssue, ...] = ()
 
     def partition_names(self) -> tuple[str, ...]:
         """Names of the partitions in this layer, in first-appearance order."""
@@ -186,7 +207,11 @@ def split_segments(phase: str, ops: Sequence[Any]) -> list[Segment]:
 def _slot_positions(name: str, compute: Sequence[Any]) -> tuple[int, ...]:
     """Positions of the segment's ops that the vocabulary lists as launch slots of `name`."""
     assert name in PARTITION_SLOTS, f"partition {name!r} not in the vocabulary"  # our own invariant
-    pos = tuple(k for k, op in enumerate(compute) if op.name in PARTITION_SLOTS[name])
+    first: dict[str, int] = {}  # a name twice (selective recompute's attention before the backward's): the first
+    for k, op in enumerate(compute):
+        if op.name in PARTITION_SLOTS[name]:
+            first.setdefault(op.name, k)
+    pos = tuple(first.values())
     assert pos, f"{name}: none of {[op.name for op in compute]} is a launch slot {PARTITION_SLOTS[name]}"
     return pos
 
@@ -202,7 +227,7 @@ def layer_schedule(phase: str, ops: Sequence[Any], nanobatches: int, cross_layer
     if nanobatches == 1:  # Megatron's order: every collective exposed, on NCCL's default SMs
         alone1 = tuple(op for op in ops if op.kind in COMPUTE_KINDS)
         colls = tuple(op for op in ops if op.kind == COLLECTIVE_KIND)
-        return LayerSchedule(phase, 1, alone1, (), (), colls)
+        return LayerSchedule(phase, 1, alone1, (), (), colls, tuple(CollectiveIssue(c, PARTNER_EXPOSED) for c in colls))
     if cross_layer:
         return _increment(chunk_schedule(phase, ops, nanobatches, 2), chunk_schedule(phase, ops, nanobatches, 1))
     return chunk_schedule(phase, ops, nanobatches, 1)
@@ -218,40 +243,47 @@ def chunk_schedule(phase: str, ops: Sequence[Any], nanobatches: int, layers: int
         raise ValueError(f"layers must be ≥ 1, not {layers}")
     if nanobatches == 1:
         one = layer_schedule(phase, ops, 1)
-        return LayerSchedule(phase, 1, one.alone * layers, (), (), one.exposed * layers)
+        every = tuple(CollectiveIssue(i.collective, i.partner, k) for k in range(layers) for i in one.issues)
+        return LayerSchedule(phase, 1, one.alone * layers, (), (), one.exposed * layers, every)
     segments = split_segments(phase, ops)
     lead = [s for s in segments if not s.compute]  # at most one: split_segments refuses two collectives in a row
     body = [s for s in segments if s.collective is not None and s.compute]
     tail = tuple(op for s in segments if s.collective is None for op in s.compute)
-    steps: list[tuple[Segment, bool]] = [(seg, False) for seg in body]  # (segment, joins a tail)
-    for _ in range(layers - 1):
-        steps += _next_layer(phase, lead, body, tail)
+    steps: list[tuple[Segment, bool, int]] = [(seg, False, 0) for seg in body]  # (segment, joins a tail, layer)
+    for k in range(1, layers):
+        steps += [(seg, joined, k) for seg, joined in _next_layer(phase, lead, body, tail)]
     if not body and not lead:  # no collective at all: every op runs alone
         return LayerSchedule(phase, nanobatches, tail * (nanobatches * layers), (), (), ())
     leading = tuple(s.collective for s in lead) * nanobatches  # exposed, one per nanobatch
+    issues = [CollectiveIssue(c, PARTNER_EXPOSED) for c in leading]
     alone: list[Any] = []
     instances: list[PartitionInstance] = []
     fixed: list[PartitionInstance] = []
-    pending: Segment | None = None  # segment whose collective the previous step issued
-    for seg, joined in steps:
+    pending: tuple[Segment, int] | None = None  # segment whose collective the previous step issued, its layer
+    for seg, joined, k in steps:
         for nb in range(nanobatches):
             if pending is None:
                 alone.extend(seg.compute)
             elif seg.partition is None or (joined and nb == 0):  # beside the previous layer's last collective
-                fixed.append(PartitionInstance("tail", seg.compute, pending.collective, (0,)))
+                fixed.append(PartitionInstance("tail", seg.compute, pending[0].collective, (0,)))
+                issues.append(CollectiveIssue(pending[0].collective, PARTNER_TAIL, pending[1]))
             else:
-                instances.append(PartitionInstance(seg.partition, seg.compute, pending.collective,
+                instances.append(PartitionInstance(seg.partition, seg.compute, pending[0].collective,
                                                    seg.slot_positions))
-            pending = seg
+                issues.append(CollectiveIssue(pending[0].collective, seg.partition, pending[1]))
+            pending = (seg, k)
     exposed: tuple[Any, ...] = ()
     if pending is not None and tail:
-        fixed.append(PartitionInstance("tail", tail * (nanobatches - 1), pending.collective, (0,)))
+        fixed.append(PartitionInstance("tail", tail * (nanobatches - 1), pending[0].collective, (0,)))
+        issues.append(CollectiveIssue(pending[0].collective, PARTNER_TAIL, pending[1]))
         alone.extend(tail)
     elif pending is not None:
-        exposed = (pending.collective,)
+        exposed = (pending[0].collective,)
+        issues.append(CollectiveIssue(pending[0].collective, PARTNER_EXPOSED, pending[1]))
     else:
         alone.extend(tail * nanobatches)
-    return LayerSchedule(phase, nanobatches, tuple(alone), tuple(instances), tuple(fixed), leading + exposed)
+    return LayerSchedule(phase, nanobatches, tuple(alone), tuple(instances), tuple(fixed), leading + exposed,
+                         tuple(issues))
 
 
 def _next_layer(phase: str, lead: list[Segment], body: list[Segment],
@@ -301,11 +333,28 @@ def collective_kind(name: str) -> str:
     return PARTITION_COLLECTIVE[name]
 
 
+def schedule_ops(model: Any, par: Any, phase: str, nanobatches: int) -> tuple[Any, ...]:
+    """One nanobatch's op list of `phase` that the `nanobatches` schedule is cut from (see module docstring).
+
+    With selective recompute the recomputed core attention joins the backward just before its attention
+    backward (same op name, so launch slot ``attention`` precedes it, as the engine's marker does) and the
+    recompute phase is empty; otherwise ``layer_ops``.
+    """
+    ops = layer_ops(model, par, phase, nanobatches)
+    if par.recompute != "selective" or phase == "forward":
+        return ops
+    if phase == "recompute":
+        return ()
+    again = layer_ops(model, par, "recompute", nanobatches)
+    at = next(k for k, op in enumerate(ops) if op.name == "attention")
+    return ops[:at] + again + ops[at:]
+
+
 def layout_slots(model: Any, par: Any, nanobatches: int = 2) -> dict[str, tuple[str, ...]]:
     """Partition name → launch slots of every partition an instruction of this layout has."""
     slots: dict[str, tuple[str, ...]] = {}
     for phase in ("forward", "recompute", "backward"):
-        ops = layer_ops(model, par, phase, nanobatches)
+        ops = schedule_ops(model, par, phase, nanobatches) if nanobatches > 1 else layer_ops(model, par, phase, 1)
         if ops:
             slots.update(layer_schedule(phase, ops, nanobatches).slots())
     return slots

@@ -30,7 +30,13 @@ from numpy.typing import NDArray
 from kareus_megatron.cost.collectives import comm_sms_grid
 from kareus_megatron.cost.overlap import OverlapCost
 from kareus_megatron.hardware.gpus import gpu_spec
-from kareus_megatron.search.partition import SP_COLLECTIVES, LayerSchedule, collective_kind, layer_schedule
+from kareus_megatron.search.partition import (
+    SP_COLLECTIVES,
+    LayerSchedule,
+    collective_kind,
+    layer_schedule,
+    schedule_ops,
+)
 from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 from kareus_megatron.workload.opgraph import layer_ops
 
@@ -126,7 +132,7 @@ def phase_table(
     seq = layer_schedule(phase, layer_ops(model, par, phase, 1), 1)
     if nanobatches == 1:
         return PhaseTable(phase, clocks, seq_t, seq_e, seq_t, seq_e, {}, seq)
-    ops = layer_ops(model, par, phase, nanobatches)
+    ops = schedule_ops(model, par, phase, nanobatches)  # selective recompute: inside the backward
     sched = layer_schedule(phase, ops, nanobatches)
     alone_t, alone_e, tables = _overlap_tables(adapter, sched, clocks)
     inner = None

@@ -11,6 +11,7 @@ from kareus_megatron.cost.kernel import KernelModel
 from kareus_megatron.errors import InfeasibleConfigError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.search import options as opt
+from kareus_megatron.search import partition as partition_mod
 from kareus_megatron.search import tables as tables_mod
 from kareus_megatron.search.partition import layer_schedule
 from kareus_megatron.vocab import MAX_COMM_SM_VALUES, PARTITION_SLOTS, partitions_for
@@ -122,11 +123,17 @@ def test_evaluate_overlap_reproduces_the_joint_options(all_options, kernel):
             assert np.isclose(t, o.time_s[k]) and np.isclose(e, o.energy_j[k])
 
 
+def _patch_layer_ops(monkeypatch, fn):
+    """The op lists of both the 1-nanobatch tables (tables.py) and the overlap schedules (partition.py)."""
+    monkeypatch.setattr(tables_mod, "layer_ops", fn)
+    monkeypatch.setattr(partition_mod, "layer_ops", fn)
+
+
 def test_zero_byte_collectives_never_make_two_nanobatches_win(kernel, monkeypatch):
     def no_bytes(ops):
         return tuple(dataclasses.replace(op, comm_bytes=0.0) if op.kind == "collective" else op for op in ops)
 
-    monkeypatch.setattr(tables_mod, "layer_ops", lambda *a, **k: no_bytes(layer_ops(*a, **k)))
+    _patch_layer_ops(monkeypatch, lambda *a, **k: no_bytes(layer_ops(*a, **k)))
     clocks = (1410, 1110, 870)
     tables = opt.LayerTables(GPU, MODEL, PAR, kernel, clocks)
     for kind in ("forward", "backward"):
@@ -170,9 +177,9 @@ def test_long_collectives_bound_the_overlap_gain_by_compute(kernel, monkeypatch)
         return ops
 
     clocks = (1410, 870)
-    monkeypatch.setattr(tables_mod, "layer_ops", scaled(0.0))
+    _patch_layer_ops(monkeypatch, scaled(0.0))
     compute_only = opt.LayerTables(GPU, MODEL, PAR, kernel, clocks)
-    monkeypatch.setattr(tables_mod, "layer_ops", scaled(1000.0))
+    _patch_layer_ops(monkeypatch, scaled(1000.0))
     slow_comm = opt.LayerTables(GPU, MODEL, PAR, kernel, clocks)
     for kind in ("forward", "backward"):
         t_compute, _ = compute_only.sequential(0, 0, kind)

@@ -95,14 +95,24 @@ class LayerSettings:
     microbatch: int | None = None
     index: int | None = None  # position of the instruction in the rank's plan
     cross_layer: bool = False  # the plan's cross-layer overlap (cross_layer.py), with 2 nanobatches
+    backward_nanobatches: int | None = None  # a forward's: its microbatch's backward's (None: unknown, the same)
+
+    def halves(self, phase: str, grad: bool) -> int:
+        """Nanobatch halves a layer call records its graph in: a forward with grad that the plan backs with a
+        2-nanobatch backward records halves even when it runs 1 nanobatch itself (steps.py: merged)."""
+        if phase == "forward" and grad and self.backward_nanobatches is not None:
+            return max(self.nanobatches, self.backward_nanobatches)
+        return self.nanobatches
 
     def knobs_for(self, partition: str) -> Knobs:
         """Knobs of `partition` (the plan's, or the defaults)."""
         return self.knobs.get(partition) or default_knobs(partition)
 
 
-def settings_from_instruction(instr: Instruction, index: int | None = None, cross_layer: bool = False) -> LayerSettings:
-    """Layer settings for one plan instruction (`cross_layer`: its plan's ``cross_layer``)."""
+def settings_from_instruction(instr: Instruction, index: int | None = None, cross_layer: bool = False,
+                              backward_nanobatches: int | None = None) -> LayerSettings:
+    """Layer settings for one plan instruction (`cross_layer`: its plan's ``cross_layer``; a forward's
+    `backward_nanobatches`: those of its microbatch's backward instruction)."""
     knobs = {
         name: Knobs(comm_sms=k.comm_sms, launch_slot=k.launch_slot)
         for name, k in instr.partitions.items()
@@ -115,15 +125,24 @@ def settings_from_instruction(instr: Instruction, index: int | None = None, cros
         microbatch=instr.microbatch,
         index=index,
         cross_layer=cross_layer and instr.nanobatches > 1,
+        backward_nanobatches=backward_nanobatches if instr.kind == "forward" else None,
     )
+
+
+def backward_nanobatches(plan: Plan) -> dict[tuple[int, int, int], int]:
+    """(pp rank, chunk, microbatch) → nanobatches of that microbatch's backward instruction in `plan`."""
+    return {(st.pp_rank, ins.chunk, ins.microbatch): ins.nanobatches
+            for st in plan.stages for ins in st.instructions if ins.kind == "backward"}
 
 
 class OverlapState:
     """The settings partitioned layers read; switched per instruction by the hooks listener."""
 
-    def __init__(self, settings: LayerSettings | None = None, cross_layer: bool = False) -> None:
+    def __init__(self, settings: LayerSettings | None = None, cross_layer: bool = False,
+                 backward: dict[tuple[int, int, int], int] | None = None) -> None:
         self.settings = settings or LayerSettings()
         self.cross_layer = cross_layer  # the plan's: every 2-nanobatch instruction runs cross-layer overlap
+        self.backward = backward or {}  # the plan's backward_nanobatches
         self.instructions_seen = 0
 
     def set(self, settings: LayerSettings) -> None:
@@ -132,7 +151,10 @@ class OverlapState:
 
     def on_instruction(self, event: InstructionEvent) -> None:
         """Hooks listener: switch to the settings of the instruction about to run (no blocking)."""
-        self.settings = settings_from_instruction(event.instruction, index=event.index, cross_layer=self.cross_layer)
+        ins = event.instruction
+        self.settings = settings_from_instruction(ins, index=event.index, cross_layer=self.cross_layer,
+                                                  backward_nanobatches=self.backward.get(
+                                                      (event.pp_rank, ins.chunk, ins.microbatch)))
         self.instructions_seen += 1
 
     def forward_phase(self) -> str:

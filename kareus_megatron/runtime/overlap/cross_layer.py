@@ -44,10 +44,12 @@ from kareus_megatron.errors import KareusError
 @dataclass
 class ForwardCarry:
     """Layer L's pending end: nanobatch `nb`'s last collective `coll` (not yet issued) and its output `buf`
-    ([s, b, h]; every other nanobatch's slice along dim 1 already written)."""
+    ([s, b, h]; every other nanobatch's slice along dim 1 already written). With `coll` None nothing is pending:
+    L's forward ran merged (1 nanobatch on halves) and only tells the next layer which layer it follows, for a
+    2-nanobatch backward's prefetch."""
 
     run: Any  # schedule.LayerRun (not imported: schedule.py imports this module)
-    coll: Any  # pieces._Coll
+    coll: Any  # pieces._Coll, or None
     buf: torch.Tensor
     nb: int
 
@@ -58,6 +60,8 @@ class ForwardCarry:
     def complete(self, by: Any = None) -> None:
         """Wait the carried collective (issued, and waited, in `by`'s call; None: L's own call, issued now),
         run L's bias-dropout-add of the pending nanobatch and write its slice of the output."""
+        if self.coll is None:
+            return
         (by or self.run)._wait(self.coll)
         out = self.run.finish_nb(self.nb)
         width = out.shape[1]

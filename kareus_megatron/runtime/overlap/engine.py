@@ -22,6 +22,7 @@ from kareus_megatron.runtime.overlap.comm_groups import SmGroupSet, build_sm_gro
 from kareus_megatron.runtime.overlap.config import (
     LayerSettings,
     OverlapState,
+    backward_nanobatches,
     comm_sms_values,
     validate_plan_for_layer,
 )
@@ -162,7 +163,8 @@ def setup_overlap(
     if trace is False and os.environ.get("KAREUS_OVERLAP_TRACE"):
         trace = os.environ["KAREUS_OVERLAP_TRACE"]
     engine = OverlapEngine(
-        state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer)),
+        state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer),
+                           backward=backward_nanobatches(plan) if plan is not None else None),
         comm=Communicator(tp_group=tp_group, sm_groups=tp_set.groups, cp_sm_groups=cp_set.groups, delay_s=delay_s,
                           delay_s_per_byte=delay_s_per_byte, group_infos=tp_set.infos + cp_set.infos),
         tracer=Tracer(enabled=bool(trace), rank=rank),

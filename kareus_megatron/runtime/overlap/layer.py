@@ -12,13 +12,15 @@ planned launch slots. Forward hooks on the submodules report op boundaries (qkv,
 activation, fc2) and place backward markers there.
 
 Supported: TP all-reduce partitions (TP >= 1), 1 or 2 nanobatches, full activation recompute (megatron's
-``recompute_granularity="full"``), pipeline parallelism (1F1B and interleaved), megatron DDP, dense GPT
+``recompute_granularity="full"``) and selective recompute of the core attention (``selective.py``), pipeline
+parallelism (1F1B and interleaved), megatron DDP, dense GPT
 and Llama-like layers (GELU/SwiGLU, LayerNorm/RMSNorm, RoPE, GQA, QK-norm), dropout (valid, but the
 random draws differ from the unsplit layer's), sequence parallelism (all-gather / reduce-scatter
 partitions, ``schedule_sp.py``), context parallelism with SDPAttention (K/V all-gather and dK/dV
 reduce-scatter partitions over the CP group, ``schedule_cp.py``; TP × CP, and TP × CP with SP,
 ``schedule_cpsp.py``), cross-layer overlap with and without SP, not with CP (``cross_layer.py``; ``link_layers``
-marks the layers that take part). Refused at build time: CP with an attention output gate, selective recompute, MoE.
+marks the layers that take part). Refused at build time: CP with an attention output gate, selective recompute
+of modules other than the core attention, MoE.
 Not yet: Transformer-Engine modules (a TE variant keeps this class and swaps the submodules: the
 schedule needs only the linears' TP communication switched off and forward hooks at the op boundaries).
 Calls with an inference context, cross attention or packed sequences fall back to the standard layer's
@@ -50,6 +52,7 @@ from kareus_megatron.runtime.overlap.schedule import LayerRun, PartitionedLayerF
 from kareus_megatron.runtime.overlap.schedule_cp import CPLayerRun
 from kareus_megatron.runtime.overlap.schedule_cpsp import CPSPLayerRun
 from kareus_megatron.runtime.overlap.schedule_sp import SPLayerRun
+from kareus_megatron.runtime.overlap.selective import recompute_core_attention, selective_problems
 
 
 class PartitionedTransformerLayer(TransformerLayer):
@@ -63,6 +66,7 @@ class PartitionedTransformerLayer(TransformerLayer):
         if not hasattr(self, "tp_group"):  # megatron-core 0.15 keeps it in pg_collection only
             self.tp_group = self.pg_collection.tp
         _refuse(_module_problems(self))
+        recompute_core_attention(self.self_attention)  # selective recompute (selective.py)
         attn, mlp = self.self_attention, self.mlp
         self._linears = (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
         self._run: LayerRun | None = None
@@ -155,10 +159,14 @@ class PartitionedTransformerLayer(TransformerLayer):
         carry = engine.take_carry(hidden_states)  # cross-layer overlap: the previous layer's pending end
         state = engine.state
         settings = state.settings
+        params = [p for p in self.parameters() if p.requires_grad]
+        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(params))
+        phase = state.forward_phase()
+        halves = settings.halves(phase, grad)
         batch = hidden_states.shape[1]
-        if batch % settings.nanobatches:
+        if batch % halves:
             raise InfeasibleConfigError(
-                f"micro-batch size {batch} is not divisible by nanobatches={settings.nanobatches}; "
+                f"micro-batch size {batch} is not divisible by nanobatches={halves}; "
                 "use an even micro-batch size or 1 nanobatch."
             )
         attn_kwargs = {
@@ -168,13 +176,11 @@ class PartitionedTransformerLayer(TransformerLayer):
             "rotary_pos_sin": kwargs.get("rotary_pos_sin"),
             "attention_bias": kwargs.get("attention_bias"),
         }
-        params = [p for p in self.parameters() if p.requires_grad]
-        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or bool(params))
         cfg = self.config
         sp = getattr(cfg, "sequence_parallel", False) and getattr(cfg, "tensor_model_parallel_size", 1) > 1
         cp = getattr(cfg, "context_parallel_size", 1) > 1
         run_cls = (CPSPLayerRun if sp else CPLayerRun) if cp else SPLayerRun if sp else LayerRun
-        run = run_cls(self, engine, settings, state.forward_phase(), grad=grad)
+        run = run_cls(self, engine, settings, phase, grad=grad, halves=halves)
         if carry is not None and (not run.runs_cross_layer or run.n != carry.run.n):
             carry.complete()  # a run that takes no carry (cross_layer.py)
             carry = None
@@ -192,8 +198,7 @@ def _config_problems(config: Any) -> list[str]:
     if getattr(config, "context_parallel_size", 1) > 1:
         if getattr(config, "attention_output_gate", False):
             problems.append("attention_output_gate with context parallelism")
-    if getattr(config, "recompute_granularity", None) == "selective":
-        problems.append("recompute_granularity='selective' (use 'full' or none)")
+    problems += selective_problems(config)
     if getattr(config, "num_moe_experts", None):
         problems.append("MoE layers")
     return problems

@@ -3,7 +3,8 @@
 ``_Coll`` is one collective of one nanobatch, ``_NB`` the tensors of one nanobatch's pieces (each piece a separate
 autograd graph on detached leaves, ``_leaf``), ``_Marker`` the identity whose backward reports a backward op
 boundary to the run, and ``Grads`` the per-call gradient accumulator; schedule.py (TP), schedule_sp.py (SP) and
-schedule_cp.py (CP) drive them.
+schedule_cp.py (CP) drive them. ``merge_colls`` makes one collective over the whole microbatch of the halves'
+collectives (steps.py issues them as one coalesced group).
 """
 
 from __future__ import annotations
@@ -31,8 +32,43 @@ class _Coll:
     partition: str = ""
     slot: str | None = None
     comm_sms: int | None = None
-    pending: Pending | None = None
+    pending: Pending | AllOf | Any = None  # Any: torch's coalescing manager (a whole collective)
     waited: bool = False
+    noop: bool = False  # over a group of one rank: nothing moves (not traced)
+    whole: _Coll | None = None  # the collective over the whole microbatch that carries this half (merge_colls)
+    parts: list[_Coll] = field(default_factory=list)  # of a whole: the halves it carries
+
+    def message_bytes(self) -> int:
+        """Message size (bytes, nccl-tests convention): all-reduce the buffer, all-gather the gathered output,
+        reduce-scatter the input; of a whole collective, its halves' sum."""
+        if self.parts:
+            return sum(p.message_bytes() for p in self.parts)
+        t = self.src if self.kind in ("reduce_scatter", "cp_reduce_scatter") else self.buf
+        assert t is not None  # a reduce-scatter has its input
+        return t.numel() * t.element_size()
+
+
+def merge_colls(parts: list[_Coll]) -> _Coll:
+    """The collective over the whole microbatch that carries the halves `parts` (same kind, in batch order): issued
+    as one coalesced group of the halves' own collectives (steps.py), so each half's result lands in its own
+    buffer."""
+    first = parts[0]
+    whole = _Coll(first.name.rsplit(".nb", 1)[0] + ".whole", -1, first.buf, kind=first.kind, parts=list(parts))
+    for p in parts:
+        p.whole = whole
+    return whole
+
+
+class AllOf:
+    """Several pending collectives waited as one."""
+
+    def __init__(self, pending: list[Any]) -> None:
+        self.pending = pending
+
+    def wait(self) -> None:
+        """Wait every one of them."""
+        for p in self.pending:
+            p.wait()
 
 
 @dataclass

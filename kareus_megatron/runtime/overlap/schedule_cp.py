@@ -20,7 +20,10 @@ owners, kind ``cp_reduce_scatter``, partition ``bwd_cp_kv``), ``attn`` (waits th
 rope; rope, qkv; TP all-reduce of d qkv-input, ``bwd_attn``, slots rope and qkv) and the tail (input_norm).
 As in schedule.py, each unit's collective is issued before the planned op of the next unit (the other
 nanobatch's), or with 1 nanobatch at once; a planned slot that is not an op of the unit (a TP slot before
-the cut) launches at the unit's first op.
+the cut) launches at the unit's first op. With TP = 1 the TP all-reduces move nothing and the units around
+them run as one block (steps.py), as the planner cuts the layer only at the K/V collectives: forward
+``cp_kv`` then attention, proj and the MLP beside the last K/V all-gather; backward the MLP, pre_mlp_norm,
+proj and attention as one ``bwd_cp_kv`` unit, then rope, qkv and input_norm beside the last reduce-scatter.
 
 The attention module is called in two steps so that the other nanobatch can run between them: megatron's
 ``SelfAttention.forward`` runs up to the core attention (qkv, rope: its own code, every version's rope
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 
 from kareus_megatron.runtime.overlap.config import cp_engine_slots
-from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf
 from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
@@ -146,67 +149,31 @@ class CPUnits:
 class CPLayerRun(CPUnits, LayerRun):
     """One call of a partitioned layer under context parallelism (see module docstring)."""
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
-        """Run the layer on `x` ([s/cp, b, h], megatron's CP layout) as `n` nanobatches; return [s/cp, b, h]."""
-        n, lay, tag = self.n, self.layer, f"L{self.layer.layer_number}.fwd"
-        xs = x.chunk(n, dim=1)
-        masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
-        units = [(nb, seg) for seg in ("cp_kv", "attn", "mlp") for nb in range(n)]
-        prev: _Coll | None = None
-        for nb, seg in units:
-            part = f"fwd_{seg}"
-            if prev is not None:
-                self._schedule(prev, nb, part, overlap=n > 1)
-            self._enter(nb, part if self.partner is not None else "")
-            st = self.nbs[nb]
-            if seg == "cp_kv":
-                st.x = _leaf(xs[nb], self.grad)
-                self.op("input_norm")
-                st.ln1 = lay.input_layernorm(st.x)
-                st.ln1_in = _leaf(st.ln1, self.grad)
-                st.kw = dict(attn_kwargs, attention_mask=masks[nb])
-                c = self.kv_gather(st, nb, f"{tag}.cp_kv.nb{nb}")
-            elif seg == "attn":
-                self.attend_proj(st)
-                c = _Coll(f"{tag}.attn.nb{nb}", nb, st.attn_partial.detach())
-            else:
-                c = self.mlp_unit(st, nb, f"{tag}.mlp.nb{nb}")
-            st.colls[f"fwd.{seg}"] = c
-            self._leave()
-            prev = c
-        assert prev is not None
-        return self.finish_forward(prev)
+    fwd_units = ("cp_kv", "attn", "mlp")
+    bwd_units = ("mlp", "cp_kv", "attn")
 
-    # ------------------------------------------------------------------ backward
-    def backward(self, dout: torch.Tensor, settings: Any) -> tuple[torch.Tensor, list]:
-        """Run the planned backward for output gradient `dout`; return (d input, parameter grads)."""
-        self.settings, self.phase = settings, "backward"
-        n, tag = self.n, f"L{self.layer.layer_number}.bwd"
-        overlap = n > 1 and settings.nanobatches > 1
-        grads = Grads(self.params, n)
-        grad, add_dx = grads, grads.add_dx
+    def forward_unit(self, seg: str, st: _NB, nb: int) -> _Coll:
+        """Forward unit `seg` of nanobatch `nb` (input [s/cp, b, h], megatron's CP layout); return its collective."""
+        lay, name = self.layer, self.coll_name("fwd", seg, nb)
+        if seg == "cp_kv":
+            self.start_nb(st, nb)
+            self.op("input_norm")
+            st.ln1 = lay.input_layernorm(st.x)
+            st.ln1_in = _leaf(st.ln1, self.grad)
+            return self.kv_gather(st, nb, name)
+        if seg == "attn":
+            self.attend_proj(st)
+            return _Coll(name, nb, st.attn_partial.detach())
+        return self.mlp_unit(st, nb, name)
 
-        douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
-        units = [(nb, seg) for seg in ("mlp", "cp_kv", "attn") for nb in range(n)]
-        prev: _Coll | None = None
-        for nb, seg in units:
-            part = f"bwd_{seg}"
-            if prev is not None:
-                self._schedule(prev, nb, part, overlap)
-            self._enter(nb, part if self.partner is not None else "")
-            st = self.nbs[nb]
-            if seg == "mlp":
-                c = self._bwd_mlp(grads, nb, douts[nb])
-            elif seg == "cp_kv":
-                self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
-                d_attn, d_x = grad([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
-                add_dx(nb, d_x)
-                c = self.kv_scatter(grads, st, nb, d_attn, f"{tag}.cp_kv.nb{nb}")
-            else:
-                c = _Coll(f"{tag}.attn.nb{nb}", nb, self.qkv_backward(grads, st, nb).contiguous())
-            st.colls[f"bwd.{seg}"] = c
-            self._leave()
-            prev = c
-        assert prev is not None
-        return self.finish_backward(grads, prev, settings)
+    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int) -> _Coll:
+        """Backward unit `seg` of nanobatch `nb`; return its pending collective."""
+        name = self.coll_name("bwd", seg, nb)
+        if seg == "mlp":
+            return self._bwd_mlp(grads, nb, self._douts[nb])
+        if seg == "cp_kv":
+            self.op("pre_mlp_norm", needs=st.colls["bwd.mlp"])
+            d_attn, d_x = grads([st.h1, st.ln2], [st.d_h1_res, st.colls["bwd.mlp"].buf], [st.attn_sum, st.x])
+            grads.add_dx(nb, d_x)
+            return self.kv_scatter(grads, st, nb, d_attn, name)
+        return _Coll(name, nb, self.qkv_backward(grads, st, nb).contiguous())

@@ -43,8 +43,9 @@ class CPSPLayerRun(CPUnits, SPLayerRun):
         """vocab partition name of unit `seg` in phase `prefix` ("fwd"/"bwd")."""
         return f"{prefix}_cp_kv" if seg == "cp_kv" else f"{prefix}_sp_{seg}"
 
-    def forward_unit(self, seg: str, st: _NB, nb: int, name: str) -> _Coll:
-        """Forward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
+    def forward_unit(self, seg: str, st: _NB, nb: int) -> _Coll:
+        """Forward unit `seg` of nanobatch `nb`; return its pending collective."""
+        name = self.coll_name("fwd", seg, nb)
         if seg == "cp_kv":
             gathered = st.colls["fwd.attn_norm"]
             st.ln1_in = _leaf(gathered.buf, self.grad)  # filled once waited: the qkv hook waits
@@ -53,14 +54,15 @@ class CPSPLayerRun(CPUnits, SPLayerRun):
         if seg == "attn":
             self.attend_proj(st)
             return self._scatter(name, nb, st.attn_partial)
-        return super().forward_unit(seg, st, nb, name)
+        return super().forward_unit(seg, st, nb)
 
-    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int, name: str) -> _Coll:
-        """Backward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
+    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int) -> _Coll:
+        """Backward unit `seg` of nanobatch `nb`; return its pending collective."""
+        name = self.coll_name("bwd", seg, nb)
         if seg == "cp_kv":
             gathered = st.colls["bwd.attn_norm"]
             self._need = gathered  # waited at proj, before its backward reads the buffer
             return self.kv_scatter(grads, st, nb, gathered.buf, name)
         if seg == "attn":
             return self._scatter(name, nb, self.qkv_backward(grads, st, nb))
-        return super().backward_unit(seg, grads, st, nb, name)
+        return super().backward_unit(seg, grads, st, nb)

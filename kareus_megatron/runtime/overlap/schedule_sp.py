@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf, _split_batch
+from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf
 from kareus_megatron.runtime.overlap.schedule import LayerRun
 
 
@@ -70,34 +70,11 @@ class SPLayerRun(LayerRun):
         return f"{prefix}_sp_{seg}"
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, attn_kwargs: dict[str, Any]) -> torch.Tensor:
-        """Run the layer on `x` ([s/tp, b, h]) as `n` nanobatches; return the output [s/tp, b, h]."""
-        n, tag = self.n, f"L{self.layer.layer_number}.fwd"
-        xs = x.chunk(n, dim=1)
-        masks = _split_batch(attn_kwargs.get("attention_mask"), n, x.shape[1])
-        units = [(nb, seg) for seg in self.fwd_units for nb in range(n)]
-        carry = self.take_carry()
-        prev: _Coll | None = carry.coll if carry is not None else None  # the first unit runs beside it
-        for nb, seg in units:
-            part = self.partition("fwd", seg)
-            if prev is not None:
-                self._schedule(prev, nb, part, overlap=n > 1)
-            self._enter(nb, part if self.partner is not None else "")
-            st = self.nbs[nb]
-            if seg == "attn_norm":
-                st.x = self.input_leaf(carry, xs, nb)
-                st.kw = dict(attn_kwargs, attention_mask=masks[nb])
-            c = self.forward_unit(seg, st, nb, f"{tag}.{seg}.nb{nb}")
-            st.colls[f"fwd.{seg}"] = c
-            self._leave()
-            prev = c
-        assert prev is not None
-        return self.finish_forward(prev)
-
-    def forward_unit(self, seg: str, st: _NB, nb: int, name: str) -> _Coll:
-        """Forward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
-        lay = self.layer
+    def forward_unit(self, seg: str, st: _NB, nb: int) -> _Coll:
+        """Forward unit `seg` of nanobatch `nb`; return its pending collective."""
+        lay, name = self.layer, self.coll_name("fwd", seg, nb)
         if seg == "attn_norm":
+            self.start_nb(st, nb)
             self.op("input_norm")
             st.ln1 = lay.input_layernorm(st.x)
             return self._gather(name, nb, st.ln1)
@@ -125,43 +102,26 @@ class SPLayerRun(LayerRun):
         return self._scatter(name, nb, st.mlp_partial)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, dout: torch.Tensor, settings: Any) -> tuple[torch.Tensor, list]:
-        """Run the planned backward for output gradient `dout` ([s/tp, b, h]); return (d input, param grads)."""
-        self.settings, self.phase = settings, "backward"
-        n, tag = self.n, f"L{self.layer.layer_number}.bwd"
-        overlap = n > 1 and settings.nanobatches > 1
-        douts = [d.contiguous() for d in dout.chunk(n, dim=1)]
-        pre, self.prefetched = self.prefetched, None
-        if pre is not None:  # the leading all-gathers were issued inside the next layer's backward (cross_layer.py)
-            pre.check(dout, douts, self.layer.layer_number)
-            grads = pre.grads
-        else:
-            grads = Grads(self.params, n)
-            for nb in range(n):  # the leading all-gather of each nanobatch's output gradient: exposed
-                c = self._lead_gather(grads, nb, douts[nb])
-                self._issue(c)
+    def backward_start(self, pre: Any, dout: torch.Tensor) -> tuple[Grads, _Coll | None, bool]:
+        """(gradients, None, False) after the leading all-gather of each half's output gradient (exposed; merged:
+        one over the whole microbatch), or with a prefetch (cross_layer.py) the gradients of the steps it ran."""
+        if pre is not None:  # the leading all-gathers were issued inside the next layer's backward
+            pre.check(dout, self._douts, self.layer.layer_number)
+            return pre.grads, None, False
+        grads = Grads(self.params, self.n)
+        for nb in range(self.n):
+            c = self._lead_gather(grads, nb, self._douts[nb])
+            self._issue(c)
+            if not self.merge or nb == self.n - 1:
                 self._wait(c)
-        units = [(nb, seg) for seg in self.bwd_units for nb in range(n)]
-        prev: _Coll | None = None
-        for nb, seg in units:
-            part = self.partition("bwd", seg)
-            if prev is not None:
-                self._schedule(prev, nb, part, overlap)
-            self._enter(nb, part if self.partner is not None else "")
-            st = self.nbs[nb]
-            c = self.backward_unit(seg, grads, st, nb, f"{tag}.{seg}.nb{nb}")
-            st.colls[f"bwd.{seg}"] = c
-            self._leave()
-            prev = c
-        assert prev is not None
-        return self.finish_backward(grads, prev, settings)
+        return grads, None, False
 
     def _lead_gather(self, grads: Grads, nb: int, dout: torch.Tensor) -> _Coll:
         """Nanobatch `nb`'s output bias-dropout-add backward; return the all-gather of its gradient (not issued)."""
         st = self.nbs[nb]
         self._enter(nb, "")
         d_sum, st.d_h1_res = grads([st.out], [dout], [st.mlp_sum, st.h1_in])
-        c = self._gather(f"L{self.layer.layer_number}.bwd.out.nb{nb}", nb, d_sum)
+        c = self._gather(self.coll_name("bwd", "out", nb), nb, d_sum)
         st.colls["bwd.out"] = c
         return c
 
@@ -175,8 +135,9 @@ class SPLayerRun(LayerRun):
         else:
             self._schedule(c, 0, self.partition("bwd", self.bwd_units[0]), overlap=True)
 
-    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int, name: str) -> _Coll:
-        """Backward unit `seg` of nanobatch `nb`; return its pending collective named `name`."""
+    def backward_unit(self, seg: str, grads: Grads, st: _NB, nb: int) -> _Coll:
+        """Backward unit `seg` of nanobatch `nb`; return its pending collective."""
+        name = self.coll_name("bwd", seg, nb)
         if seg == "mlp":
             self.op("fc2", needs=st.colls["bwd.out"])
             (d_ln2,) = grads([st.mlp_partial], [st.colls["bwd.out"].buf], [st.ln2_in])

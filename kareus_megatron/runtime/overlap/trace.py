@@ -12,7 +12,15 @@ One event per line of the JSON ``events`` list, in program order (``seq``), with
   ``sm_limit_requested`` whether the collective went to an SM-limited communicator (NCCL yes, unless NCCL's
   environment dropped that count; gloo no): NCCL may still run it on fewer CTAs; issue events also name the
   ``collective`` (``all_reduce``, or with sequence parallelism ``all_gather`` / ``reduce_scatter``; the
-  backward's leading all-gathers of the output gradient have no partition: exposed).
+  backward's leading all-gathers of the output gradient have no partition: exposed), its message size
+  ``bytes`` (nccl-tests convention), the global ``ranks`` of its group, and ``whole`` (True when it carries
+  every nanobatch half of the call at once: a 1-nanobatch instruction on a graph of halves). Collectives over
+  a group of one rank move nothing and are not recorded.
+
+``traced_collectives(events)`` turns a trace into the per-collective list that search/collective_list.py
+gives for the plan (phase, layer, vocab collective kind, bytes, ranks, partner), the partner read from what
+ran between the issue and the wait: the one partition of the ops there, ``"tail"`` when they have none (the
+backward tails; cross-layer overlap's prefetched unit), ``"exposed"`` when no op ran.
 
 Every event also carries ``phase`` (forward/backward/recompute), ``layer`` (megatron layer_number),
 ``mb`` and ``instr`` (the plan instruction's microbatch and index, None outside a plan).
@@ -37,6 +45,16 @@ class Tracer:
         self.max_events = max_events  # recording stops there (a long run would otherwise grow without bound)
         self.truncated = False
         self.events: list[dict[str, Any]] = []
+        self._ranks: dict[Any, list[int]] = {}
+
+    def ranks(self, group: Any) -> list[int]:
+        """Global ranks of process group `group` (cached; [rank] without torch.distributed)."""
+        if group not in self._ranks:
+            import torch.distributed as dist
+
+            init = dist.is_available() and dist.is_initialized()
+            self._ranks[group] = [int(r) for r in dist.get_process_group_ranks(group)] if init else [self.rank]
+        return self._ranks[group]
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record one event (no-op when disabled or full)."""
@@ -88,3 +106,37 @@ def overlap_violations(events: list[dict[str, Any]]) -> list[str]:
         if not between:
             bad.append(f"{e['coll']} ({e['phase']}): no op of another nanobatch between issue and wait")
     return bad
+
+
+# trace ``collective`` → the planner's collective kind (kareus_megatron.vocab)
+VOCAB_COLLECTIVE = {"all_reduce": "tp_all_reduce", "all_gather": "tp_all_gather", "reduce_scatter": "tp_reduce_scatter",
+                    "cp_all_gather": "cp_all_gather", "cp_reduce_scatter": "cp_reduce_scatter"}
+# ops the engine reports that the planner's op graph folds into others (the output bias-dropout-add: into the
+# next layer's input_norm, workload/opgraph.py): no partner of their own
+FOLDED_OPS = ("bda",)
+
+
+def traced_collectives(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every traced collective in issue order as {instr, phase, layer, collective, bytes, ranks, partner} (see the
+    module docstring); ``layer`` is the megatron layer number of the layer that produced it (from its name),
+    ``instr`` the plan instruction's index (None outside a plan)."""
+    open_: dict[tuple[str, Any], int] = {}  # (coll, call) -> index into out, while issued and not yet waited
+    between: list[list[dict[str, Any]]] = []
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if e["kind"] == "issue":
+            open_[(e["coll"], e.get("call"))] = len(out)
+            between.append([])
+            out.append({"instr": e.get("instr"), "phase": e["phase"],
+                        "layer": int(e["coll"].split(".", 1)[0].lstrip("L")),
+                        "collective": VOCAB_COLLECTIVE[e["collective"]], "bytes": e["bytes"],
+                        "ranks": list(e["ranks"]), "partner": "exposed"})
+        elif e["kind"] == "wait":
+            open_.pop((e["coll"], e.get("call")), None)
+        elif e["kind"] == "op" and e["op"] not in FOLDED_OPS:
+            for k in open_.values():
+                between[k].append(e)
+    for rec, ran in zip(out, between):
+        parts = sorted({o["partition"] for o in ran if o["partition"]})
+        rec["partner"] = "+".join(parts) if parts else ("tail" if ran else "exposed")
+    return out

@@ -250,7 +250,8 @@ def _refusals(res: dict[str, Any]) -> None:
 
     base = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
                 tensor_model_parallel_size=2)
-    for tag, extra in (("selective", dict(recompute_granularity="selective")),):  # SP runs: test_overlap_sp.py
+    for tag, extra in (("selective", dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])),
+                       ("selective_core_attn", dict(recompute_granularity="selective"))):  # SP runs: test_overlap_sp.py
         try:
             build_module(get_partitioned_gpt_layer_spec(), config=TransformerConfig(**base, **extra), layer_number=1)
             res[f"refuse.{tag}"] = None

@@ -100,7 +100,8 @@ def test_mixed_nanobatches_and_negative_control(ranks):
         r = rk["mixed.fwd2.bwd1"]
         assert r["out"] <= 1.0 and r["grads"] <= 1.0
         bwd_issues = [e for e in r["events"] if e["kind"] == "issue" and e["phase"] == "backward"]
-        assert bwd_issues and all(e["partition"] == "" for e in bwd_issues)  # serial backward
+        # Megatron's 1-nanobatch order: each all-reduce once, over the whole microbatch (2 per layer, 2 layers)
+        assert len(bwd_issues) == 4 and all(e["partition"] == "" and e["whole"] for e in bwd_issues)
         assert rk["leak.live_runs"] == 0  # forward without backward frees its graph (no reference cycle)
         neg = rk["negative.no_allreduce"]
         assert neg["out"] > 1.0 and neg["grads"] > 1.0  # the comparison does detect missing collectives
@@ -144,8 +145,9 @@ def test_public_install_sets_up_the_overlap_engine(ranks):
 
 
 def test_unsupported_configs_refused_at_build(ranks):
-    sel = ranks[0]["refuse.selective"]
-    assert sel and "selective" in sel and "get_gpt_layer_local_spec" in sel and "\n" not in sel
+    sel = ranks[0]["refuse.selective"]  # selective recompute of the MLP: the planner models core attention only
+    assert sel and "selective recompute of mlp" in sel and "get_gpt_layer_local_spec" in sel and "\n" not in sel
+    assert ranks[0]["refuse.selective_core_attn"] is None  # megatron's default selective recompute runs
 
 
 @pytest.mark.parametrize("recompute", [0, 1])
