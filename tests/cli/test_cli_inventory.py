@@ -11,7 +11,7 @@ import sys
 from kareus_megatron.cli.main import build_parser, main
 
 EXPECTED = {
-    "env": ['--check-permission', '--debug', '--device', '--gpu-index', '--json'],
+    "env": ['--check-permission', '--debug', '--device', '--gpu-index', '--json', '--try-lock'],
     "predict": [
         '--calibration', '--cp', '--debug', '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--format', '--freqs', '--gpu',

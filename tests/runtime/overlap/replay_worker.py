@@ -54,14 +54,18 @@ def planner_layout(name: str, recompute: str) -> Any:
 
 def _knobs(name: str, recompute: str, kind: str, i: int) -> dict[str, dict[str, Any]]:
     """The layout's partitions an instruction of `kind` carries (the planner's names and launch slots), every one at
-    slot i (mod its count) and a distinct comm SM count."""
+    slot i (mod its count) and a distinct comm SM count within the
+    per-group budget (vocab.MAX_COMM_SM_VALUES)."""
     from kareus_megatron.search.partition import layout_slots
+    from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 
     slots = layout_slots(planner_model(), planner_layout(name, recompute))
     names = [p for p in slots if p.startswith("bwd_" if kind == "backward" else "fwd_")]
     if kind == "backward" and recompute == "full":  # the recompute pass runs the forward partitions
         names = [p for p in slots if p.startswith("fwd_")] + names
-    return {p: {"comm_sms": 3 * (k + 1) + i, "launch_slot": slots[p][i % len(slots[p])]} for k, p in enumerate(names)}
+    assert len(names) <= MAX_COMM_SM_VALUES  # distinct counts within the instruction, within the budget per group
+    return {p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES, "launch_slot": slots[p][i % len(slots[p])]}
+            for k, p in enumerate(names)}
 
 
 def _plan(name: str, recompute: str, order: list[tuple[str, int, int]], i: int) -> Any:
