@@ -124,11 +124,16 @@ class StepRun:
     def _start_whole(self, parts: list[_Coll], group: Any) -> Any:
         """Start the halves' collectives `parts` as one: a coalesced group over `group` (torch's coalescing manager,
         as megatron's DDP uses it; on NCCL one group launch), each half's result in its own buffer, no copies. With
-        the CPU benchmarks' emulated slow link they run in issue order on its helper thread instead."""
+        the CPU benchmarks' emulated slow link they run in issue order on its helper thread instead.
+
+        torch has no public coalescing API: `_coalescing_manager` is the one megatron-core's own DDP calls, so a
+        release that drops it breaks Megatron first; without it the halves are issued one by one (same results and
+        partners, one NCCL launch each)."""
         comm = self.engine.comm
-        if comm.delay_s > 0 or comm.delay_s_per_byte > 0:
+        coalescing = getattr(dist, "_coalescing_manager", None)
+        if coalescing is None or comm.delay_s > 0 or comm.delay_s_per_byte > 0:
             return AllOf([self._start(p, group)[0] for p in parts])
-        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+        with coalescing(group=group, async_ops=True) as cm:
             for p in parts:
                 self._start(p, group)
         return cm

@@ -186,6 +186,8 @@ def worker(rank: int, world: int, port: int, outdir: str, tp: int, layouts: tupl
            train: tuple[str, ...] = ()) -> None:
     """CP = world / tp; every scenario of `layouts` (module docstring), and training steps for the layouts `train`."""
     solo = _setup(rank, world, port, tp)
+    if tp == 1:  # the CP spawn runs without torch's private coalescing manager: the engine's fallback (steps.py)
+        del dist._coalescing_manager
     if any(layout_of(n)["sp"] for n in layouts):
         from sp_worker import sp_capable_torch_norm
 
