@@ -60,7 +60,9 @@ def power_w(
 def sustained_clock_mhz(
     spec: GPUSpec, sm_clock_mhz: ArrayLike, compute_activity: ArrayLike, memory_activity: ArrayLike
 ) -> np.ndarray:
-    """SM clock (MHz) actually reached when locked at sm_clock_mhz: lowered until power ≤ the board limit."""
+    """SM clock (MHz) actually reached when locked at sm_clock_mhz: lowered until power ≤ the board limit, but not
+    below the lowest supported clock (the driver's power capping stops there; a load that still draws more than a
+    low power limit at that clock runs over it, as NVML documents for limits below what the load needs)."""
     f = np.asarray(sm_clock_mhz, dtype=float)
     ca = np.asarray(compute_activity, dtype=float)
     ma = np.asarray(memory_activity, dtype=float)
@@ -68,7 +70,7 @@ def sustained_clock_mhz(
     over = raw_power_w(spec, f, ca, ma) > spec.power_limit_w
     if not np.any(over):
         return f.astype(float, copy=True)
-    lo = np.zeros_like(f, dtype=float)
+    lo = np.minimum(f, float(spec.min_sm_clock_mhz))  # the floor; never tested: returned when nothing fits
     hi = f.astype(float, copy=True)
     for _ in range(40):  # bisection: raw power is increasing in the clock; 40 halvings < 1e-9 MHz
         mid = 0.5 * (lo + hi)

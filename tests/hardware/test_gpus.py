@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import tomllib
 from importlib import resources
 
@@ -109,6 +111,12 @@ def test_power_is_clamped_and_clock_is_sustained():
     # below the sustainable clock nothing changes; broadcasting over clocks and activities
     low = sustained_clock_mhz(g, np.array([[900.0], [1410.0]]), np.array([0.2, 1.0]), 0.1)
     assert low.shape == (2, 2) and low[0, 0] == 900.0 and low[1, 1] == pytest.approx(f_s)
+
+
+def test_a_limit_no_clock_meets_stops_at_the_lowest_clock():
+    g = replace(gpu_spec("a100-sxm4-80gb"), power_limit_w=40.0)  # below static + memory power at any clock
+    assert float(raw_power_w(g, g.min_sm_clock_mhz, 0.1, 1.0)) > g.power_limit_w
+    assert float(sustained_clock_mhz(g, 1410, 0.1, 1.0)) == g.min_sm_clock_mhz  # not 0 MHz (then times divide by 0)
 
 
 # ---- the one clock-grid policy (hardware/gpus.py clock_grid_mhz) ----------------------------------

@@ -29,6 +29,21 @@ def planned():
     return result, doc, built
 
 
+def test_planning_every_a100_preset_divides_by_no_zero():
+    import warnings
+
+    from kareus_megatron.hardware.gpus import gpu_spec
+
+    _, model, par = default_job()
+    for name in ("a100-sxm4-80gb", "a100-sxm4-40gb"):  # the low caps of the 80GB part reached 0 MHz before
+        gpu = gpu_spec(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            result = plan_methods(gpu, model, par, KernelModel(gpu), methods=[POWERCAP], points=3)
+        front = result.methods[POWERCAP]
+        assert np.all(np.isfinite(front.time_s)) and np.all(np.isfinite(front.energy_j))
+
+
 def test_cap_grid_spans_the_useful_range_up_to_the_board_limit():
     gpu, model, par = default_job()
     caps = cap_grid_w(KernelModel(gpu), model, par)
