@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-time", type=float, default=None, metavar="S",
                    help="write only plans with iteration time <= S seconds")
     g.add_argument("--methods", default=None,
-                   help="comma-separated methods (megatron and perseus are always planned: the reductions "
-                   "are measured against them; default all four)")
+                   help=f"comma-separated methods out of {', '.join(METHODS)} (default: all {len(METHODS)}; "
+                   "megatron and perseus are always planned: the reductions are measured against them)")
     g.add_argument("--framework", choices=FRAMEWORKS, default=FRAMEWORK_MEGATRON,
                    help="pipeline schedule of the framework: megatron 1F1B (interleaved with --vp > 1) or "
                    "DeepSpeed TrainSchedule (default megatron)")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import tomllib
+from dataclasses import replace
 from importlib import resources
 
 import numpy as np
