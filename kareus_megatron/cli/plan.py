@@ -23,6 +23,7 @@ from kareus_megatron.vocab import (
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
+    MEGATRON,
     METHODS,
     NANOBATCH_PERSEUS,
     PERSEUS,
@@ -227,8 +228,8 @@ def power_curves(result: Any, built: list[Any], chosen: Any) -> dict[str, tuple[
 
     from kareus_megatron.search.plan_power import timeline_parts, waveform_w
 
-    picks = [b for b in built if b.method == "megatron" and b.frontier_index == 0][:1]
-    picks += [b for b in built if b is chosen and b.method != "megatron"]
+    picks = [b for b in built if b.method == MEGATRON and b.frontier_index == 0][:1]
+    picks += [b for b in built if b is chosen and b.method != MEGATRON]
     out = {}
     for b in picks:
         t_s = b.plan.predicted.iteration_time_s

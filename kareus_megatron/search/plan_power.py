@@ -170,7 +170,7 @@ def unreachable_message(bound: PowerBound, method: str, least_frac: float, least
             f"up to the board limit; {' and '.join(got)}")
 
 
-def check_reachable(found: Mapping[str, tuple[list[BoundedPlan], float, float]], bound: PowerBound) -> None:
+def check_reachable(found: Mapping[Any, tuple[list[BoundedPlan], float, float]], bound: PowerBound) -> None:
     """PlanError (one line) naming the least reachable swing when some method has no plan under `bound`."""
     for method, (plans, frac, ramp) in found.items():
         if not plans:
