@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from kareus_megatron.vocab import POWER_READING_MODEL
+
+_GRID_TOL = 1e-9  # s: a record this close to a grid time counts as on it (float rounding of k * dt)
 SAMPLE_HZ: Final = 50.0  # ≥ 20 Hz, the rate the issue asks for; an NVML read costs about 1 µs-1 ms
-READING_MODEL: Final = "model"
-READING_INSTANT: Final = "nvml_instant"
-READING_AVERAGE_1S: Final = "nvml_average_1s"
 
 
 def compact(t: list[float], w: list[float], dt_s: float, reading: str) -> dict[str, Any] | None:
@@ -45,6 +45,7 @@ class ModelSampler:
         self._read = read_energy_j_at
         self.dt_s = 1.0 / hz
         self.next_t = math.inf  # the next grid time (s) to read; inf until the first record
+        self._k = 0  # its index on the grid: next_t = k * dt_s, without drift
         self._e_prev: float | None = None
         self._t: list[float] = []
         self._w: list[float] = []
@@ -52,21 +53,23 @@ class ModelSampler:
     def start(self, t: float) -> None:
         """Begin at the first grid time after `t` (s), the first record's time."""
         if self.next_t == math.inf:
-            self.next_t = math.ceil(t / self.dt_s) * self.dt_s
+            self._k = math.ceil(t / self.dt_s - _GRID_TOL)
+            self.next_t = self._k * self.dt_s
 
     def reach(self, t: float) -> None:
         """Read every grid time up to `t` (s); the caller has applied every edge before each of them."""
-        while self.next_t <= t:
+        while self.next_t <= t + _GRID_TOL:
             e = float(self._read(self.next_t))
             if self._e_prev is not None and e == e:
                 self._t.append(self.next_t - self.dt_s)
                 self._w.append(max(0.0, (e - self._e_prev) / self.dt_s))
             self._e_prev = e if e == e else None
-            self.next_t += self.dt_s
+            self._k += 1
+            self.next_t = self._k * self.dt_s
 
     def take(self) -> dict[str, Any] | None:
         """The samples since the last take, compact (None: none)."""
-        out = compact(self._t, self._w, self.dt_s, READING_MODEL)
+        out = compact(self._t, self._w, self.dt_s, POWER_READING_MODEL)
         self._t, self._w = [], []
         return out
 

@@ -85,9 +85,9 @@ class SimulatedTimeLine:
         before that grid time applied (edges still pending all lie before `t`)."""
         power = self._power
         power.start(t)
-        if t < power.next_t:
+        if t < power.next_t - 1e-9:
             return
-        while power.next_t <= t:
+        while power.next_t <= t + 1e-9:
             cut = 0
             while cut < len(edges) and edges[cut] <= power.next_t:
                 cut += 2
