@@ -208,3 +208,8 @@ def partitions_for(phase: str, cp: int, recompute: bool = False, sp: bool = Fals
         raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
     fwd = ("fwd_attn", "fwd_mlp", *cp_names) if recompute else ()
     return (*fwd, "bwd_mlp", "bwd_attn", *(("bwd_cp_kv",) if cp > 1 else ()))
+
+# ---- power readings (issue 26): where a GPU's power samples come from (runtime/clock/power_samples.py) --------
+POWER_READING_MODEL: Final = "model"  # a simulated GPU's power model
+POWER_READING_INSTANT: Final = "nvml_instant"  # NVML_FI_DEV_POWER_INSTANT
+POWER_READING_AVERAGE_1S: Final = "nvml_average_1s"  # nvmlDeviceGetPowerUsage: a 1 s average on Ampere and later

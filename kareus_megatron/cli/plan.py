@@ -3,7 +3,8 @@
 Writes, under ``--out DIR`` (default ./kareus-out): ``frontier.json`` (kareus-frontier/1),
 ``plans/NAME-NN.json`` (kareus-plan/1; NN = 00 is the method's fastest plan), ``frontier.png`` (time s
 vs energy J of every method), ``timeline.png`` (Gantt chart of one plan, coloured by SM clock MHz) and
-``timeline.trace.json`` (the same plan as a Perfetto/Chrome trace).
+``timeline.trace.json`` (the same plan as a Perfetto/Chrome trace) and ``power.png`` (two iterations of the
+job's predicted power, W, of Megatron's fastest plan and that plan; docs/power.md).
 Everything is written to a temporary directory next to DIR and renamed into place, so DIR is never
 left half-written; bad input leaves DIR untouched.
 """
@@ -22,6 +23,7 @@ from kareus_megatron.vocab import (
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
+    MEGATRON,
     METHODS,
     NANOBATCH_PERSEUS,
     PERSEUS,
@@ -59,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-layer", action="store_true", help="model cross-layer overlap: each layer's last "
                    "collective beside the other nanobatch's first segment of the next layer (the overlap engine "
                    "runs it with and without --sp; with --cp such plans are refused at run time; default off)")
+    g.add_argument("--max-swing", type=float, default=None, metavar="FRACTION",
+                   help="write only plans whose job power swings by at most FRACTION of its peak over an "
+                   "iteration (e.g. 0.3), holding blocked GPUs at a costed power floor where the clocks cannot "
+                   "(docs/power.md)")
+    g.add_argument("--max-ramp", type=float, default=None, metavar="W_PER_S",
+                   help="write only plans whose job power rises or falls by at most W_PER_S watts per second "
+                   "over any 100 ms (docs/power.md)")
     g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
                    "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
@@ -104,6 +113,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
                 f"--timeline {args.timeline!r} is not a plan this run writes; use METHOD-NN with METHOD one of "
                 f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
             )
+    from kareus_megatron.search.plan_power import PowerBound
+
+    bound = PowerBound(max_swing=args.max_swing, max_ramp_w_per_s=args.max_ramp)
     from kareus_megatron.plan.io import check_output_dir
 
     check_output_dir(Path(args.out))
@@ -140,7 +152,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         result = plan_methods(
             gpu, model, par, kernel, methods=methods, points=args.points, schedule=schedule,
             max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
-            progress=report, cross_layer=args.cross_layer,
+            progress=report, cross_layer=args.cross_layer, bound=bound,
         )
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory)
@@ -199,6 +211,9 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
             bars.append(Bar(rank=ti.rank, start_s=ti.start_s, end_s=ti.end_s, clock_mhz=int(o.clock_mhz[ti.option]),
                             kind=kind, microbatch=mb, chunk=chunk, nanobatches=int(o.nanobatches[ti.option])))
         write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
+        from kareus_megatron.plotting.power import save_power_png
+
+        save_power_png(tmp / "power.png", power_curves(result, built, chosen), title=title)
         p = chosen.plan.predicted
         save_timeline_png(
             tmp / "timeline.png", bars,
@@ -207,9 +222,34 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
         )
 
 
+def power_curves(result: Any, built: list[Any], chosen: Any) -> dict[str, tuple[Any, Any]]:
+    """Two iterations of the job's predicted power (t s, W) of Megatron's fastest plan and the chosen plan."""
+    import numpy as np
+
+    from kareus_megatron.search.plan_power import timeline_parts, waveform_w
+
+    picks = [b for b in built if b.method == MEGATRON and b.frontier_index == 0][:1]
+    picks += [b for b in built if b is chosen and b.method != MEGATRON]
+    out = {}
+    for b in picks:
+        t_s = b.plan.predicted.iteration_time_s
+        a, blocked, step = timeline_parts(b.timeline, result.par.pp, t_s, result.gpus_per_stage)
+        p = np.tile(waveform_w(a, blocked, result.p_blocked_w, b.plan.power_floor_w), 2)
+        out[b.name] = ((np.arange(p.size) + 0.5) * step, p)
+    return out
+
+
 def _fmt_pct(x: float | None) -> str:
     """A fraction as a percentage with one decimal; rounding noise (|x| < 0.05%) prints as 0.0%."""
     return "n/a" if x is None else f"{100 * x + 0.0:.1f}%" if abs(x) >= 5e-4 else "0.0%"
+
+
+def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
+    """Predicted power swing of the fastest and the least-energy plan, as % of each one's peak."""
+    def pct(p: dict[str, Any]) -> str:
+        return f"{100 * p['swing_w'] / p['peak_power_w']:.0f}" if p.get("peak_power_w") else "n/a"
+
+    return pct(fast) if fast is slow else f"{pct(fast)} / {pct(slow)}"
 
 
 def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:
@@ -227,7 +267,7 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
     )
     ends = Table(title="frontier ends (model predictions; energy = all GPUs per iteration)", box=box.SIMPLE)
     ends.add_column("method", no_wrap=True)
-    for col in ("plans", "fastest (s)", "(kJ)", "min-energy (s)", "(kJ)"):
+    for col in ("plans", "fastest (s)", "(kJ)", "min-energy (s)", "(kJ)", "swing (% peak)"):
         ends.add_column(col, justify="right")
     red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)",
                 box=box.SIMPLE)
@@ -239,14 +279,14 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
         r = doc["reductions"][name]
         fast, slow = pts[0], pts[-1]
         ends.add_row(name, str(len(pts)), f"{fast['time_s']:.3f}", f"{fast['energy_j'] / 1e3:.2f}",
-                     f"{slow['time_s']:.3f}", f"{slow['energy_j'] / 1e3:.2f}")
+                     f"{slow['time_s']:.3f}", f"{slow['energy_j'] / 1e3:.2f}", _swing_cell(fast, slow))
         red.add_row(name, _fmt_pct(r["iso_time_energy"]), _fmt_pct(r["iso_energy_time"]),
                     _fmt_pct(r["max_throughput_time_vs_megatron"]), _fmt_pct(r["max_throughput_energy_vs_megatron"]))
     console.print(ends)
     console.print(red)
     console.print(
-        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, timeline.png and "
-        f"timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
+        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
+        f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
     )
     runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
     console.print(

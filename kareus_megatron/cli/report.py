@@ -6,8 +6,10 @@ calibration and the saving against its max-clock iterations (report/auto.py).
 LOG is the run log written with --kareus-log (read by report/runlog.py, as `kareus compare` reads it); PLAN is the
 plan file the run used. Prints, over the iterations after ``--skip-iterations`` warm-up iterations (default 2), the
 median time and the mean energy (total over total), per stage and in total, and writes a PNG (default: LOG with the
-suffix .png). The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU
-preset's). Per GPU (report/per_gpu.py): every rank's mean energy per iteration, its share of the job's and its
+suffix .png); the job's power waveform measured against predicted (report/power.py; JSON "power") and its plot
+beside the PNG (NAME.power.png).
+The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU preset's).
+Per GPU (report/per_gpu.py): every rank's mean energy per iteration, its share of the job's and its
 predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise one line names the
 GPUs that drew least and most); ``--format json`` always lists them under "gpus"."""
 
@@ -109,6 +111,19 @@ def _print_gpus(cmp: object, every: bool) -> None:
               f"{_fmt(g.predicted_energy_j, 'J'):>10s} {err:>8s} {_fmt(g.time_s, 's'):>10s} {share:>7s}")
 
 
+def _print_power(power: dict[str, dict[str, object]]) -> None:
+    """The power section of the text report: the waveform metrics, measured and predicted (report/power.py)."""
+    if not power:
+        return
+    m, p = power.get("measured", {}), power.get("predicted", {})
+    rate = f", {m['sample_hz']:.0f} Hz samples ({m['reading']})" if m else ", no power samples in the log"
+    print(f"job power over one iteration{rate}:")
+    for key, unit in (("peak_power_w", "W"), ("min_power_w", "W"), ("mean_power_w", "W"), ("swing_w", "W"),
+                      ("ramp_w_per_s", "W/s"), ("band_fraction", "")):
+        cells = [f"{float(d[key]):.4g} {unit}".strip() if key in d else "n/a" for d in (m, p)]  # type: ignore[arg-type]
+        print(f"{key:20s} {cells[0]:>12s} {cells[1]:>12s}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the comparison table (or JSON) and write the plot; exit 0."""
     import json
@@ -135,11 +150,15 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     p_blocked_w = blocked_power_w(plan, source=f"plan {args.plan}")
     log = read_run_log(args.log)
-    cmp = compare(summarize(log, args.skip_iterations), plan, p_blocked_w)
+    summary = summarize(log, args.skip_iterations)
+    cmp = compare(summary, plan, p_blocked_w)
+    from kareus_megatron.report.power import power_section
+
+    power, curves = power_section(summary, plan)
     sim = "simulated GPU: " if log.simulated else ""
     n_complete = sum(1 for r in log.iterations if r["iteration"] not in log.partial)
     if args.format == "json":
-        print(json.dumps(_json(cmp, log, n_complete), indent=2))
+        print(json.dumps({**_json(cmp, log, n_complete), "power": power}, indent=2))
     else:
         print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
               f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {args.plan} ({plan.method}, "
@@ -150,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} "
                   f"{err:>8s}")
         _print_gpus(cmp, args.per_gpu)
+        _print_power(power)
         for note in cmp.notes:
             print(f"note: {note}")
         auto = auto_summary(log)
@@ -166,4 +186,10 @@ def run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
         print(f"wrote {out}", file=sys.stderr if args.format == "json" else sys.stdout)
+        if curves:
+            from kareus_megatron.plotting.power import save_power_png
+
+            wave = out.with_name(out.stem + ".power.png")
+            save_power_png(wave, curves, title="job power over one iteration: measured (folded) vs predicted")
+            print(f"wrote {wave}", file=sys.stderr if args.format == "json" else sys.stdout)
     return 0

@@ -26,6 +26,7 @@ from kareus_megatron.plan.schema import (
     ParallelLayout,
     PartitionKnobs,
     Plan,
+    PowerPrediction,
     Predicted,
     StagePlan,
 )
@@ -103,6 +104,8 @@ def config_dict(result: PlanningResult, memory: dict[str, Any] | None = None) ->
         cfg["memory"] = memory
     if result.cross_layer:  # only when set: frontier documents without it stay as they were
         cfg["cross_layer"] = True
+    if result.bound is not None and result.bound.active:  # kareus plan --max-swing / --max-ramp
+        cfg["power_bound"] = {"max_swing": result.bound.max_swing, "max_ramp_w_per_s": result.bound.max_ramp_w_per_s}
     return cfg
 
 
@@ -119,10 +122,13 @@ def assemble_plan(
     calibration_sha256: str | None = None,
     power_limit_w: float | None = None,
     cross_layer: bool = False,
+    power: dict[str, float] | None = None,
+    power_floor_w: float | None = None,
 ) -> Plan:
     """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
     (J, all GPUs), the GPU and blocked power (W, one GPU) the prediction used, and for ``powercap`` the
-    power limit (W) of every GPU."""
+    power limit (W) of every GPU; `power`: the predicted waveform's metrics (cost/waveform.py) and
+    `power_floor_w` the floor (W, one GPU) blocked GPUs are held at to meet a power bound."""
     return Plan(
         format=PLAN_FORMAT,
         method=method,
@@ -133,7 +139,9 @@ def assemble_plan(
         power_limit_w=None if power_limit_w is None else float(power_limit_w),
         model=model,
         parallel=parallel,
-        predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j)),
+        power_floor_w=None if power_floor_w is None else float(power_floor_w),
+        predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j),
+                            power=None if power is None else PowerPrediction(**power)),
         stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
         cross_layer=True if cross_layer else None,  # written only when set: other plans stay as they were
     )
@@ -158,6 +166,16 @@ def solved_plan(dag: Any, node_opts: Sequence[Any], solved: Any, *, method: Meth
                          energy_j=solved.energy_j, p_blocked_w=p_blocked_w, ranks=ranks)
 
 
+def plan_power_metrics(result: PlanningResult, timed: list[TimedInstruction], time_s: float,
+                       power_floor_w: float | None = None) -> Any:
+    """The power metrics (cost.waveform.PowerMetrics) of a simulated timeline, blocked GPUs at the floor (W)."""
+    from kareus_megatron.cost.waveform import power_metrics
+    from kareus_megatron.search.plan_power import timeline_parts, waveform_w
+
+    a, b, step = timeline_parts(timed, result.par.pp, time_s, result.gpus_per_stage)
+    return power_metrics(waveform_w(a, b, result.p_blocked_w, power_floor_w), step)
+
+
 def build_plan(
     result: PlanningResult, method: MethodName, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None
 ) -> tuple[Plan, list[TimedInstruction]]:
@@ -180,8 +198,13 @@ def build_plan(
             partitions=knobs[(*key, k)] if nb > 1 else {},
             predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
         ))
+    floor = getattr(result.methods[method].plans[index], "power_floor_w", None)
+    energy = sim.energy_j + (0.0 if floor is None else  # blocked GPU-seconds held at the floor (W) instead
+                             result.gpus_per_stage * (floor - result.p_blocked_w) * float(sim.idle_s.sum()))
+    power = plan_power_metrics(result, timed, sim.time_s, floor)
     plan = assemble_plan(method=method, gpu=result.gpu.name, parallel=parallel_layout(result.par, result.schedule),
-                         time_s=sim.time_s, energy_j=sim.energy_j, p_blocked_w=result.p_blocked_w, ranks=ranks,
+                         time_s=sim.time_s, energy_j=energy, p_blocked_w=result.p_blocked_w, ranks=ranks,
+                         power=power.as_dict(), power_floor_w=floor,
                          model=model_shape(result.model, result.par.precision),
                          calibration_sha256=result.calibration_sha256,
                          power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
@@ -203,11 +226,16 @@ def build_outputs(
             plan, timed = build_plan(result, method, idx, knobs)
             bp = BuiltPlan(name=f"{method}-{nn:02d}", method=method, frontier_index=idx, plan=plan, timeline=timed)
             built.append(bp)
-            points[method].append({
+            point = {
                 "time_s": plan.predicted.iteration_time_s,
                 "energy_j": plan.predicted.iteration_energy_j,
                 "plan": bp.relpath,
-            })
+            }
+            if plan.predicted.power is not None:
+                point.update(plan.predicted.power.model_dump())
+            if plan.power_floor_w is not None:
+                point["power_floor_w"] = plan.power_floor_w
+            points[method].append(point)
     doc = frontier_document(config_dict(result, memory), points)
     full: dict[str, list[tuple[float, float]]] = {
         m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()

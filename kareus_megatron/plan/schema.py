@@ -159,11 +159,25 @@ class StagePlan(_Frozen):
     instructions: tuple[Instruction, ...]
 
 
+class PowerPrediction(_Frozen):
+    """The job's predicted power waveform over one iteration (cost/waveform.py): totals of every GPU, W;
+    ramp in W/s; band_fraction dimensionless (RMS of its 0.1-20 Hz components over its mean)."""
+
+    peak_power_w: float = Field(ge=0, allow_inf_nan=False)
+    min_power_w: float = Field(ge=0, allow_inf_nan=False)
+    mean_power_w: float = Field(ge=0, allow_inf_nan=False)
+    swing_w: float = Field(ge=0, allow_inf_nan=False)
+    ramp_w_per_s: float = Field(ge=0, allow_inf_nan=False)
+    band_fraction: float = Field(ge=0, allow_inf_nan=False)
+
+
 class Predicted(_Frozen):
-    """Predicted iteration time (s) and GPU energy (J, summed over every GPU of the job)."""
+    """Predicted iteration time (s) and GPU energy (J, summed over every GPU of the job), and its power
+    waveform's metrics (None: plans written before they were predicted)."""
 
     iteration_time_s: float = Field(gt=0)
     iteration_energy_j: float = Field(gt=0)
+    power: PowerPrediction | None = None
 
 
 class Plan(_Frozen):
@@ -183,6 +197,12 @@ class Plan(_Frozen):
         default=None, gt=0, allow_inf_nan=False,
         description="board power limit (W) of every GPU of the job (method powercap only): the runtime sets "
                     "it and locks no SM clock; every instruction then carries the maximum SM clock",
+    )
+    power_floor_w: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="power (W, one GPU) at which blocked GPUs are held to meet a power bound (kareus plan "
+                    "--max-swing/--max-ramp), as a hardware power floor or a power damper does; its energy "
+                    "is in the prediction (None: no floor; omitted from the file)",
     )
     model: ModelShape | None = None
     parallel: ParallelLayout

@@ -84,6 +84,7 @@ class PlanningResult:
     methods: dict[MethodName, MethodFrontier]
     calibration_sha256: str | None = None
     cross_layer: bool = False  # the 2-nanobatch options model cross-layer overlap (search/partition.py)
+    bound: Any = None  # search.plan_power.PowerBound the frontiers respect (None: unbounded)
 
 
 def check_methods(methods: Sequence[str]) -> list[MethodName]:
@@ -201,12 +202,15 @@ def plan_methods(
     calibration_sha256: str | None = None,
     progress: Progress | None = None,
     cross_layer: bool = False,
+    bound: Any = None,
 ) -> PlanningResult:
     """Solve the frontier of every method on one pipeline DAG and choose the points to write.
 
     `progress(message, fraction)` is called as the work advances (fraction 0..1 of the whole run).
     cross_layer: the 2-nanobatch options model cross-layer overlap (run by the overlap engine with and without
         SP; refused at run time with CP).
+    bound: a search.plan_power.PowerBound; each frontier then keeps only plans that meet it, with the least
+        costed power floor each needs (PlanError naming the least reachable swing when a method has none).
     """
     from kareus_megatron.search.options import build_options
     from kareus_megatron.search.pipeline import build_dag
@@ -257,13 +261,30 @@ def plan_methods(
         kept, t, e = _frontier_arrays(solved)
         found[name] = MethodFrontier(method=name, options=opts, plans=kept, time_s=t, energy_j=e)
         done += w
+    if bound is not None and bound.active:
+        say("power bound", done)
+        _apply_bound(found, dag, p_blocked, gpus_per_stage, float(gpu.power_limit_w), bound)
     choose_points(found, points, max_time_s)
     say("done", 1.0)
     return PlanningResult(
         gpu=gpu, model=model, par=par, schedule=schedule, orders=orders, dag=dag, p2p_time_s=p2p_s,
         dp_reduce_time_s=dp_s, p_blocked_w=p_blocked, gpus_per_stage=gpus_per_stage, methods=found,
-        calibration_sha256=calibration_sha256, cross_layer=cross_layer,
+        calibration_sha256=calibration_sha256, cross_layer=cross_layer, bound=bound,
     )
+
+
+def _apply_bound(found: dict[MethodName, MethodFrontier], dag: Any, p_blocked_w: float, gpus_per_stage: int,
+                 max_floor_w: float, bound: Any) -> None:
+    """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place."""
+    from kareus_megatron.search.plan_power import bounded_plans, check_reachable
+
+    per = {name: bounded_plans(dag, node_options(dag, mf.options), mf.plans, p_blocked_w, gpus_per_stage,
+                               max_floor_w, bound) for name, mf in found.items()}
+    check_reachable(per, bound)
+    for name, (plans, _frac, _ramp) in per.items():
+        kept, t, e = _frontier_arrays(plans)
+        mf = found[name]
+        mf.plans, mf.time_s, mf.energy_j = kept, t, e
 
 
 def _powercap_frontier(dag: Any, model: Any, par: Any, kernel: Any, p_blocked_w: float,

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus_megatron.cli import main as cli_main
+from kareus_megatron.cost.waveform import METRIC_NAMES
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import load_plan
 
@@ -66,8 +67,13 @@ def test_default_run_writes_every_output(default_run, capsys):
             assert plan.predicted.iteration_energy_j == pytest.approx(p["energy_j"])
     trace = json.loads((out / "timeline.trace.json").read_text())
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 2 * 2 * 8
-    for png in ("frontier.png", "timeline.png"):
+    for png in ("frontier.png", "timeline.png", "power.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    for entry in doc["methods"].values():  # issue 26: every point and plan carries the power metrics
+        for p in entry["points"]:
+            power = load_plan(out / p["plan"]).predicted.power
+            assert power is not None and power.model_dump() == {k: p[k] for k in METRIC_NAMES}
+            assert "power_floor_w" not in p  # no bound, no floor
     assert leftovers(work) == []
     assert all(v > 0 for v in doc["reductions"]["kareus"].values())
     umask = os.umask(0)
@@ -104,6 +110,10 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
         (["--freqs", "1411"], "1411"),
         (["--model", "gpt-9"], "gpt-9"),
         (["--mbs", "1", "--methods", "nanobatch_perseus"], "--mbs"),
+        (["--max-swing", "0.01", *QUICK], "least swing reachable is 0.0"),
+        (["--max-swing", "1.5", *QUICK], "--max-swing 1.5"),
+        (["--max-ramp", "0", *QUICK], "--max-ramp 0"),
+        (["--max-ramp", "1", *QUICK], "least ramp reachable"),
     ],
 )
 def test_bad_input_exits_2_and_leaves_out_untouched(default_run, capsys, argv, needle):
@@ -182,3 +192,34 @@ def test_reproduce_script_writes_the_comparison(tmp_path):
     assert "MODEL PREDICTIONS" in (tmp_path / "comparison.md").read_text()
     for png in ("frontiers.png", "reductions.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_run, monkeypatch):
+    """`kareus plan --max-swing 0.3` (issue 26): every plan meets it; the floor is costed; kareus still wins."""
+    _, work = default_run
+    monkeypatch.chdir(work)
+    out = work / "bounded"
+    assert cli_main.main(["plan", "--out", str(out), "--max-swing", "0.3"]) == 0
+    doc = json.loads((out / "frontier.json").read_text())
+    free = json.loads((work / "kareus-out" / "frontier.json").read_text())
+    assert doc["config"]["power_bound"] == {"max_swing": 0.3, "max_ramp_w_per_s": None}
+    floors = 0
+    for entry in doc["methods"].values():
+        for p in entry["points"]:
+            plan = load_plan(out / p["plan"])
+            assert plan.predicted.power is not None
+            assert plan.predicted.power.swing_w <= 0.3 * plan.predicted.power.peak_power_w * (1 + 1e-9)
+            assert plan.power_floor_w == p.get("power_floor_w")
+            assert p["mean_power_w"] * p["time_s"] == pytest.approx(p["energy_j"])  # the floor's energy is in
+            floors += plan.power_floor_w is not None
+    assert floors > 0
+    mega = doc["methods"]["megatron"]["points"][0]
+    mega_free = free["methods"]["megatron"]["points"][0]
+    assert mega["power_floor_w"] > doc["config"]["p_blocked_w"] and mega["energy_j"] > mega_free["energy_j"]
+    at_time = [p["energy_j"] for p in doc["methods"]["kareus"]["points"] if p["time_s"] <= mega["time_s"]]
+    assert at_time and min(at_time) <= mega["energy_j"]
+    ramped = work / "ramped"
+    limit = 0.5 * mega_free["ramp_w_per_s"]
+    assert cli_main.main(["plan", "--out", str(ramped), "--max-ramp", str(limit), *QUICK]) == 0
+    rdoc = json.loads((ramped / "frontier.json").read_text())
+    assert all(p["ramp_w_per_s"] <= limit * (1 + 1e-9) for m in rdoc["methods"].values() for p in m["points"])

@@ -55,6 +55,28 @@ def test_try_runtime_pp2_perseus_replaces_an_old_try_out(tmp_path: Path) -> None
     _assert_complete(r, out, "perseus-00", stages=2)
     assert not (out / "plan" / "stale.json").exists()
     assert "layer spec: local" in r.stdout
+    _assert_power(out, "perseus-00")
+
+
+def _assert_power(out: Path, name: str) -> None:
+    """Issue 26: `kareus report --format json` after `make try-runtime` has the power waveform, measured (the
+    simulated GPUs' power model sampled at >= 20 Hz) and predicted, and the text run plotted it."""
+    from kareus_megatron.cost.waveform import METRIC_NAMES
+
+    plan = out / "plan" / "plans" / f"{name}.json"
+    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(out / "run"), "--plan",
+                        str(plan), "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    power = json.loads(r.stdout)["power"]
+    measured, predicted = power["measured"], power["predicted"]
+    assert set(METRIC_NAMES) <= set(measured) and set(predicted) == set(METRIC_NAMES)
+    assert measured["sample_hz"] >= 20 and measured["reading"] == "model" and measured["gpus"] == 2
+    assert measured["samples"] >= 20 * (ITERATIONS - 2) * 0.5  # ~every 20 ms of the used iterations
+    assert 0 < measured["min_power_w"] <= measured["mean_power_w"] <= measured["peak_power_w"]
+    # the simulated GPUs draw the preset's blocked power at least and never above their board limit (a40: 300 W)
+    assert measured["peak_power_w"] <= 2 * 300 + 1e-6 and measured["min_power_w"] >= 2 * 70 - 1e-6
+    assert predicted == json.loads(plan.read_text())["predicted"]["power"]
+    assert (out / "run.power.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_try_runtime_tp2_sp_kareus_runs_two_nanobatches(tmp_path: Path) -> None:

@@ -129,6 +129,24 @@ def nvmlDeviceGetPowerUsage(handle: str) -> int:
     return int(_POWER_W * 1000)
 
 
+NVML_FI_DEV_POWER_INSTANT = 186
+
+
+class _FieldValue:
+    """As pynvml's c_nvmlFieldValue_t: fieldId, nvmlReturn and value (a union; uiVal here)."""
+
+    def __init__(self, field: int, ret: int, value: int) -> None:
+        self.fieldId, self.nvmlReturn = field, ret
+        self.value = type("Value", (), {"uiVal": value, "siVal": value})()
+
+
+def nvmlDeviceGetFieldValues(handle: str, fields: list[int]) -> list[_FieldValue]:
+    """The instantaneous power field answers unless KAREUS_FAKE_NVML_NO_INSTANT is set (a board without it)."""
+    instant = not os.environ.get("KAREUS_FAKE_NVML_NO_INSTANT")
+    return [_FieldValue(f, NVML_SUCCESS, int(_POWER_W * 1000)) if f == NVML_FI_DEV_POWER_INSTANT and instant
+            else _FieldValue(f, NVML_ERROR_NOT_SUPPORTED, 0) for f in fields]
+
+
 def nvmlDeviceGetTemperature(handle: str, sensor: int) -> int:
     return 40
 

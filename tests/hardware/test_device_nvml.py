@@ -373,3 +373,23 @@ def test_power_limit_without_permission_names_the_fix(fake):
     fake.nvmlDeviceSetPowerManagementLimit.side_effect = _nvml_error(pynvml.NVML_ERROR_NO_PERMISSION)
     with pytest.raises(ClockControlError, match="power limit to 250 W: NVML refused"):
         NVMLGPU(0).set_power_limit_w(250.0)
+
+
+def _field(ret: int, mw: int):
+    """A pynvml c_nvmlFieldValue_t as the real one reads: nvmlReturn and the value union's uiVal."""
+    fv = pynvml.c_nvmlFieldValue_t()
+    fv.fieldId, fv.nvmlReturn = pynvml.NVML_FI_DEV_POWER_INSTANT, ret
+    fv.value.uiVal = mw
+    return fv
+
+
+def test_power_reads_the_instant_field_else_the_1s_average(fake):
+    """Issue 26: the power samples come from NVML_FI_DEV_POWER_INSTANT where the GPU answers it (mW -> W), else
+    from nvmlDeviceGetPowerUsage, which Ampere and later boards average over 1 s; the device says which."""
+    fake.nvmlDeviceGetFieldValues.return_value = [_field(pynvml.NVML_SUCCESS, 251_500)]
+    dev = NVMLGPU(0)
+    assert dev.power_reading == "nvml_instant" and dev.power_w() == pytest.approx(251.5)
+    fake.nvmlDeviceGetFieldValues.assert_called_with("handle0", [pynvml.NVML_FI_DEV_POWER_INSTANT])
+    fake.nvmlDeviceGetFieldValues.return_value = [_field(pynvml.NVML_ERROR_NOT_SUPPORTED, 0)]
+    assert NVMLGPU(0).power_reading == "nvml_average_1s"
+    assert dev.power_w() == pytest.approx(61.25)  # the field stopped answering: the average, not 0 W

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kareus_megatron.cost import KernelModel
+from kareus_megatron.cost.waveform import METRIC_NAMES
 from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.build import build_outputs
@@ -75,7 +76,11 @@ def test_frontier_document_layout(planned):
         pts = entry["points"]
         assert 1 <= len(pts) <= POINTS
         for nn, p in enumerate(pts):
-            assert set(p) == {"time_s", "energy_j", "plan"}
+            assert set(p) == {"time_s", "energy_j", "plan", *METRIC_NAMES}  # issue 26: the power metrics
+            # the waveform's mean over the iteration is the predicted energy, and swing = peak - min
+            assert p["mean_power_w"] * p["time_s"] == pytest.approx(p["energy_j"], rel=1e-9)
+            assert p["swing_w"] == pytest.approx(p["peak_power_w"] - p["min_power_w"])
+            assert 0 < p["min_power_w"] < p["mean_power_w"] < p["peak_power_w"]
             assert p["plan"] == f"plans/{name}-{nn:02d}.json" and p["plan"] in names
         t = [p["time_s"] for p in pts]
         e = [p["energy_j"] for p in pts]

@@ -13,6 +13,7 @@ object on explicitly and treats every device as a plain ``GPUDevice`` otherwise.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
 from kareus_megatron.hardware.device.base import (
@@ -93,3 +94,11 @@ def simulation_of(device: GPUDevice) -> SimulationHooks | None:
     from kareus_megatron.hardware.device.sim import SimulatedGPU
 
     return device if isinstance(device, SimulatedGPU) else None
+
+
+def power_reader_of(device: GPUDevice) -> tuple[Callable[[], float], str] | None:
+    """(read the board power W now, which reading it is: vocab.POWER_READING_*) of an NVML GPU; None for a
+    simulated one (its power model is sampled on the clock controller's time line instead)."""
+    from kareus_megatron.hardware.device.nvml import NVMLGPU
+
+    return (device.power_w, device.power_reading) if isinstance(device, NVMLGPU) else None

@@ -6,7 +6,9 @@ the fix in the message. Locking clocks needs root or CAP_SYS_ADMIN. The device i
 the caller knows the CUDA device's (cuda_map.py), since NVML's index order is not CUDA's. Supported SM
 clocks are asked at the highest supported memory clock: at the current one, a GDDR board idling in a
 low memory P-state lists few clocks or none (NVML_ERROR_NOT_FOUND). ``reset_clocks`` resets only a lock
-made through this object; a read-only device records set/reset and applies neither (base.py).
+made through this object; a read-only device records set/reset and applies neither (base.py). Board power
+(``power_w``, W from mW) is NVML's instantaneous field (NVML_FI_DEV_POWER_INSTANT, field id 186) where the GPU
+answers it, else ``nvmlDeviceGetPowerUsage``, a 1 s average on Ampere and later boards (docs/power.md).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from kareus_megatron.hardware.device.nvml_access import (
     nvml_module,
     translate_nvml_error,
 )
+from kareus_megatron.vocab import POWER_READING_AVERAGE_1S, POWER_READING_INSTANT
 
 if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
+
+FI_DEV_POWER_INSTANT = 186  # NVML_FI_DEV_POWER_INSTANT (nvml.h): instantaneous board power, mW
 
 @functools.lru_cache(maxsize=1)
 def nvml_available() -> bool:
@@ -117,6 +122,7 @@ class NVMLGPU(OwnedLocks):
             if not self._supported:
                 raise DeviceUnavailableError(f"GPU {uuid or index} ({self.device_name}) lists no lockable SM clocks")
             self._energy0_mj = int(pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+            self.power_reading = POWER_READING_INSTANT if self._instant_mw() is not None else POWER_READING_AVERAGE_1S
         except pynvml.NVMLError as e:
             self._shutdown()
             raise translate_nvml_error(e, f"opening GPU {uuid or index}") from e
@@ -201,6 +207,23 @@ class NVMLGPU(OwnedLocks):
         """GPU energy (J) since open, from NVML's total-energy counter (mJ)."""
         mj = int(self._call("reading the energy counter", self._nvml.nvmlDeviceGetTotalEnergyConsumption))
         return (mj - self._energy0_mj) / 1000.0
+
+    def _instant_mw(self) -> int | None:
+        """NVML's instantaneous board power (mW; NVML_FI_DEV_POWER_INSTANT), None where the GPU lacks it."""
+        try:
+            fv = self._nvml.nvmlDeviceGetFieldValues(self._handle, [FI_DEV_POWER_INSTANT])[0]
+        except (AttributeError, self._nvml.NVMLError):  # older pynvml or driver: no field values
+            return None
+        return int(fv.value.uiVal) if fv.nvmlReturn == 0 else None
+
+    def power_w(self) -> float:
+        """Board power (W) now: the instantaneous field where the GPU has one, else nvmlDeviceGetPowerUsage
+        (mW; a 1 s average on Ampere and later boards); ``power_reading`` says which."""
+        if self.power_reading == POWER_READING_INSTANT:
+            mw = self._instant_mw()
+            if mw is not None:
+                return mw / 1000.0
+        return int(self._call("reading the board power", self._nvml.nvmlDeviceGetPowerUsage)) / 1000.0
 
     # -- board power limit (NVML works in mW; W here) -----------------------------------------
     def power_limit_w(self) -> float:

@@ -110,11 +110,12 @@ class ClockClient:
                      log_path: str | None = None, power_limit_w: float | None = None) -> dict[str, Any]:
         """Run the controller in a thread of this process around `device`; `simulation`: its
         SimulationHooks when it is a simulated GPU (``hardware.device.simulation_of``), else None."""
+        from kareus_megatron.hardware.device import power_reader_of
         from kareus_megatron.runtime.clock.controller import ClockController
 
         transport = self.transport
         ctl = ClockController(device, transport.on_reply, simulation=simulation, log_path=log_path,
-                              power_limit_w=power_limit_w)
+                              power_limit_w=power_limit_w, power=power_reader_of(device))
         transport.connect(ctl.feed)
         transport.on_reply(ctl.probe())
         self._controller_thread = threading.Thread(target=ctl.run, name="kareus-clock-controller", daemon=True)

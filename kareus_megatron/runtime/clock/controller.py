@@ -43,6 +43,7 @@ from typing import Any
 from kareus_megatron.errors import ClockControlError, KareusError
 from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, route_control
+from kareus_megatron.runtime.clock.power_samples import WallSampler
 from kareus_megatron.runtime.clock.timeline import SimulatedTimeLine
 from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, FrameReader
 from kareus_megatron.runtime.closed_loop.truth import apply_truth_power
@@ -61,8 +62,9 @@ class ClockController:
 
     def __init__(self, device: GPUDevice, reply: Reply, *, simulation: SimulationHooks | None = None,
                  log_path: str | None = None, reply_many: Callable[[list[dict[str, Any]]], None] | None = None,
-                 power_limit_w: float | None = None) -> None:
-        """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML).
+                 power_limit_w: float | None = None, power: tuple[Callable[[], float], str] | None = None) -> None:
+        """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML);
+        `power`: NVML's board power reader and its reading (hardware.device.power_reader_of), sampled on a thread.
         `reply` sends messages back (`reply_many`, when given, several at once: the energy marks of one
         batch leave in one write); `log_path` gets the decisions (a simulated GPU logs to its own log)."""
         self.device = device
@@ -77,11 +79,13 @@ class ClockController:
         self._frames = FrameReader()
         self._stop = threading.Event()
         self._close_seq: Any = None
+        self._power: WallSampler | None = None  # NVML: the power sampler thread
         # Chosen once: wall time (NVML), or the simulated time line.
         self._take_records: Callable[[list[Any], list[Any], list[dict[str, Any]], list[dict[str, Any]]], bool]
         if simulation is None:
             self._take_records, self._reset_clocks, self._settle = self._take_wall, device.reset_clocks, _nothing
             self.decisions.read_temperature_c = device.temperature_c  # at every mark, beside the energy
+            self._power = None if power is None else WallSampler(*power)  # off this loop (power_samples.py)
         else:
             line = SimulatedTimeLine(device, simulation, self.decisions)
             self._take_records, self._reset_clocks, self._settle = line.take, line.reset_clocks, line.settle
@@ -198,7 +202,10 @@ class ClockController:
                         overtaken += last is not None
                         last = (c, a, b, d)
                 elif code == CODE_MARK:
-                    (held if b else answers).append(dec.mark(int(a), t, read))
+                    answer = dec.mark(int(a), t, read)
+                    if self._power is not None:  # the power samples since the previous mark
+                        answer["power"] = self._power.take(t)
+                    (held if b else answers).append(answer)
             if last is not None:
                 if overtaken:
                     rest.append(("stale", overtaken))
@@ -214,6 +221,8 @@ class ClockController:
     def run(self, parent_alive: Callable[[], bool] = lambda: True) -> str:
         """Serve until close, stop or parent death; always reset clocks; return why it ended."""
         why = "stopped"
+        if self._power is not None:
+            self._power.start()
         try:
             while not self._stop.is_set():
                 try:
@@ -295,6 +304,8 @@ class ClockController:
         self.decisions.reset(self.device.spec.max_sm_clock_mhz, reason)
 
     def _final_reset(self, why: str) -> None:
+        if self._power is not None:
+            self._power.stop()
         self._reset(why)
         if self.power_limit_w is not None:  # the limit this controller set (a device restores only its own)
             try:

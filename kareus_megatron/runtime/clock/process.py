@@ -39,7 +39,7 @@ def spawn(index: int, backend: str | None, gpu: str | None, log_path: str | None
 
 def serve(args: argparse.Namespace) -> int:
     """Body of the side process: stdin carries requests, stdout replies."""
-    from kareus_megatron.hardware.device import open_gpu, simulation_of
+    from kareus_megatron.hardware.device import open_gpu, power_reader_of, simulation_of
     from kareus_megatron.runtime.clock.controller import ClockController
 
     parent = os.getppid()
@@ -68,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     if simulation is not None:  # a simulated GPU: the trainers are the device, take only idle time
         sched.idle_time_only()
     controller = ClockController(device, reply, simulation=simulation, log_path=args.log or None,
-                                 reply_many=reply_many,
+                                 reply_many=reply_many, power=power_reader_of(device),
                                  power_limit_w=float(args.power_limit_w) if args.power_limit_w else None)
 
     def on_signal(signum: int, frame: Any) -> None:

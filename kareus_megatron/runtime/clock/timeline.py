@@ -19,6 +19,7 @@ from typing import Any
 from kareus_megatron.errors import KareusError
 from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 from kareus_megatron.runtime.clock.decisions import Begin, Decisions, route_control
+from kareus_megatron.runtime.clock.power_samples import ModelSampler
 from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_END, NO_POWER
 
 
@@ -32,6 +33,7 @@ class SimulatedTimeLine:
         self._lock = threading.Lock()  # the input thread schedules, the control loop resets
         self._free_at = float("-inf")  # when the simulated device finishes its last clock call (s)
         self._pending: Begin | None = None  # a begin waiting for the device
+        self._power = ModelSampler(simulation.energy_j_at)  # the power model sampled on the time line
 
     def take(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
              held: list[dict[str, Any]]) -> bool:
@@ -52,8 +54,10 @@ class SimulatedTimeLine:
                 it = iter(item)
                 for code, t, idle, a, b, c, d, e in zip(it, it, it, it, it, it, it, it):
                     if idle == idle:  # not NaN: the previous instruction ended then
+                        self._sample(idle, edges, powers)
                         edges += (idle, 0.0)
                         powers.append(NO_POWER)
+                    self._sample(t, edges, powers)
                     if code == CODE_BEGIN:
                         edges += (t, 1.0)
                         powers.append(e)
@@ -67,12 +71,30 @@ class SimulatedTimeLine:
                         if edges:
                             sim.busy_edges(edges, powers)
                             edges, powers = [], []
-                        (held if b else answers).append(dec.mark(int(a), t, sim.energy_j_at, t))
+                        answer = dec.mark(int(a), t, sim.energy_j_at, t)
+                        answer["power"] = self._power.take()  # samples since the previous mark
+                        (held if b else answers).append(answer)
             if t is not None:
                 self._catch_up(t)  # every record up to t has arrived: a call due by then is made
             if edges:
                 sim.busy_edges(edges, powers)
         return release
+
+    def _sample(self, t: float, edges: list[float], powers: list[float]) -> None:
+        """Before a record at `t` (s): read the power model at every grid time up to `t`, with every edge
+        before that grid time applied (edges still pending all lie before `t`)."""
+        power = self._power
+        power.start(t)
+        if t < power.next_t - 1e-9:
+            return
+        while power.next_t <= t + 1e-9:
+            cut = 0
+            while cut < len(edges) and edges[cut] <= power.next_t:
+                cut += 2
+            if cut:
+                self._sim.busy_edges(edges[:cut], powers[: cut // 2])
+                del edges[:cut], powers[: cut // 2]
+            power.reach(power.next_t)
 
     def _begin(self, begin: Begin, t: float) -> None:
         """A begin at time `t` (s): call at once if the device is free then, else wait (a begin still

@@ -26,7 +26,9 @@ locked then (MHz; null when none), ``clock_stale``/``clock_errors`` how many of 
 iteration's two marks were skipped as stale or failed (the controller's counts on its mark answers; on
 NVML, decided meanwhile, so an iteration may be charged a neighbour's); each null where unknown (no clock
 controller, measurement only). ``instructions`` (runtime/measure/instruction_times.py; KAREUS_LOG_INSTRUCTIONS=0:
-left out) holds each planned instruction's time, as columns. *Tags* (``set_tags``: e.g. phase, plan_sha256,
+left out) holds each planned instruction's time, as columns; ``power`` (where the clock controller samples
+the GPU: runtime/clock/power_samples.py) the GPU's power samples over the iteration, {t0, dt_s, w, reading}.
+*Tags* (``set_tags``: e.g. phase, plan_sha256,
 plan_version) are keys every iteration that begins after they are set carries; *events* (``event``) are
 lines ``{"kind": "event", "event": name, "iteration": i, "t": s, ...}`` (i: the iteration in progress,
 else the next; t: time.monotonic()) written through the same writer, after every iteration that ended
@@ -380,6 +382,8 @@ class IterationMeter:
                   "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0), "temperature_c": _num(info1.get("temperature_c")),
                   "sm_clock_mhz": clock if isinstance(clock, int) else None,
                   "clock_stale": _count(info0, info1, "stale"), "clock_errors": _count(info0, info1, "errors")}
+        if isinstance(info1.get("power"), dict):  # the GPU's power samples over the iteration (clock/power_samples.py)
+            record["power"] = info1["power"]
         if stamps is not None and self._times is not None:
             record["instructions"] = self._times.columns(stamps)
         if tags:
