@@ -38,8 +38,9 @@ CTA limit (``NCCL_MAX_CTAS``, the comm-SM knob) does: the ring slows below ~16 C
 ~8. So an unlimited large all-reduce goes NVLS (a small one stays on the ring: NVLS's 23 µs base latency),
 unlimited all-gather/reduce-scatter stay on the ring (as NCCL chooses on 8×H100), and under a limit below
 ~10 CTAs all-gather/reduce-scatter move to NVLS. The comm-SM grid of search/tables.py stops where the
-slowest-saturating algorithm saturates. Other GPUs return no table and use the calibratable generic model (its
-default SMs: ``DEFAULT_CHANNELS``' Ampere ring, as cost/params.py).
+slowest-saturating algorithm saturates. Ampere GPUs (and Hopper without NVSwitch) return no table and use the
+calibratable generic model (its default SMs: ``DEFAULT_CHANNELS``' Ampere ring, as cost/params.py); an
+architecture ``DEFAULT_CHANNELS`` does not list is refused with a ConfigError that names it (check_architecture).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+from kareus_megatron.errors import ConfigError
 from kareus_megatron.hardware.gpus import GPUSpec
 
 _GB = 1e9
@@ -93,9 +95,28 @@ HOPPER_NVLS_GATHER = Algorithm("nvls", 300 * _GB, _NVLS_CTA_BYTES_PER_CYCLE, _NV
 _SHARPNESS = 3.0  # p of the smooth minimum, as the generic model's comm_sharpness
 
 
+def check_architecture(gpu: GPUSpec) -> str:
+    """gpu's architecture if the collective model knows it (a key of DEFAULT_CHANNELS); else ConfigError naming it.
+
+    A generation this module has no NCCL figures for (channel counts, algorithms) is refused rather than silently
+    given the Ampere ring model: its collectives' clock and SM sensitivity would be a guess.
+    """
+    arch = gpu.architecture
+    if arch not in DEFAULT_CHANNELS:
+        raise ConfigError(
+            f"GPU {gpu.name!r}: architecture {arch or '(none)'!r} has no collective model; known: "
+            f"{', '.join(sorted(DEFAULT_CHANNELS))} (cost/collectives.py DEFAULT_CHANNELS). Set `architecture` in the "
+            "preset to one of those, or add that generation's NCCL channel counts and algorithms."
+        )
+    return arch
+
+
 def node_algorithms(gpu: GPUSpec) -> tuple[Algorithm, ...]:
-    """The algorithm table of `gpu`'s NVLink node, or () when the generic model applies (not Hopper NVSwitch)."""
-    if gpu.architecture == "hopper" and gpu.nvlink_bytes_per_s >= 400 * _GB:
+    """The algorithm table of `gpu`'s NVLink node, or () when the generic model applies (Ampere, or no NVSwitch).
+
+    Raises ConfigError for an architecture the module does not know (check_architecture).
+    """
+    if check_architecture(gpu) == "hopper" and gpu.nvlink_bytes_per_s >= 400 * _GB:
         return (HOPPER_RING, HOPPER_NVLS, HOPPER_NVLS_GATHER)
     return ()
 

@@ -161,3 +161,22 @@ def test_planning_on_h100_searches_the_hopper_grid():
     tables = opt.layer_tables(H100, model, par, KernelModel(H100), (1980, 1500))
     sms = tables.phases["forward"].partitions["fwd_attn"].comm_sms
     assert sms.tolist() == sorted(set(comm_sms_range(H100, "fwd_attn").tolist()) | {16})
+
+
+def test_every_preset_architecture_has_a_collective_model_and_an_unknown_one_is_refused():
+    """A generation cost/collectives.py has no NCCL figures for is named and refused, never given the Ampere model."""
+    import dataclasses
+
+    from kareus_megatron.errors import ConfigError
+    from kareus_megatron.hardware.gpus import gpu_names
+
+    for name in gpu_names():  # every table of gpus.toml, not a hand list
+        assert gpu_spec(name).architecture in DEFAULT_CHANNELS, name
+        KernelModel(gpu_spec(name))
+    blackwell = dataclasses.replace(H100, name="b200-test", architecture="blackwell")
+    for build in (lambda: KernelModel(blackwell), lambda: node_algorithms(blackwell),
+                  lambda: comm_sms_grid(blackwell, ("all_reduce",))):
+        with pytest.raises(ConfigError, match="b200-test.*'blackwell'.*ampere, hopper"):
+            build()
+    with pytest.raises(ConfigError, match=r"\(none\)"):
+        KernelModel(dataclasses.replace(A100, architecture=""))
