@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_job_args(run_p)
     cmp_p = sub.add_parser("comparison", help="plan, run every method, collect logs, kareus compare",
                            description="plan, run every point of every method, collect logs, kareus compare")
-    cmp_p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated methods out of {', '.join(METHODS)} (default: all)")
+    cmp_p.add_argument("--methods", default=",".join(METHODS),
+                       help=f"comma-separated methods out of {', '.join(METHODS)} (default: all)")
     cmp_p.add_argument("--plan-arg", action="append", default=[], metavar="ARG",
                        help="argument for `kareus plan` when DIR has no frontier.json (repeatable; use --plan-arg=--x)")
     cmp_p.add_argument("--skip-iterations", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
