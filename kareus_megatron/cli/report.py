@@ -54,14 +54,20 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
 
     if args.no_plot or (args.format == "json" and not args.plot):
         return None
+    from kareus_megatron.files import check_writable_location
+
     if not args.plot:
         log = Path(args.log)
-        return log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
+        out = log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
+        if log.exists():  # a missing LOG is named when it is read; checked before the table is printed
+            check_writable_location(out, "--plot (default: beside LOG; or --no-plot)", directory=False)
+        return out
     out = Path(args.plot)
     if out.is_dir():
         raise ConfigError(f"--plot {out} is a directory; give a file name ending in .png")
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--plot {out} does not end in .png; give a PNG file name")
+    check_writable_location(out, "--plot", directory=False)
     return out
 
 

@@ -37,7 +37,8 @@ EXPECTED = {
         '--calibration', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
         '--gpus-per-node',
-        '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
+        '--last-stage-layers', '--max-ramp', '--max-swing',
+        '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
         '--nodes', '--out',
         '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
         '--vp'

@@ -158,3 +158,21 @@ def test_kareus_plan_records_the_blocked_power_it_predicted_with(tmp_path):
     doc = json.loads((tmp_path / "out" / "frontier.json").read_text())
     files = sorted((tmp_path / "out" / "plans").glob("*.json"))
     assert files and {load_plan(f).p_blocked_w for f in files} == {doc["config"]["p_blocked_w"]}
+
+
+@pytest.mark.parametrize("where", ["plot", "beside"])
+def test_an_unwritable_plot_location_is_one_line_before_any_table(tmp_path, capsys, where):
+    """`--plot /proc/x.png` (or a log whose directory refuses the default plot) names the flag and prints no table."""
+    save_plan(tiny_plan(p_blocked_w=80.0), tmp_path / "plan.json")
+    log = write_log(tmp_path / "run.jsonl", ROWS)
+    argv = ["report", str(log), "--plan", str(tmp_path / "plan.json")]
+    if where == "plot":
+        code = cli_main.main([*argv, "--plot", "/proc/kareus-x.png"])
+    else:
+        (tmp_path / "run.png").mkdir()  # the default plot path is taken by a directory
+        code = cli_main.main(argv)
+    captured = capsys.readouterr()
+    assert "iteration time" not in captured.out, captured.out
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    needle = "--plot '/proc/kareus-x.png'" if where == "plot" else "--plot (default: beside LOG; or --no-plot)"
+    assert needle in captured.err
