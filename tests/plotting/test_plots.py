@@ -107,6 +107,16 @@ def test_legend_names_start_with_the_cli_names():
     assert set(METHOD_STYLE) == set(PLAN_METHODS)
 
 
+def test_a_frontier_drawn_under_an_equal_one_says_so_in_the_legend():
+    """Perseus's frontier equal to Kareus's (no 2-nanobatch plan pays) is covered by it: its legend entry says so."""
+    methods = {MEGATRON: MEASURED[MEGATRON], PERSEUS: PARETO[PERSEUS], KAREUS: PARETO[PERSEUS]}
+    texts = [t.get_text() for t in plot_frontier(_doc(methods), _ax()).get_legend().get_texts()]
+    assert texts[1] == "perseus: 4 runs (same frontier as kareus (joint), drawn under it)", texts
+    assert "same frontier" not in texts[0] + texts[2]
+    texts = [t.get_text() for t in plot_frontier(_doc(MEASURED), _ax()).get_legend().get_texts()]
+    assert not any("same frontier" in t for t in texts)  # different frontiers: nothing said
+
+
 def _colorbar_norm(ax):
     cax = [a for a in ax.figure.axes if a is not ax][0]
     from matplotlib.collections import QuadMesh
