@@ -139,6 +139,21 @@ def test_timeline_colours_span_the_plans_own_clocks():
     assert (_colorbar_norm(ax).vmin, _colorbar_norm(ax).vmax) == (1000, 1500)
 
 
+def test_colour_bar_labels_never_crowd():
+    """Close clocks (1200/1215/1230 next to 1980) are not all labelled: the colour bar's labels overlapped."""
+    from kareus_megatron.plotting.timeline import spaced_ticks
+
+    clocks = [1200, 1215, 1230, 1410, 1965, 1980]
+    bars = [Bar(rank=0, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
+            for k, c in enumerate(clocks)]
+    ax = plot_timeline(bars, _ax())
+    cax = [a for a in ax.figure.axes if a is not ax][0]
+    ticks = sorted(float(t) for t in cax.get_yticks())
+    assert ticks == [1200, 1410, 1980]
+    assert min(b - a for a, b in zip(ticks, ticks[1:])) >= 0.08 * (1980 - 1200)
+    assert spaced_ticks([1410]) == [1410] and spaced_ticks([1200, 1300, 1410]) == [1200, 1300, 1410]
+
+
 def test_plan_command_draws_the_timeline_on_the_chosen_plans_clocks(tmp_path, monkeypatch):
     """`kareus plan`: the colour scale of timeline.png is the drawn plan's lowest to highest clock (MHz)."""
     import kareus_megatron.plotting.timeline as timeline
