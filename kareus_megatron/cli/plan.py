@@ -260,6 +260,26 @@ def _quantity(value: float, unit_of: Callable[[Iterable[float | None]], tuple[fl
     return f"{value * factor:.4g} {unit}"
 
 
+def _na_notes(doc: dict[str, Any]) -> list[str]:
+    """Why a reduction reads n/a: the method has no plan as fast as (or as frugal as) Perseus's, by how much."""
+    perseus = doc["methods"][PERSEUS]["points"]
+    t_ref, e_ref = perseus[0]["time_s"], min(p["energy_j"] for p in perseus)
+    notes = []
+    for name, entry in doc["methods"].items():
+        if name == MEGATRON:  # the one-plan baseline: its iso-energy n/a is by construction
+            continue
+        pts, r = entry["points"], doc["reductions"][name]
+        if r["iso_time_energy"] is None:
+            dt = pts[0]["time_s"] - t_ref
+            notes.append(f"note: {name} iso-time energy n/a: its fastest plan is {_quantity(dt, time_unit)} "
+                         f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time.")
+        if r["iso_energy_time"] is None:
+            de = min(p["energy_j"] for p in pts) - e_ref
+            notes.append(f"note: {name} iso-energy time n/a: its least-energy plan uses {_quantity(de, energy_unit)} "
+                         f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy.")
+    return notes
+
+
 def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:
     """Print the per-method frontier ends, the reductions, and where the outputs went."""
     from rich import box
@@ -295,6 +315,8 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
                     _fmt_pct(r["max_throughput_time_vs_megatron"]), _fmt_pct(r["max_throughput_energy_vs_megatron"]))
     console.print(ends)
     console.print(red)
+    for line in _na_notes(doc):
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(
         f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
         f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
