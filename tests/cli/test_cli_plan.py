@@ -246,19 +246,24 @@ def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
     assert _quantity(7.108, time_unit) == "7.108 s" and _quantity(1.3134e6, energy_unit) == "1.313 MJ"
 
 
-def test_an_na_reduction_says_why():
-    """powercap's fastest plan 0.17 ms slower than Perseus's: 'n/a' comes with the reason and the margin (issue 25)."""
+def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
+    """powercap's fastest plan 0.17 ms slower than Perseus's 7 s one is at iso-time (ISO_REL_TOL); one 10 ms slower
+    has no iso-time plan, and the 'n/a' comes with the reason and the margin (issue 25)."""
     from kareus_megatron.cli.plan import _na_notes
     from kareus_megatron.plan.frontier import frontier_document
 
-    doc = frontier_document({}, {
-        "megatron": [{"time_s": 7.0, "energy_j": 9000.0}],
-        "perseus": [{"time_s": 7.0, "energy_j": 8000.0}, {"time_s": 8.0, "energy_j": 7000.0}],
-        "powercap": [{"time_s": 7.00017, "energy_j": 7900.0}, {"time_s": 9.0, "energy_j": 7100.0}],
-    })
-    assert doc["reductions"]["powercap"]["iso_time_energy"] is None
-    assert _na_notes(doc) == [
-        "note: powercap iso-time energy n/a: its fastest plan is 0.17 ms (0.0024%) slower than Perseus's fastest, "
+    def doc(t_fast):
+        return frontier_document({}, {
+            "megatron": [{"time_s": 7.0, "energy_j": 9000.0}],
+            "perseus": [{"time_s": 7.0, "energy_j": 8000.0}, {"time_s": 8.0, "energy_j": 7000.0}],
+            "powercap": [{"time_s": t_fast, "energy_j": 7900.0}, {"time_s": 9.0, "energy_j": 7100.0}],
+        })
+
+    assert doc(7.00017)["reductions"]["powercap"]["iso_time_energy"] == pytest.approx(100 / 8000)
+    slow = doc(7.01)
+    assert slow["reductions"]["powercap"]["iso_time_energy"] is None
+    assert _na_notes(slow) == [
+        "note: powercap iso-time energy n/a: its fastest plan is 10 ms (0.14%) slower than Perseus's fastest, "
         "so it has no plan at that time.",
         "note: powercap iso-energy time n/a: its least-energy plan uses 100 J (1.4%) more than Perseus's, so it has "
         "no plan at that energy.",
