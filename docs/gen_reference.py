@@ -167,6 +167,44 @@ def presets_page() -> str:
     return "\n".join(lines)
 
 
+def predict_figure() -> bytes:
+    """PNG: `kareus predict`'s time (s), energy (J) and power (W) against the SM clock (MHz), default job."""
+    import contextlib
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kareus_megatron.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["predict", "--format", "json"])
+    if status != 0:
+        raise RuntimeError(f"kareus predict --format json exited with status {status}")
+    rows = json.loads(out.getvalue())["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), layout="constrained")
+    for key, ax, label in zip(("time_s", "energy_j", "avg_power_w"), axes,
+                              ("time per microbatch (s)", "energy per microbatch, one GPU (J)", "average power (W)")):
+        for stage in sorted({r["stage"] for r in rows}):
+            for kind, style in (("forward", "-"), ("backward", "--")):
+                pts = sorted((r["frequency_mhz"], r[key]) for r in rows if r["stage"] == stage and
+                             r["instruction"] == kind)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=f"stage {stage} {kind}")
+        ax.set_xlabel("SM clock (MHz)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("kareus predict, default job (llama3.2-3b, 2 x 8 A100-SXM4-40GB, TP=8, PP=2): model predictions",
+                 fontsize=9)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 PAGES = {
     "reference/cli.md": cli_page,
     "reference/plan-format.md": plan_format_page,
@@ -181,6 +219,8 @@ def _write_pages() -> None:
     for name, make in PAGES.items():
         with mkdocs_gen_files.open(name, "w") as f:
             f.write(make())
+    with mkdocs_gen_files.open("img/predict-default.png", "wb") as f:
+        f.write(predict_figure())
 
 
 if __name__ == "<run_path>":  # run by mkdocs-gen-files
