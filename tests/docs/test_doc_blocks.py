@@ -95,8 +95,9 @@ def test_every_block_runs_or_its_marker_is_honest():
             problems.append(f"{b.where}: unknown marker {b.marker!r}")
         elif b.lang not in RUNNABLE:
             problems.append(f"{b.where}: marker {b.marker!r} above a {b.lang or 'plain'} block, which never runs")
-        elif m.group(1) == "gpu-only" and not any(w in b.code for w in GPU_ONLY):
-            problems.append(f"{b.where}: gpu-only, but names none of {GPU_ONLY}")
+        elif m.group(1) == "gpu-only" and not any(w in line and "--dry-run" not in line
+                                                  for line in b.code.splitlines() for w in GPU_ONLY):
+            problems.append(f"{b.where}: gpu-only, but names none of {GPU_ONLY} (without --dry-run)")
         elif m.group(1) == "cluster-only" and not any(w in b.code for w in CLUSTER_ONLY):
             problems.append(f"{b.where}: cluster-only, but names none of {CLUSTER_ONLY}")
         elif m.group(1) == "not-shell" and not (b.lang == "python" and re.search(r"^\s*\.\.\.", b.code, re.M)):
