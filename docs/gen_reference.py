@@ -53,9 +53,13 @@ def cli_page() -> str:
             del os.environ["COLUMNS"]
         else:
             os.environ["COLUMNS"] = old
-    lines = ["# kareus command line", "",
-             "Generated from the argument parsers (`kareus_megatron/cli/`) at every `make docs`: each section is",
-             "what `--help` prints. Bad input to any command is one line naming the problem and exit status 2.", ""]
+    lines = [
+        "# kareus command line",
+        "",
+        "Generated from the argument parsers (`kareus_megatron/cli/`) at every `make docs`: each section is",
+        "what `--help` prints. Bad input to any command is one line naming the problem and exit status 2.",
+        "",
+    ]
     lines += ["| command | what it does |", "|---|---|"]
     for name, sub in _subcommands(build_parser()).items():
         first = (sub.description or "").splitlines()[0] if sub.description else ""
@@ -107,8 +111,10 @@ def _object_table(name: str, obj: dict) -> list[str]:
     for field, prop in obj.get("properties", {}).items():
         default = json.dumps(prop["default"]) if "default" in prop else ""
         desc = " ".join(prop.get("description", "").split()).replace("|", "\\|")
-        lines.append(f"| `{field}` | {_schema_type(prop)} | {'yes' if field in required else ''} | {default} | "
-                     f"{_bounds(prop)} | {desc} |")
+        lines.append(
+            f"| `{field}` | {_schema_type(prop)} | {'yes' if field in required else ''} | {default} | "
+            f"{_bounds(prop)} | {desc} |"
+        )
     lines.append("")
     return lines
 
@@ -116,18 +122,21 @@ def _object_table(name: str, obj: dict) -> list[str]:
 def plan_format_page() -> str:
     """Markdown: the plan file's fields, from its JSON Schema (`kareus_megatron/plan/plan.schema.json`)."""
     schema = json.loads(SCHEMA_PATH.read_text())
-    lines = ["# Plan format", "",
-             f"A plan file (`{PLAN_FORMAT}`) is what `kareus plan` and `kareus solve` write and the runtime runs:",
-             "data, never code, checked by pydantic when it is read. Generated from its JSON Schema",
-             "(`kareus_megatron/plan/plan.schema.json`; `tests/search/test_planner.py` keeps it equal to the model)",
-             "at every `make docs`. Units are in the field names: s, J, W, MHz.", "",
-             "## Plan", ""]
+    lines = [
+        "# Plan format",
+        "",
+        f"A plan file (`{PLAN_FORMAT}`) is what `kareus plan` and `kareus solve` write and the runtime runs:",
+        "data, never code, checked by pydantic when it is read. Generated from its JSON Schema",
+        "(`kareus_megatron/plan/plan.schema.json`; `tests/search/test_planner.py` keeps it equal to the model)",
+        "at every `make docs`. Units are in the field names: s, J, W, MHz.",
+        "",
+        "## Plan",
+        "",
+    ]
     lines += _object_table("Plan", schema)[2:]
     for name, obj in sorted(schema.get("$defs", {}).items()):
         lines += _object_table(name, obj)
     return "\n".join(lines)
-
-
 
 
 def presets_page() -> str:
@@ -147,16 +156,23 @@ def presets_page() -> str:
             comment = rest.split("#", 1)[1].strip() if "#" in rest else ""
             sources[current][key.strip()] = comment
     names = list(presets)
-    lines = ["# GPU presets", "",
-             "Generated from `kareus_megatron/hardware/gpus.toml` at every `make docs`; every number with the",
-             "source its line gives (abbreviations below, full citations in [Sources](../sources.md)). `--gpu NAME`",
-             "picks a preset on every command.", "",
-             "| preset | SMs | max SM clock (MHz) | bf16 dense (TFLOP/s) | HBM (GB/s) | memory (GB) | power limit (W) |"
-             " blocked power (W) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# GPU presets",
+        "",
+        "Generated from `kareus_megatron/hardware/gpus.toml` at every `make docs`; every number with the",
+        "source its line gives (abbreviations below, full citations in [Sources](../sources.md)). `--gpu NAME`",
+        "picks a preset on every command.",
+        "",
+        "| preset | SMs | max SM clock (MHz) | bf16 dense (TFLOP/s) | HBM (GB/s) | memory (GB) | power limit (W) |"
+        " blocked power (W) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for n in names:
         p = presets[n]
-        lines.append(f"| [`{n}`](#{n}) | {p['sm_count']} | {p['sm_clock_max_mhz']} | {p['peak_tflops']['bf16']} | "
-                     f"{p['hbm_gb_per_s']} | {p['memory_gb']} | {p['power_limit_w']} | {p['p_blocked_w']} |")
+        lines.append(
+            f"| [`{n}`](#{n}) | {p['sm_count']} | {p['sm_clock_max_mhz']} | {p['peak_tflops']['bf16']} | "
+            f"{p['hbm_gb_per_s']} | {p['memory_gb']} | {p['power_limit_w']} | {p['p_blocked_w']} |"
+        )
     lines += ["", "## Abbreviations and the power model", "", "```text", *header, "```", ""]
     for n in names:
         lines += [f"## `{n}` {{#{n}}}", "", "| key | value | source |", "|---|---|---|"]
@@ -186,19 +202,24 @@ def predict_figure() -> bytes:
         raise RuntimeError(f"kareus predict --format json exited with status {status}")
     rows = json.loads(out.getvalue())["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), layout="constrained")
-    for key, ax, label in zip(("time_s", "energy_j", "avg_power_w"), axes,
-                              ("time per microbatch (s)", "energy per microbatch, one GPU (J)", "average power (W)")):
+    for key, ax, label in zip(
+        ("time_s", "energy_j", "avg_power_w"),
+        axes,
+        ("time per microbatch (s)", "energy per microbatch, one GPU (J)", "average power (W)"),
+    ):
         for stage in sorted({r["stage"] for r in rows}):
             for kind, style in (("forward", "-"), ("backward", "--")):
-                pts = sorted((r["frequency_mhz"], r[key]) for r in rows if r["stage"] == stage and
-                             r["instruction"] == kind)
+                pts = sorted(
+                    (r["frequency_mhz"], r[key]) for r in rows if r["stage"] == stage and r["instruction"] == kind
+                )
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=".", label=f"stage {stage} {kind}")
         ax.set_xlabel("SM clock (MHz)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("kareus predict, default job (llama3.2-3b, 2 x 8 A100-SXM4-40GB, TP=8, PP=2): model predictions",
-                 fontsize=9)
+    fig.suptitle(
+        "kareus predict, default job (llama3.2-3b, 2 x 8 A100-SXM4-40GB, TP=8, PP=2): model predictions", fontsize=9
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)

@@ -54,7 +54,7 @@ def _blocks(page: Path) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```")
         above = lines[i - 1].strip() if i > 0 else ""
         marker = above if above.startswith("<!--") else ""
-        out.append(Block(page, i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n", marker))
+        out.append(Block(page, i + 1, m.group(1), "\n".join(lines[i + 1 : end]) + "\n", marker))
         i = end + 1
     return out
 
@@ -95,8 +95,9 @@ def test_every_block_runs_or_its_marker_is_honest():
             problems.append(f"{b.where}: unknown marker {b.marker!r}")
         elif b.lang not in RUNNABLE:
             problems.append(f"{b.where}: marker {b.marker!r} above a {b.lang or 'plain'} block, which never runs")
-        elif m.group(1) == "gpu-only" and not any(w in line and "--dry-run" not in line
-                                                  for line in b.code.splitlines() for w in GPU_ONLY):
+        elif m.group(1) == "gpu-only" and not any(
+            w in line and "--dry-run" not in line for line in b.code.splitlines() for w in GPU_ONLY
+        ):
             problems.append(f"{b.where}: gpu-only, but names none of {GPU_ONLY} (without --dry-run)")
         elif m.group(1) == "cluster-only" and not any(w in b.code for w in CLUSTER_ONLY):
             problems.append(f"{b.where}: cluster-only, but names none of {CLUSTER_ONLY}")
@@ -113,9 +114,13 @@ def test_block_runs(block: Block, tmp_path: Path):
     for name in LINKED:
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
-           "MPLBACKEND": "Agg", "COLUMNS": "120"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+        "MPLBACKEND": "Agg",
+        "COLUMNS": "120",
+    }
     if block.lang == "python":
         cmd = [sys.executable, "-c", block.code]
     else:

@@ -28,11 +28,18 @@ def _make_docs(cwd: Path) -> subprocess.CompletedProcess[str]:
     """`make docs` in `cwd` with this interpreter's environment; the install step is taken as done."""
     bin_dir = os.path.dirname(sys.executable)
     if not Path(bin_dir, "mkdocs").is_file():
-        pytest.fail(f"mkdocs is not installed in {bin_dir}: pip install -e '.[docs]' (make install-test does)",
-                    pytrace=False)
+        pytest.fail(
+            f"mkdocs is not installed in {bin_dir}: pip install -e '.[docs]' (make install-test does)", pytrace=False
+        )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
-    return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.test", "docs", f"BIN={bin_dir}"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["make", "--no-print-directory", "-o", ".venv/.test", "docs", f"BIN={bin_dir}"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
