@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint install install-test bench repro clean try-runtime
+.PHONY: demo test lint docs install install-test bench repro clean try-runtime
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 # torch is installed first, pinned, so megatron-core's `torch>=2.6` cannot pull a CUDA build.
 $(VENV)/.test: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	# The older supported series (kareus_megatron/versions.py), each in its own directory: a test puts it
 	# first on PYTHONPATH to run the runtime against it (tests/runtime/test_framework_versions.py).
 	$(BIN)/pip install -q --no-deps --target $(VENV)/alt/megatron-core-0.15.3 megatron-core==0.15.3
@@ -39,8 +39,14 @@ lint: $(VENV)/.test
 # against 762 s serial on the 2-core machine. --hypothesis-seed=0: reproducible (plain `pytest tests` explores new
 # examples); --timeout: a hung test fails with its stacks. One worker: `make test PYTEST_WORKERS=0`.
 PYTEST_WORKERS ?= 2
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadgroup --hypothesis-seed=0 --timeout=300 tests
+
+# The docs site into site/ (mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
+# reference pages are generated from the code (docs/gen_reference.py). Seconds. Browse: $(BIN)/mkdocs serve
+# (not --quiet: it hides the warnings that strict mode counts, so a broken link would pass)
+docs: $(VENV)/.test
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.test
 	$(BIN)/pip install -q -e '.[bench]'
@@ -94,4 +100,4 @@ repro: $(VENV)/.core
 	$(BIN)/python benchmarks/reproduce.py
 
 clean:
-	rm -rf $(VENV) kareus-out repro-out try-out build *.egg-info
+	rm -rf $(VENV) kareus-out repro-out try-out site build *.egg-info

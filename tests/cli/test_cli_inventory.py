@@ -1,6 +1,6 @@
 """Every `kareus` subcommand and flag, listed so that adding or removing one is a deliberate change.
 
-If this test fails because you added a flag on purpose, add it here too (and to the README).
+If this test fails because you added a flag on purpose, add it here too (docs/reference/cli.md is generated).
 """
 
 from __future__ import annotations
