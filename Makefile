@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint docs install install-test bench repro clean try-runtime
+.PHONY: demo test test-fast lint docs install install-test bench repro clean try-runtime
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ lint: $(VENV)/.test
 PYTEST_WORKERS ?= 2
 test: lint docs
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadgroup --hypothesis-seed=0 --timeout=300 tests
+
+# The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
+test-fast: lint
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadgroup --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
 
 # The docs site into site/ (mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
 # reference pages are generated from the code (docs/gen_reference.py). Seconds. Browse: $(BIN)/mkdocs serve
