@@ -11,11 +11,14 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.core: $(BIN)/python pyproject.toml
+	@echo "installing kareus-megatron's planner (numpy, scipy, highspy, matplotlib, rich) into $(VENV): first time only, about a minute"
 	$(BIN)/pip install -q -e .
 	touch $@
 
 # torch is installed first, pinned, so megatron-core's `torch>=2.6` cannot pull a CUDA build.
 $(VENV)/.test: $(BIN)/python pyproject.toml
+	@echo "installing the test environment into $(VENV): torch 2.13.0 (CPU), megatron-core 0.16.1 and 0.15.3, DeepSpeed \
+	0.19.8 and 0.18.9, pytest, ruff, mypy, mkdocs; first time (or after pyproject.toml changes) only, 3-5 minutes"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,docs]'
 	# The older supported series (kareus_megatron/versions.py), each in its own directory: a test puts it
