@@ -273,7 +273,7 @@ def plan_methods(
         done += w
     if bound is not None and bound.active:
         say("power bound", done)
-        _apply_bound(found, dag, p_blocked, gpus_per_stage, float(gpu.power_limit_w), bound)
+        _apply_bound(found, dag, p_blocked, gpus_per_stage, float(gpu.power_limit_w), bound, latency.latency_s)
     choose_points(found, points, max_time_s)
     say("done", 1.0)
     return PlanningResult(
@@ -285,12 +285,14 @@ def plan_methods(
 
 
 def _apply_bound(found: dict[MethodName, MethodFrontier], dag: Any, p_blocked_w: float, gpus_per_stage: int,
-                 max_floor_w: float, bound: Any) -> None:
-    """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place."""
+                 max_floor_w: float, bound: Any, clock_latency_s: float = 0.0) -> None:
+    """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place; the
+    clock plans' instructions carry the lag of a clock change of `clock_latency_s` (s)."""
     from kareus_megatron.search.plan_power import bounded_plans, check_reachable
 
     per = {name: bounded_plans(dag, node_options(dag, mf.options), mf.plans, p_blocked_w, gpus_per_stage,
-                               max_floor_w, bound) for name, mf in found.items()}
+                               max_floor_w, bound, 0.0 if name == POWERCAP else clock_latency_s)
+           for name, mf in found.items()}
     check_reachable(per, bound)
     for name, (plans, _frac, _ramp) in per.items():
         kept, t, e = _frontier_arrays(plans)
