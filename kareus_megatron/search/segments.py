@@ -9,9 +9,11 @@ locked-clock call per segment, when the segment's first instruction begins; the 
 
 - ``merge_short_segments``: until every segment of a rank lasts at least ``min_segment_s`` (k × latency,
   k = CLOCK_SEGMENT_LATENCIES), the rank's shortest segment is merged with a neighbour (the previous or the
-  next segment) at one clock between the two segments' clocks. Of those (neighbour, clock) candidates the
-  one that moves the merged instructions' summed time and energy least, relative to the solver's plan, wins;
-  each instruction takes its option at that clock nearest in time to the option the solver gave it.
+  next segment) at one clock between the two segments' clocks; each instruction takes its option at that
+  clock nearest in time to the option the solver gave it. Of those (neighbour, clock) candidates, the one
+  with the least energy among those that keep every merged instruction within its slack in the solver's
+  plan (the running sum of their slowdowns, in order, never exceeds the time the instruction may end later
+  without delaying the iteration) wins; if none does, the one that overruns the slack least.
 - ``lagged_costs``: each instruction's duration (s) and energy (J, one GPU) with the lag: the first latency
   of busy time of each segment runs at the previous segment's clock (the instruction's option at that clock
   nearest in time to its own; at the nearest clock it has an option for, if none). Only busy time counts
@@ -34,8 +36,9 @@ import numpy as np
 from kareus_megatron.cost.energy import iteration_energy_j
 from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.search.pipeline import PipelineDAG
-from kareus_megatron.search.simulate import earliest_times, iteration_time
+from kareus_megatron.search.simulate import earliest_times, iteration_time, latest_finish
 
+_SLACK_TOL_S = 1e-9  # slack (s) below this is none (the critical path)
 CLOCK_SEGMENT_LATENCIES = 2.0  # k: shortest clock segment = k × the controller's latency (docs/sources.md#clock-latency)
 
 
@@ -129,8 +132,10 @@ class _Options:
         return int(ks[np.argmin(np.abs(t[ks] - t[k_ref]))])
 
 
-def _merge_rank(seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.ndarray, min_s: float) -> None:
-    """Merge rank `seq`'s short segments in place in `choice` (`ref`: the solver's choice, the reference)."""
+def _merge_rank(seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.ndarray, min_s: float,
+                slack_s: np.ndarray) -> None:
+    """Merge rank `seq`'s short segments in place in `choice` (`ref`: the solver's choice, the reference;
+    `slack_s`: how much later each node may end without delaying the iteration, in the reference plan)."""
     n = len(seq)
     while True:
         clocks = [look.clock(i, int(choice[i])) for i in seq]
@@ -141,21 +146,23 @@ def _merge_rank(seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.
         r = int(np.argmin(lengths))
         if lengths[r] >= min_s:
             return
-        best: tuple[float, list[int], list[int]] | None = None
+        best: tuple[tuple[bool, float, float], list[int], list[int]] | None = None
         for nb in sorted({(r - 1) % len(runs), (r + 1) % len(runs)}):
-            members = [seq[p] for p in runs[r] + runs[nb]]
+            after = nb == (r + 1) % len(runs)
+            members = [seq[p] for p in (runs[r] + runs[nb] if after else runs[nb] + runs[r])]
             lo, hi = sorted((clocks[runs[r][0]], clocks[runs[nb][0]]))
             common = set.intersection(*(set(look.clocks(i)) for i in members))
             cands = sorted(f for f in common if lo <= f <= hi) or sorted(f for f in common if f > hi)[:1]
-            t0 = sum(look.time_s(i, int(ref[i])) for i in members)
-            e0 = sum(look.energy_j(i, int(ref[i])) for i in members)
+            t_ref = np.array([look.time_s(i, int(ref[i])) for i in members])
+            slack = slack_s[members]
             for f in cands:
                 ks = [look.at(i, int(ref[i]), f) for i in members]
-                dt = sum(look.time_s(i, k) for i, k in zip(members, ks)) - t0
-                de = sum(look.energy_j(i, k) for i, k in zip(members, ks)) - e0
-                score = abs(dt) / t0 + abs(de) / max(e0, 1e-30)
-                if best is None or score < best[0]:
-                    best = (score, members, ks)
+                t = np.array([look.time_s(i, k) for i, k in zip(members, ks)])
+                late = float(np.max(np.cumsum(t - t_ref) - slack))  # > 0: the iteration ends later
+                energy = sum(look.energy_j(i, k) for i, k in zip(members, ks))
+                key = (late > _SLACK_TOL_S, max(late, 0.0), energy)
+                if best is None or key < best[0]:
+                    best = (key, members, ks)
         if best is None:
             raise PlanError(f"no SM clock is an option of every instruction of a {lengths[r] * 1e3:.3g} ms clock "
                             f"segment and its neighbour (rank of {n} instructions); plan with --freqs that "
@@ -173,8 +180,11 @@ def merge_short_segments(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.
         return out
     look = _Options(node_opts)
     ref = np.asarray(choice, dtype=np.int64)
+    dur = np.array([look.time_s(i, int(k)) for i, k in enumerate(ref)])
+    _start, end = earliest_times(dag, dur)
+    slack = latest_finish(dag, dur, iteration_time(dag, end)) - end
     for seq in dag.rank_orders:
-        _merge_rank(seq, look, ref, out, min_segment_s)
+        _merge_rank(seq, look, ref, out, min_segment_s, slack)
     return out
 
 

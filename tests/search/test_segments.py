@@ -148,9 +148,9 @@ def test_merging_makes_every_segment_long_enough_at_a_clock_between_its_neighbou
     segs = segment_lengths_s(clocks, busy)
     assert len(segs) == 1 or min(t for _, t in segs) >= 0.030
     assert set(clocks) <= {1400, 1200, 1000}
-    # iso-time: the rank's busy time stays within the fastest and slowest of the original choices
+    # one rank: every instruction is on the critical path (no slack), so merging never slows the rank down
     before = sum(float(o[i].time_s[choice[i]]) for i in seq)
-    assert abs(sum(busy) - before) / before < 0.15
+    assert sum(busy) <= before
     assert np.array_equal(merge_short_segments(dag, o, choice, 0.0), choice)
     assert np.array_equal(merge_short_segments(dag, o, merged, 0.030), merged)  # a fixed point
 
