@@ -30,13 +30,14 @@ def test_simulated_time_line_decides_at_the_records_own_times(tmp_path):
                              for x in begin_record(t + dt, 0, k, m, "forward" if k < 3 else "backward")]))
     assert ctl._inbox.empty()  # nothing for the wall-time loop
     # 1200 is called at once (busy until +10 ms); 1005 waits and is overtaken by 990, which is called
-    # when the device is free (+10 ms, done +20 ms); at +30 ms 990 is already locked.
+    # when the device is free (+10 ms, done +20 ms): 8 ms after its begin, more than half a latency: late;
+    # at +30 ms 990 is already locked.
     log = tmp_path / "clocks.jsonl"
     assert decisions(log) == [("set", 1200, None), ("skip", 1005, "stale"), ("set", 990, None),
                               ("skip", 990, "unchanged")]
     sets = [r for r in records(log) if r["event"] == "set"]
     assert sets[0]["t_done"] == pytest.approx(t + 0.010) and sets[1]["t_issue"] == pytest.approx(t + 0.010)
-    assert ctl.counts == {"applied": 2, "stale": 1, "unchanged": 1, "errors": 0}
+    assert ctl.counts == {"applied": 2, "late": 1, "stale": 1, "unchanged": 1, "errors": 0}
 
 
 def test_reset_overtakes_a_waiting_call(tmp_path):
