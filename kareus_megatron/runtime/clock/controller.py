@@ -195,12 +195,14 @@ class ClockController:
                 release = route_control(item, rest) or release
                 continue
             last = None
-            overtaken = 0
+            overtaken = same = 0
             it = iter(item)
             for code, t, _idle, a, b, c, d, _e in zip(it, it, it, it, it, it, it, it):
                 if code == CODE_BEGIN:
                     if each:
                         rest.append((int(c), int(a), int(b), int(d), t))  # mhz, iteration, index, kind, t
+                    elif last is not None and last[0] == c:  # the clock the begin before asked for: no change
+                        same += 1
                     else:
                         overtaken += last is not None
                         last = (c, a, b, d, t)
@@ -212,6 +214,8 @@ class ClockController:
             if last is not None:
                 if overtaken:
                     rest.append(("stale", overtaken))
+                if same:
+                    rest.append(("same", same))
                 rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3]), last[4]))
         return release
 
@@ -253,8 +257,9 @@ class ClockController:
         return why
 
     def _handle(self, batch: list[Any]) -> str | None:
-        """One pass over what is queued: the latest begin wins and is applied at the end; a reset or
-        close first settles the begins before it."""
+        """One pass over what is queued: the latest begin wins and is applied at the end (a begin asking
+        for the clock the pending one asks for changes nothing: unchanged, the pending one keeps its begin time);
+        a reset or close first settles the begins before it."""
         dec = self.decisions
         pending: Begin | None = None
         for item in batch:
@@ -262,8 +267,14 @@ class ClockController:
                 if item[0] == "stale":  # begins overtaken within one block (not logged one by one)
                     dec.overtaken(item[1])
                     continue
-                if pending is not None:  # a begin overtakes the pending one
-                    dec.skip(pending, "stale")
+                if item[0] == "same":  # begins of one block asking for the clock the one before asked for
+                    dec.overtaken(item[1], "unchanged")
+                    continue
+                if pending is not None:
+                    if item[0] == pending[0]:  # the clock the pending begin asks for: no new change
+                        dec.skip(item, "unchanged")
+                        continue
+                    dec.skip(pending, "stale")  # a begin overtakes the pending one
                 pending = item
                 continue
             op = item.get("op")

@@ -97,10 +97,11 @@ class Decisions:
         if self.logging and self._note is not None:
             self._note("skip", mhz=begin[0], reason=reason, **self.context(begin))
 
-    def overtaken(self, n: int) -> None:
-        """`n` begins of one block were overtaken before reaching the control loop (counted, not logged)."""
+    def overtaken(self, n: int, reason: str = "stale") -> None:
+        """`n` begins of one block were overtaken before reaching the control loop (counted, not logged);
+        reason ``unchanged``: they asked for the clock the begin before them asked for."""
         if self.clock_control:
-            self.counts["stale"] += n
+            self.counts[reason] += n
 
     def applied(self, begin: Begin, delay_s: float = 0.0) -> None:
         """`begin`'s clock is locked, by a call made `delay_s` (s) after its instruction began."""

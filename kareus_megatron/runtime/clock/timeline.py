@@ -98,14 +98,22 @@ class SimulatedTimeLine:
 
     def _begin(self, begin: Begin, t: float) -> None:
         """A begin at time `t` (s): call at once if the device is free then, else wait (a begin still
-        waiting is overtaken: stale)."""
+        waiting is overtaken: stale; a begin asking for the clock already asked for: unchanged)."""
         self._catch_up(t)
         if self._free_at <= t:
             self._call(begin, t, t)
-        else:
-            if self._pending is not None:
-                self._dec.skip(self._pending[0], "stale")
-            self._pending = (begin, t)
+            return
+        dec = self._dec
+        if begin[0] == (dec.locked_mhz if self._pending is None else self._pending[0][0]):
+            dec.skip(begin, "unchanged")  # the clock already asked for (a waiting call keeps its begin time)
+            return
+        if self._pending is not None:
+            dec.skip(self._pending[0], "stale")
+            self._pending = None
+            if begin[0] == dec.locked_mhz:  # back to the clock the device is locking: no change left
+                dec.skip(begin, "unchanged")
+                return
+        self._pending = (begin, t)
 
     def _catch_up(self, t: float) -> None:
         """Make the waiting call if the device became free by `t` (s); it starts when the device is free."""
