@@ -186,3 +186,26 @@ def test_cyclic_runs_and_shares():
     assert short_segment_share([1, 1], [0.004, 0.004], SHORT_S) == 0.0  # one clock: one whole segment
     with pytest.raises(ConfigError, match="latency"):
         ClockLatency(-0.001)
+
+
+def test_the_controller_applies_every_change_of_the_latency_aware_plans_in_time(tmp_path, capsys):
+    """benchmarks/clock_replay.py --quick: the Qwen3 plans' clock sequences through the controller's own decisions
+    (simulated GPU at the preset's 15 ms): every change in time; planned as before, about half are not."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    replay = importlib.import_module("clock_replay")
+    assert replay.main(["--quick", "--json", str(tmp_path / "rows.json")]) == 0
+    assert "clock replay" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    aware = [r for r in rows if r["planning"] == "latency-aware"]
+    before = [r for r in rows if r["planning"] != "latency-aware"]
+    assert {r["method"] for r in aware} == {PERSEUS, KAREUS} and len(before) == 2
+    for r in aware:
+        assert r["in_time_min"] == 1.0 and r["stale"] == 0 and r["late"] == 0 and r["short_share_max"] == 0.0
+    for r in before:
+        assert r["in_time_mean"] < 0.7 and r["stale"] > 0 and r["short_share_max"] > 0.5
