@@ -80,13 +80,13 @@ def replay(result: Any, method: str, index: int, latency_s: float) -> dict[str, 
         ctl = ClockController(dev, lambda m: None, simulation=simulation_of(dev))
         if ctl.probe()["op"] != "ready":
             raise RuntimeError("the simulated GPU refused clock control")
-        def feed(its: range) -> None:
-            ctl.feed(encode_records([x for it in its for k, (t, mhz) in enumerate(zip(mine, clocks))
-                                     for x in begin_record(t0 + it * sim.time_s + t.start_s, it, k, mhz, t.key[0])]))
+        def records(its: range, mine: list[Any] = mine, clocks: list[int] = clocks) -> bytes:
+            return encode_records([x for it in its for k, (t, mhz) in enumerate(zip(mine, clocks))
+                                   for x in begin_record(t0 + it * sim.time_s + t.start_s, it, k, mhz, t.key[0])])
 
-        feed(range(1))  # warm-up: the first clock is locked from none (as the report skips warm-up iterations)
+        ctl.feed(records(range(1)))  # warm-up: the first clock is locked from none (the report skips warm-up too)
         before = dict(ctl.counts)
-        feed(range(1, 1 + ITERATIONS))
+        ctl.feed(records(range(1, 1 + ITERATIONS)))
         for key in counts:
             counts[key] += ctl.counts[key] - before[key]
     asked = counts["applied"] + counts["stale"]

@@ -31,8 +31,8 @@ evaluate_plan, under the truth or under a fitted calibration. Printed:
    section and the auto plan's energy under the truth against the offline iso-time plan made with the truth.
 
 ``--quick``: the tiny GPT (examples/tiny-gpt.yaml), PP=2 only, three schedules, one seed, and a counter step and
-window scaled to its ~1 ms iterations (0.2 ms, 1 ms; clock changes at once, QUICK_CLOCK_LATENCY_MS): a smoke run of seconds (tests/cost/
-test_closed_loop_bench.py). ``--json FILE`` writes the figures.
+window scaled to its ~1 ms iterations (0.2 ms, 1 ms; clock changes planned at once: QUICK_CLOCK_LATENCY_MS): a
+smoke run of seconds (tests/cost/test_closed_loop_bench.py). ``--json FILE`` writes the figures.
 
 Run: .venv/bin/python benchmarks/closed_loop.py [--quick] [--cpu-run] [--json FILE]
 """

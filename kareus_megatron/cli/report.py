@@ -11,8 +11,9 @@ beside the PNG (NAME.power.png).
 The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU preset's).
 Per GPU (report/per_gpu.py): every rank's mean energy per iteration, its share of the job's and its
 predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise one line names the
-GPUs that drew least and most); ``--format json`` always lists them under "gpus". Clock changes (report/clock_changes.py):
-how many the controller made late or skipped, one line, flagged above 5%; JSON "clock_changes" (null: none counted)."""
+GPUs that drew least and most); ``--format json`` always lists them under "gpus". Clock changes
+(report/clock_changes.py): how many the controller made late or skipped, one line, flagged above 5%; JSON
+"clock_changes" (null: none counted)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from kareus_megatron.search.pipeline import PipelineDAG
 from kareus_megatron.search.simulate import earliest_times, iteration_time, latest_finish
 
 _SLACK_TOL_S = 1e-9  # slack (s) below this is none (the critical path)
-CLOCK_SEGMENT_LATENCIES = 2.0  # k: shortest clock segment = k × the controller's latency (docs/sources.md#clock-latency)
+CLOCK_SEGMENT_LATENCIES = 2.0  # k: shortest segment = k × the controller's latency (docs/sources.md#clock-latency)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,33 +20,37 @@ def only_report(monkeypatch):
     monkeypatch.setattr(cli_main, "COMMANDS", {"report": "report"})
 
 
+def write_rank(d, rank, ranks, per_iteration, iterations):
+    """One rank file through the meter; each iteration's controller makes the (applied, late, stale) changes of
+    `per_iteration` (the mark answers carry the running counts, as decisions.py's)."""
+    counts = {"applied": 0, "late": 0, "stale": 0, "errors": 0}
+    clock = iter(range(1000))
+
+    class Ticket:  # a clock-client mark: time (s), energy (J) and the controller's answer
+        done = True
+
+        def __init__(self) -> None:
+            self.t = 0.5 * next(clock)
+            self.energy_j = 100.0 * self.t
+            self.info = dict(counts)
+
+        def wait(self, timeout_s: float) -> bool:
+            return True
+
+    meter = IterationMeter(open_rank_log(d, rank), mark=Ticket, flush_interval_s=None,
+                           header={"backend": "simulated", "rank": rank, "world": ranks, "pp": ranks, "pp_rank": rank})
+    for it in range(iterations):
+        meter.begin(it)
+        a, late, s = per_iteration
+        counts.update(applied=counts["applied"] + a, late=counts["late"] + late, stale=counts["stale"] + s)
+        meter.end(it)
+    meter.close()
+
+
 def write_run(d, per_iteration, iterations=6, ranks=2):
-    """A run of `ranks` rank files through the meter; each iteration's controller makes the (applied, late,
-    stale) changes of `per_iteration` (the mark answers carry the running counts, as decisions.py's)."""
+    """A run of `ranks` rank files (see write_rank)."""
     for rank in range(ranks):
-        counts = {"applied": 0, "late": 0, "stale": 0, "errors": 0}
-        clock = iter(range(1000))
-
-        class Ticket:  # a clock-client mark: time (s), energy (J) and the controller's answer
-            done = True
-
-            def __init__(self) -> None:
-                self.t = 0.5 * next(clock)
-                self.energy_j = 100.0 * self.t
-                self.info = dict(counts)
-
-            def wait(self, timeout_s: float) -> bool:
-                return True
-
-        meter = IterationMeter(open_rank_log(d, rank), mark=Ticket, flush_interval_s=None,
-                               header={"backend": "simulated", "rank": rank, "world": ranks, "pp": ranks,
-                                       "pp_rank": rank})
-        for it in range(iterations):
-            meter.begin(it)
-            a, late, s = per_iteration
-            counts.update(applied=counts["applied"] + a, late=counts["late"] + late, stale=counts["stale"] + s)
-            meter.end(it)
-        meter.close()
+        write_rank(d, rank, ranks, per_iteration, iterations)
     return d
 
 

@@ -21,7 +21,7 @@ from kareus_megatron.plan.build import build_outputs
 from kareus_megatron.plan.frontier import reductions
 from kareus_megatron.plan.io import SCHEMA_PATH, plan_from_dict
 from kareus_megatron.search.pipeline import build_dag
-from kareus_megatron.search.planner import node_options, plan_methods, simulate_plan
+from kareus_megatron.search.planner import plan_methods, simulate_plan
 from kareus_megatron.search.schedules import instruction_order
 from kareus_megatron.search.segments import (
     ClockLatency,

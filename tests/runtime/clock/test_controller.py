@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from clock_util import decisions, records
 
 from kareus_megatron.hardware.device.sim import SimulatedGPU
