@@ -62,8 +62,10 @@ def _run(tmp: Path, workload: Path, truth: dict[str, Any], iterations: int, *fla
     truth_file = tmp / "truth.json"
     truth_file.write_text(json.dumps(truth))
     log = tmp / "run"
+    # clock calls at once (the auto worker plans a simulated GPU at its own latency): the truth-scaled instructions
+    # (tens of ms) would otherwise pay a 15 ms lag per change, and no plan would be as fast as max clocks (iso-time)
     env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_TRUTH": str(truth_file),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
+           "KAREUS_SIMULATED_LATENCY_MS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "kareus_megatron.launch", "--kareus-plan", "auto", "--kareus-workload", str(workload),
                         "--kareus-log", str(log), *flags, "--", str(ROOT / "examples" / "tiny_train.py"),

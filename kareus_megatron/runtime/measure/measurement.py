@@ -75,7 +75,7 @@ FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is o
 # The keys an iteration line has of its own (a tag may not take one); report/measurements.py reads the rest as tags.
 RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
                          "sm_clock_mhz", "clock_stale", "clock_errors", "clock_applied", "clock_late", "instructions",
-                         "rank", "pp_rank"})
+                         "power", "rank", "pp_rank"})
 EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
 
