@@ -84,7 +84,8 @@ def _truth_plan(tmp: Path, truth: dict[str, Any]) -> Any:
     cal = tmp / "truth-calibration.json"
     cal.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": truth}))
     out = tmp / "truth-plan"
-    _kareus("plan", *PLAN_JOB, "--calibration", str(cal), "--methods", "kareus", "--points", "64", "--out", str(out))
+    _kareus("plan", *PLAN_JOB, "--calibration", str(cal), "--methods", "kareus", "--points", "64", "--out", str(out),
+            "--clock-latency-ms", "0")  # as the auto worker plans the run's simulated GPU (latency 0, _run)
     mega = select_frontier_points(out, "all", method="megatron", allow_all=True)[0]
     best = select_point(select_frontier_points(out, "all", method="kareus", allow_all=True), Objective("iso-time"),
                         reference_time_s=mega.time_s)
