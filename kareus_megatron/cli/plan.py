@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-ramp", type=float, default=None, metavar="W_PER_S",
                    help="write only plans whose job power rises or falls by at most W_PER_S watts per second "
                    "over any 100 ms (docs/power.md)")
+    g.add_argument("--clock-latency-ms", type=float, default=None, metavar="MS",
+                   help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
+                   "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
+                   "0: changes take effect at once; docs/clock_latency.md)")
     g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
                    "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
@@ -108,6 +112,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         raise ConfigError(f"--points {args.points}: need at least 2 (the fastest and the lowest-energy plan).")
     if args.max_time is not None and not args.max_time > 0:
         raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
+    if args.clock_latency_ms is not None and not 0 <= args.clock_latency_ms <= 1000:
+        raise ConfigError(f"--clock-latency-ms {args.clock_latency_ms} must be a number of milliseconds in 0..1000 "
+                          "(a locked-clock call takes 10-20 ms; `kareus validate` measures it).")
     if args.timeline is not None:
         method, _, nn = args.timeline.rpartition("-")
         if method not in methods or not (len(nn) == 2 and nn.isascii() and nn.isdigit()) or int(nn) >= args.points:
@@ -141,6 +148,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     if no_overlap and KAREUS in methods:
         notes.append(f"note: kareus plans SM clocks only (1 nanobatch) for {args.framework} until it has an "
                      "overlap engine.")
+    from kareus_megatron.search.segments import ClockLatency
+
+    latency = None if args.clock_latency_ms is None else ClockLatency(args.clock_latency_ms / 1000.0)
     console = _progress_console()
     with Progress(
         TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
@@ -154,7 +164,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         result = plan_methods(
             gpu, model, par, kernel, methods=methods, points=args.points, schedule=schedule,
             max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
-            progress=report, cross_layer=args.cross_layer, bound=bound,
+            progress=report, cross_layer=args.cross_layer, bound=bound, clock_latency=latency,
         )
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory)

@@ -11,7 +11,9 @@ beside the PNG (NAME.power.png).
 The predicted stage energy uses the blocked power recorded in the plan (older plans: the GPU preset's).
 Per GPU (report/per_gpu.py): every rank's mean energy per iteration, its share of the job's and its
 predicted energy, listed when the job has at most PER_GPU_ROWS GPUs or with --per-gpu (otherwise one line names the
-GPUs that drew least and most); ``--format json`` always lists them under "gpus"."""
+GPUs that drew least and most); ``--format json`` always lists them under "gpus". Clock changes
+(report/clock_changes.py): how many the controller made late or skipped, one line, flagged above 5%; JSON
+"clock_changes" (null: none counted)."""
 
 from __future__ import annotations
 
@@ -162,10 +164,14 @@ def run(args: argparse.Namespace) -> int:
     from kareus_megatron.report.power import power_section
 
     power, curves = power_section(summary, plan, cmp.time_scale)
+    from kareus_megatron.report.clock_changes import clock_changes
+
+    changes = clock_changes(log, args.skip_iterations)  # None: no clock controller counts in the log
     sim = "simulated GPU: " if log.simulated else ""
     n_complete = sum(1 for r in log.iterations if r["iteration"] not in log.partial)
     if args.format == "json":
-        print(json.dumps({**_json(cmp, log, n_complete), "power": power}, indent=2))
+        print(json.dumps({**_json(cmp, log, n_complete), "power": power,
+                          "clock_changes": None if changes is None else changes.as_json()}, indent=2))
     else:
         print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
               f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {args.plan} ({plan.method}, "
@@ -177,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{err:>8s}")
         _print_gpus(cmp, args.per_gpu)
         _print_power(power)
+        if changes is not None:
+            print(changes.line())
         for note in cmp.notes:
             print(f"note: {note}")
         auto = auto_summary(log)

@@ -142,8 +142,11 @@ def _summary(out: Path, report: dict[str, Any]) -> None:
     if "lock_reset" in report:
         lr = report["lock_reset"]
         applied = lr["applied_s_median"]
+        worst = lr.get("applied_s_max")
         print(f"  locked {lr['locked_ok']}/{lr['tried']} clocks; clock change applied in "
-              f"{'n/a' if applied is None else f'{applied * 1e3:.1f} ms'} (median)")
+              f"{'n/a' if applied is None else f'{applied * 1e3:.1f} ms'} (median; max "
+              f"{'n/a' if worst is None else f'{worst * 1e3:.1f} ms'}); plans assume "
+              f"{lr.get('preset_clock_latency_s', 0.0) * 1e3:g} ms (kareus plan --clock-latency-ms)")
     for label, m in acc.items():
         parts = [f"{k.removesuffix('_pct').replace('_', ' ')} {v:.1f}%" for k, v in m.items() if k.endswith("_pct")]
         print(f"  {label}: " + ", ".join(parts))

@@ -93,6 +93,7 @@ def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: Simu
     clocks: list[int] | None = None
     if not read_only:
         report["lock_reset"] = lock_and_latency(guard, lock_grid(supported, 8 if dry_run else LOCK_CLOCKS), busy, sync)
+        report["lock_reset"]["preset_clock_latency_s"] = gpu.clock_latency_s  # what plans assume (gpus.toml [LAT])
         clocks = lock_grid(clock_grid_mhz(supported, 15, 0.5), SWEEP_CLOCKS)
     if dry_run:
         policy = WindowPolicy(min_window_s=min(min_window_s, 0.02), cooldown_s=0.0, repeats=2, warmup_max_s=0.05,

@@ -81,6 +81,9 @@ class GPUSpec:
     memory_dynamic_w: float  # extra power at memory_activity = 1 (does not scale with the SM clock)
     voltage_floor: float  # V(f)/V(f_max) at and below voltage_knee_mhz
     voltage_knee_mhz: float
+    # the clock controller's latency (s): from a locked-clock request to the new SM clock in force
+    # (gpus.toml [LAT]); plans keep every clock segment at least CLOCK_SEGMENT_LATENCIES times as long
+    clock_latency_s: float
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -150,6 +153,15 @@ def _min_power_limit_w(name: str, t: Mapping[str, Any]) -> float | None:
     return lo
 
 
+def _clock_latency_s(name: str, t: Mapping[str, Any]) -> float:
+    """The preset's clock_latency_ms as seconds, checked to lie in (0, 1000] ms."""
+    ms = float(t["clock_latency_ms"])
+    if not 0.0 < ms <= 1000.0:
+        raise ConfigError(f"GPU preset {name!r}: clock_latency_ms {ms:g} must be > 0 and at most 1000 "
+                          "(a locked-clock call takes 10-20 ms; `kareus validate` measures it).")
+    return ms / 1000.0
+
+
 def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> GPUSpec:
     """Build a GPUSpec from one gpus.toml table (preset units: MHz, TFLOP/s, GB/s, W)."""
     try:
@@ -179,6 +191,7 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
             memory_dynamic_w=float(t["memory_dynamic_w"]),
             voltage_floor=float(t["voltage_floor"]),
             voltage_knee_mhz=float(t["voltage_knee_mhz"]),
+            clock_latency_s=_clock_latency_s(name, t),
             sources=dict(sources or {}),
         )
     except KeyError as e:

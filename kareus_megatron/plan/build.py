@@ -31,7 +31,7 @@ from kareus_megatron.plan.schema import (
     StagePlan,
 )
 from kareus_megatron.search.planner import PlanningResult, TimedInstruction, simulate_plan
-from kareus_megatron.vocab import FRAMEWORK_OF_SCHEDULE, MethodName, ScheduleName
+from kareus_megatron.vocab import FRAMEWORK_OF_SCHEDULE, POWERCAP, MethodName, ScheduleName
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,11 +124,13 @@ def assemble_plan(
     cross_layer: bool = False,
     power: dict[str, float] | None = None,
     power_floor_w: float | None = None,
+    clock_latency: Any = None,
 ) -> Plan:
     """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
     (J, all GPUs), the GPU and blocked power (W, one GPU) the prediction used, and for ``powercap`` the
     power limit (W) of every GPU; `power`: the predicted waveform's metrics (cost/waveform.py) and
-    `power_floor_w` the floor (W, one GPU) blocked GPUs are held at to meet a power bound."""
+    `power_floor_w` the floor (W, one GPU) blocked GPUs are held at to meet a power bound; `clock_latency`
+    the search.segments.ClockLatency the prediction assumed (None: clock changes at once)."""
     return Plan(
         format=PLAN_FORMAT,
         method=method,
@@ -144,6 +146,8 @@ def assemble_plan(
                             power=None if power is None else PowerPrediction(**power)),
         stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
         cross_layer=True if cross_layer else None,  # written only when set: other plans stay as they were
+        clock_latency_s=None if clock_latency is None else float(clock_latency.latency_s),
+        min_clock_segment_s=None if clock_latency is None else float(clock_latency.min_segment_s),
     )
 
 
@@ -183,6 +187,8 @@ def build_plan(
     sim, timed = simulate_plan(result, method, index)
     opts = result.methods[method].options
     knobs = {} if _knobs is None else _knobs  # (stage, chunk, kind, option) -> partition knobs, shared
+    # with a clock latency, each instruction's time and energy include the lag of a clock change at its begin
+    lag = result.clock_latency if method != POWERCAP else None
     ranks: list[list[Instruction]] = [[] for _ in range(result.par.pp)]
     for ti in timed:
         kind, mb, chunk = ti.key
@@ -196,7 +202,8 @@ def build_plan(
         ranks[ti.rank].append(Instruction(
             kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]), nanobatches=nb,
             partitions=knobs[(*key, k)] if nb > 1 else {},
-            predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
+            predicted_time_s=float(o.time_s[k]) if lag is None else ti.end_s - ti.start_s,
+            predicted_energy_j=float(o.energy_j[k]) if lag is None else ti.energy_j,
         ))
     floor = getattr(result.methods[method].plans[index], "power_floor_w", None)
     energy = sim.energy_j + (0.0 if floor is None else  # blocked GPU-seconds held at the floor (W) instead
@@ -208,7 +215,8 @@ def build_plan(
                          model=model_shape(result.model, result.par.precision),
                          calibration_sha256=result.calibration_sha256,
                          power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
-                         cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r))
+                         cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r),
+                         clock_latency=lag)
     return plan, timed
 
 

@@ -52,7 +52,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 def plan_sha256(plan: Plan) -> str:
     """Content hash of a plan (hex), stable across key order."""
     data = plan.model_dump(mode="json")
-    for key in ("p_blocked_w", "power_limit_w", "cross_layer", "power_floor_w"):  # a plan without it hashes as
+    for key in ("p_blocked_w", "power_limit_w", "cross_layer", "power_floor_w", "clock_latency_s",
+                "min_clock_segment_s"):  # a plan without it hashes as
         if data.get(key) is None:  # before the field existed
             data.pop(key, None)
     if (data.get("predicted") or {}).get("power", 0) is None:  # likewise the predicted power metrics

@@ -204,6 +204,18 @@ class Plan(_Frozen):
                     "--max-swing/--max-ramp), as a hardware power floor or a power damper does; its energy "
                     "is in the prediction (None: no floor; omitted from the file)",
     )
+    clock_latency_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="the clock controller's latency (s) the prediction assumed: a clock change is in force this "
+                    "long after its instruction begins, the previous clock runs until then (GPU preset "
+                    "clock_latency_ms; None: changes at once, or a plan that locks no clock; omitted from the file)",
+    )
+    min_clock_segment_s: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="shortest clock segment (s of busy time; a maximal run of one rank's instructions at one SM "
+                    "clock, cyclic across iterations) the planner allowed: k x clock_latency_s (search/segments.py; "
+                    "None with clock_latency_s None)",
+    )
     model: ModelShape | None = None
     parallel: ParallelLayout
     predicted: Predicted
@@ -226,6 +238,10 @@ class Plan(_Frozen):
             if len(clocks) > 1 or nbs - {1}:
                 raise ValueError(f"a {POWERCAP} plan runs every instruction at one (the maximum) SM clock with 1 "
                                  f"nanobatch; found clocks {sorted(clocks)} MHz, nanobatches {sorted(nbs)}")
+        if (self.clock_latency_s is None) != (self.min_clock_segment_s is None):
+            raise ValueError("clock_latency_s and min_clock_segment_s are set together (or neither)")
+        if self.clock_latency_s is not None and self.power_limit_w is not None:
+            raise ValueError(f"a {POWERCAP} plan locks no clock: it assumes no clock latency")
         ranks = [s.pp_rank for s in self.stages]
         if ranks != list(range(self.parallel.pp)):
             raise ValueError(f"stages must list pp_rank 0..{self.parallel.pp - 1} in order, got {ranks}")

@@ -38,7 +38,8 @@ from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, RunLog, check
 
 MIN_WINDOW_S = 1.0  # shortest energy window (s): about 10 updates of NVML's energy counter
 ITERATION_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                            "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank", "power"})
+                            "sm_clock_mhz", "clock_stale", "clock_errors", "clock_applied", "clock_late",
+                            "instructions", "power", "rank", "pp_rank"})
 KIND_NAMES = {"F": "forward", "B": "backward"}
 BusyKey = tuple[int, str, int | None]  # (chunk, kind, sm_clock_mhz MHz)
 

@@ -135,16 +135,18 @@ def least_floor(a: np.ndarray, b: np.ndarray, step_s: float, p_blocked_w: float,
 
 
 def bounded_plans(dag: PipelineDAG, node_opts: list[Any], plans: list[Any], p_blocked_w: float,
-                  gpus_per_stage: int, max_floor_w: float, bound: PowerBound) -> tuple[list[BoundedPlan], float,
-                                                                                         float]:
+                  gpus_per_stage: int, max_floor_w: float, bound: PowerBound,
+                  clock_latency_s: float = 0.0) -> tuple[list[BoundedPlan], float, float]:
     """The plans of one method's frontier that meet `bound` (each with its least floor), and the least swing
-    fraction and ramp (W/s) any of them reaches with a floor up to `max_floor_w` (W)."""
+    fraction and ramp (W/s) any of them reaches with a floor up to `max_floor_w` (W); with `clock_latency_s`
+    (s) each instruction's time and energy carry the lag of a clock change (search/segments.py)."""
+    from kareus_megatron.search.segments import lagged_costs
+
     best_frac, best_ramp = np.inf, np.inf
     out: list[BoundedPlan] = []
     for plan in plans:
         ch = np.asarray(plan.choice, dtype=np.int64)
-        dur = np.array([float(o.time_s[c]) for o, c in zip(node_opts, ch)])
-        en = np.array([float(o.energy_j[c]) for o, c in zip(node_opts, ch)])
+        dur, en = lagged_costs(dag, node_opts, ch, clock_latency_s)
         a, b, step, _t = plan_parts(dag, dur, en, gpus_per_stage)
         floor, frac, ramp = least_floor(a, b, step, p_blocked_w, max_floor_w, bound)
         best_frac, best_ramp = min(best_frac, frac), min(best_ramp, ramp)

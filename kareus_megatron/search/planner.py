@@ -85,6 +85,8 @@ class PlanningResult:
     calibration_sha256: str | None = None
     cross_layer: bool = False  # the 2-nanobatch options model cross-layer overlap (search/partition.py)
     bound: Any = None  # search.plan_power.PowerBound the frontiers respect (None: unbounded)
+    # search.segments.ClockLatency the clock plans assume (None: clock changes take effect at once)
+    clock_latency: Any = None
 
 
 def check_methods(methods: Sequence[str]) -> list[MethodName]:
@@ -203,20 +205,26 @@ def plan_methods(
     progress: Progress | None = None,
     cross_layer: bool = False,
     bound: Any = None,
+    clock_latency: Any = None,
 ) -> PlanningResult:
     """Solve the frontier of every method on one pipeline DAG and choose the points to write.
 
     `progress(message, fraction)` is called as the work advances (fraction 0..1 of the whole run).
     cross_layer: the 2-nanobatch options model cross-layer overlap (run by the overlap engine with and without
         SP; refused at run time with CP).
+    clock_latency: a search.segments.ClockLatency (None: the GPU preset's latency, CLOCK_SEGMENT_LATENCIES);
+        every clock plan's short clock segments are merged and its time and energy carry the lag of each
+        clock change (search/segments.py). ClockLatency(0.0): changes take effect at once.
     bound: a search.plan_power.PowerBound; each frontier then keeps only plans that meet it, with the least
         costed power floor each needs (PlanError naming the least reachable swing when a method has none).
     """
     from kareus_megatron.search.options import build_options
     from kareus_megatron.search.pipeline import build_dag
+    from kareus_megatron.search.segments import ClockLatency, latency_aware_plans
     from kareus_megatron.search.solver import solve_frontier
 
     say = progress or (lambda msg, frac: None)
+    latency = ClockLatency(float(gpu.clock_latency_s)) if clock_latency is None else clock_latency
     todo = check_methods(methods)
     if points < 2:
         raise ConfigError(f"--points {points}: need at least 2 (the fastest and the lowest-energy plan)")
@@ -258,28 +266,33 @@ def plan_methods(
         solved = solve_frontier(dag, node_options(dag, opts), p_blocked, gpus_per_stage, progress=frontier_progress)
         if not solved:
             raise PlanError(f"method {name}: the solver found no plan")
+        if latency.latency_s > 0:  # segments the controller can apply, the lag in time and energy
+            solved = latency_aware_plans(dag, node_options(dag, opts), solved, p_blocked, gpus_per_stage, latency)
         kept, t, e = _frontier_arrays(solved)
         found[name] = MethodFrontier(method=name, options=opts, plans=kept, time_s=t, energy_j=e)
         done += w
     if bound is not None and bound.active:
         say("power bound", done)
-        _apply_bound(found, dag, p_blocked, gpus_per_stage, float(gpu.power_limit_w), bound)
+        _apply_bound(found, dag, p_blocked, gpus_per_stage, float(gpu.power_limit_w), bound, latency.latency_s)
     choose_points(found, points, max_time_s)
     say("done", 1.0)
     return PlanningResult(
         gpu=gpu, model=model, par=par, schedule=schedule, orders=orders, dag=dag, p2p_time_s=p2p_s,
         dp_reduce_time_s=dp_s, p_blocked_w=p_blocked, gpus_per_stage=gpus_per_stage, methods=found,
         calibration_sha256=calibration_sha256, cross_layer=cross_layer, bound=bound,
+        clock_latency=latency if latency.latency_s > 0 else None,
     )
 
 
 def _apply_bound(found: dict[MethodName, MethodFrontier], dag: Any, p_blocked_w: float, gpus_per_stage: int,
-                 max_floor_w: float, bound: Any) -> None:
-    """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place."""
+                 max_floor_w: float, bound: Any, clock_latency_s: float = 0.0) -> None:
+    """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place; the
+    clock plans' instructions carry the lag of a clock change of `clock_latency_s` (s)."""
     from kareus_megatron.search.plan_power import bounded_plans, check_reachable
 
     per = {name: bounded_plans(dag, node_options(dag, mf.options), mf.plans, p_blocked_w, gpus_per_stage,
-                               max_floor_w, bound) for name, mf in found.items()}
+                               max_floor_w, bound, 0.0 if name == POWERCAP else clock_latency_s)
+           for name, mf in found.items()}
     check_reachable(per, bound)
     for name, (plans, _frac, _ramp) in per.items():
         kept, t, e = _frontier_arrays(plans)
@@ -310,6 +323,10 @@ def simulate_plan(result: PlanningResult, method: MethodName, index: int) -> tup
     ch = np.asarray(plan.choice, dtype=np.int64)
     dur = np.array([float(o.time_s[c]) for o, c in zip(opts, ch)])
     en = np.array([float(o.energy_j[c]) for o, c in zip(opts, ch)])
+    if result.clock_latency is not None and method != POWERCAP:  # the lag of every clock change
+        from kareus_megatron.search.segments import lagged_costs
+
+        dur, en = lagged_costs(dag, opts, ch, result.clock_latency.latency_s)
     sim = simulate(dag, dur, en, result.p_blocked_w, result.gpus_per_stage)
     timed = []
     for rank, order in enumerate(dag.rank_orders):

@@ -34,12 +34,11 @@ EXPECTED = {
         '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "plan": [
-        '--calibration', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
+        '--calibration', '--clock-latency-ms', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
         '--gpus-per-node',
-        '--last-stage-layers', '--max-ramp', '--max-swing',
-        '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
-        '--nodes', '--out',
+        '--last-stage-layers', '--max-ramp', '--max-swing', '--max-time', '--mbs', '--methods', '--microbatches',
+        '--model', '--no-memory-check', '--nodes', '--out',
         '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
         '--vp'
     ],

@@ -118,6 +118,8 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
         (["--max-swing", "1.5", *QUICK], "--max-swing 1.5"),
         (["--max-ramp", "0", *QUICK], "--max-ramp 0"),
         (["--max-ramp", "1", *QUICK], "least ramp reachable"),
+        (["--clock-latency-ms", "-1", *QUICK], "--clock-latency-ms -1"),
+        (["--clock-latency-ms", "nan", *QUICK], "--clock-latency-ms nan"),
     ],
 )
 def test_bad_input_exits_2_and_leaves_out_untouched(default_run, capsys, argv, needle):
@@ -268,3 +270,17 @@ def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
         "note: powercap iso-energy time n/a: its least-energy plan uses 100 J (1.4%) more than Perseus's, so it has "
         "no plan at that energy.",
     ]
+
+
+def test_plans_record_the_clock_latency_they_assumed(default_run, tmp_path):
+    """The default job's plans carry the preset's 15 ms (segments >= 30 ms); --clock-latency-ms overrides it; a
+    powercap plan locks no clock and records none."""
+    _, work = default_run
+    perseus = json.loads((work / "kareus-out" / "plans" / "perseus-00.json").read_text())
+    assert (perseus["clock_latency_s"], perseus["min_clock_segment_s"]) == (0.015, 0.03)
+    assert "clock_latency_s" not in json.loads((work / "kareus-out" / "plans" / "powercap-00.json").read_text())
+    assert cli_main.main(["plan", "--out", str(tmp_path / "o"), *QUICK, "--clock-latency-ms", "40"]) == 0
+    plan = json.loads((tmp_path / "o" / "plans" / "perseus-01.json").read_text())
+    assert (plan["clock_latency_s"], plan["min_clock_segment_s"]) == (0.04, 0.08)
+    assert cli_main.main(["plan", "--out", str(tmp_path / "z"), *QUICK, "--clock-latency-ms", "0"]) == 0
+    assert "clock_latency_s" not in json.loads((tmp_path / "z" / "plans" / "perseus-01.json").read_text())

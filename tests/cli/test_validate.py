@@ -12,6 +12,7 @@ import pytest
 
 from kareus_megatron.cli.main import main
 from kareus_megatron.cost.calibration import calibration_from_dict
+from kareus_megatron.hardware.gpus import gpu_spec
 
 REPORT_KEYS = {"format", "mode", "dry_run", "backend", "gpu", "sizes", "identity", "clocks", "energy_counter",
                "planned_sweep_s", "sweep", "kernels", "accuracy", "clock_calls", "device_recorded", "not_run",
@@ -56,6 +57,7 @@ def test_full_dry_run_writes_report_plot_and_calibration(tmp_path, sim_log, caps
     assert {"time_ratio_mape_pct", "power_mape_pct"} <= set(report["accuracy"]["preset"])
     lock = report["lock_reset"]
     assert lock["locked_ok"] == lock["tried"] >= 6 and lock["applied_s_median"] > 0
+    assert lock["preset_clock_latency_s"] == gpu_spec(report["gpu"]).clock_latency_s  # the latency plans assume
     calibration_from_dict(json.loads((out / "validate.calib.json").read_text()))
     assert (out / "validate.png").stat().st_size > 10_000
     ev = _events(sim_log)
@@ -63,6 +65,7 @@ def test_full_dry_run_writes_report_plot_and_calibration(tmp_path, sim_log, caps
     _check_runtime(report)
     printed = capsys.readouterr().out
     assert "wrote" in printed and "runtime checks" in printed
+    assert "plans assume 15 ms (kareus plan --clock-latency-ms)" in printed
 
 
 def test_read_only_dry_run_changes_nothing_on_the_gpu(tmp_path, sim_log):

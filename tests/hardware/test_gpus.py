@@ -174,3 +174,20 @@ def test_a_minimum_power_limit_outside_the_board_range_is_refused(bad):
         spec_from_table("a100-bad-min", t)
     t["min_power_limit_w"] = 150
     assert spec_from_table("a100-ok-min", t).min_power_limit_w == 150.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1001])
+def test_every_preset_carries_its_clock_latency_with_a_source(bad):
+    """clock_latency_ms (gpus.toml [LAT]): in seconds on the spec, sourced, and refused outside (0, 1000] ms."""
+    for name in PRESETS:
+        g = gpu_spec(name)
+        assert 0.005 <= g.clock_latency_s <= 0.05, name
+        assert g.sources["clock_latency_ms"].startswith("[LAT]"), name
+    t = dict(tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
+                           .read_text(encoding="utf-8"))["h100-sxm5-80gb"])
+    t["clock_latency_ms"] = bad
+    with pytest.raises(ConfigError, match="clock_latency_ms"):
+        spec_from_table("h100-bad-latency", t)
+    del t["clock_latency_ms"]
+    with pytest.raises(ConfigError, match="clock_latency_ms"):
+        spec_from_table("h100-no-latency", t)

@@ -62,8 +62,10 @@ def _run(tmp: Path, workload: Path, truth: dict[str, Any], iterations: int, *fla
     truth_file = tmp / "truth.json"
     truth_file.write_text(json.dumps(truth))
     log = tmp / "run"
+    # clock calls at once (the auto worker plans a simulated GPU at its own latency): the truth-scaled instructions
+    # (tens of ms) would otherwise pay a 15 ms lag per change, and no plan would be as fast as max clocks (iso-time)
     env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_TRUTH": str(truth_file),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
+           "KAREUS_SIMULATED_LATENCY_MS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "kareus_megatron.launch", "--kareus-plan", "auto", "--kareus-workload", str(workload),
                         "--kareus-log", str(log), *flags, "--", str(ROOT / "examples" / "tiny_train.py"),
@@ -82,7 +84,8 @@ def _truth_plan(tmp: Path, truth: dict[str, Any]) -> Any:
     cal = tmp / "truth-calibration.json"
     cal.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": truth}))
     out = tmp / "truth-plan"
-    _kareus("plan", *PLAN_JOB, "--calibration", str(cal), "--methods", "kareus", "--points", "64", "--out", str(out))
+    _kareus("plan", *PLAN_JOB, "--calibration", str(cal), "--methods", "kareus", "--points", "64", "--out", str(out),
+            "--clock-latency-ms", "0")  # as the auto worker plans the run's simulated GPU (latency 0, _run)
     mega = select_frontier_points(out, "all", method="megatron", allow_all=True)[0]
     best = select_point(select_frontier_points(out, "all", method="kareus", allow_all=True), Objective("iso-time"),
                         reference_time_s=mega.time_s)

@@ -73,7 +73,10 @@ class ClockController:
         self._reply = reply
         self._reply_many = reply_many
         self.decisions = Decisions(device.index, simulation, log_path)
-        # Items for the control loop: begins as (mhz, iteration, index, kind), ("stale", n), control dicts.
+        # late: a call made more than half a clock latency (s) after its instruction began (decisions.py)
+        self.decisions.late_after_s = 0.5 * (device.spec.clock_latency_s if simulation is None
+                                             else simulation.latency_s)
+        # Items for the control loop: begins as (mhz, iteration, index, kind, t), ("stale", n), control dicts.
         self._inbox: queue.Queue[list[Any]] = queue.Queue()
         self._held: list[dict[str, Any]] = []  # answers to lazy marks not sent yet
         self._frames = FrameReader()
@@ -192,15 +195,17 @@ class ClockController:
                 release = route_control(item, rest) or release
                 continue
             last = None
-            overtaken = 0
+            overtaken = same = 0
             it = iter(item)
             for code, t, _idle, a, b, c, d, _e in zip(it, it, it, it, it, it, it, it):
                 if code == CODE_BEGIN:
                     if each:
-                        rest.append((int(c), int(a), int(b), int(d)))  # mhz, iteration, index, kind
+                        rest.append((int(c), int(a), int(b), int(d), t))  # mhz, iteration, index, kind, t
+                    elif last is not None and last[0] == c:  # the clock the begin before asked for: no change
+                        same += 1
                     else:
                         overtaken += last is not None
-                        last = (c, a, b, d)
+                        last = (c, a, b, d, t)
                 elif code == CODE_MARK:
                     answer = dec.mark(int(a), t, read)
                     if self._power is not None:  # the power samples since the previous mark
@@ -209,7 +214,9 @@ class ClockController:
             if last is not None:
                 if overtaken:
                     rest.append(("stale", overtaken))
-                rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3])))
+                if same:
+                    rest.append(("same", same))
+                rest.append((int(last[0]), int(last[1]), int(last[2]), int(last[3]), last[4]))
         return release
 
     # -- control loop ------------------------------------------------------------------------
@@ -250,8 +257,9 @@ class ClockController:
         return why
 
     def _handle(self, batch: list[Any]) -> str | None:
-        """One pass over what is queued: the latest begin wins and is applied at the end; a reset or
-        close first settles the begins before it."""
+        """One pass over what is queued: the latest begin wins and is applied at the end (a begin asking
+        for the clock the pending one asks for changes nothing: unchanged, the pending one keeps its begin time);
+        a reset or close first settles the begins before it."""
         dec = self.decisions
         pending: Begin | None = None
         for item in batch:
@@ -259,8 +267,14 @@ class ClockController:
                 if item[0] == "stale":  # begins overtaken within one block (not logged one by one)
                     dec.overtaken(item[1])
                     continue
-                if pending is not None:  # a begin overtakes the pending one
-                    dec.skip(pending, "stale")
+                if item[0] == "same":  # begins of one block asking for the clock the one before asked for
+                    dec.overtaken(item[1], "unchanged")
+                    continue
+                if pending is not None:
+                    if item[0] == pending[0]:  # the clock the pending begin asks for: no new change
+                        dec.skip(item, "unchanged")
+                        continue
+                    dec.skip(pending, "stale")  # a begin overtakes the pending one
                 pending = item
                 continue
             op = item.get("op")
@@ -278,20 +292,22 @@ class ClockController:
                 else:
                     return "parent-gone"
         if pending is not None:
-            self._apply(pending)
+            self._apply(pending[:4], float(pending[4]))
         return None
 
-    def _apply(self, begin: Begin) -> None:
-        """Lock `begin`'s clock now, in wall time (blocks for the driver call)."""
+    def _apply(self, begin: Begin, t_begin: float) -> None:
+        """Lock `begin`'s clock now, in wall time (blocks for the driver call); its instruction began at
+        `t_begin` (s, time.monotonic())."""
         dec = self.decisions
         if not dec.wanted(begin):
             return
+        t_call = time.monotonic()
         try:
             self.device.set_sm_clock_mhz(begin[0])
         except KareusError as e:
             dec.failed(begin, e)
             return
-        dec.applied(begin)
+        dec.applied(begin, t_call - t_begin)
 
     def _reset(self, reason: str) -> None:
         if not self.decisions.clock_control:

@@ -1,12 +1,14 @@
 """The clock controller's bookkeeping: which clock is locked, decision counts and the decision log.
 
 A *begin* is ``(mhz, iteration, index, kind)`` (kind: index into ``wire.KINDS``). Decisions are
-``set`` (the clock was locked), ``skip`` with reason ``stale`` (a later instruction had begun before the
+``set`` (the clock was locked; *late* when the call was made more than ``late_after_s`` after its
+instruction began: half the device's clock latency, so the plan's lag model is off by more than that),
+``skip`` with reason ``stale`` (a later instruction had begun before the
 call could be made) or ``unchanged`` (that clock is locked already), ``reset`` (with a reason) and
 ``error``. The answer to a *mark* (a measurement point) carries, besides its time (s) and energy (J),
 what the run log records per iteration: the GPU temperature (°C; ``temperature_c``, null when unknown),
-the clock locked then (``sm_clock_mhz``, MHz; null when none is locked) and the running ``stale`` and
-``errors`` counts (the meter takes their differences between an iteration's two marks).
+the clock locked then (``sm_clock_mhz``, MHz; null when none is locked) and the running ``applied``,
+``late``, ``stale`` and ``errors`` counts (the meter takes their differences between an iteration's two marks).
 Log lines are ``{"t", "pid", "gpu", "event", "mhz", "reason"?, "iteration", "index", "kind"}``
 (t: ``time.monotonic()`` s). With NVML the controller writes them to its own log (``--log``); a
 simulated GPU keeps one log for everything and writes its own ``set``/``reset`` lines (with
@@ -61,7 +63,8 @@ class Decisions:
             self.logging = False  # without a log, skips only count (the common case)
         self.locked_mhz: int | None = None
         self.clock_control = True  # False once the start probe found no permission
-        self.counts = {"applied": 0, "stale": 0, "unchanged": 0, "errors": 0}
+        self.counts = {"applied": 0, "late": 0, "stale": 0, "unchanged": 0, "errors": 0}
+        self.late_after_s = 0.0  # a call made more than this (s) after its begin is late (the controller sets it)
         # Read at every mark (NVML: device.temperature_c); None: not read there (a simulated GPU's time
         # line stamps its answers itself, timeline.py) or no sensor (after a failed reading).
         self.read_temperature_c: Callable[[], float] | None = None
@@ -73,7 +76,7 @@ class Decisions:
     @staticmethod
     def context(begin: Begin) -> dict[str, Any]:
         """The log fields naming `begin`'s instruction."""
-        _, iteration, index, kind = begin
+        iteration, index, kind = begin[1], begin[2], begin[3]
         return {"iteration": iteration, "index": index, "kind": KINDS[kind] if 0 <= kind < len(KINDS) else kind}
 
     def wanted(self, begin: Begin) -> bool:
@@ -94,17 +97,20 @@ class Decisions:
         if self.logging and self._note is not None:
             self._note("skip", mhz=begin[0], reason=reason, **self.context(begin))
 
-    def overtaken(self, n: int) -> None:
-        """`n` begins of one block were overtaken before reaching the control loop (counted, not logged)."""
+    def overtaken(self, n: int, reason: str = "stale") -> None:
+        """`n` begins of one block were overtaken before reaching the control loop (counted, not logged);
+        reason ``unchanged``: they asked for the clock the begin before them asked for."""
         if self.clock_control:
-            self.counts["stale"] += n
+            self.counts[reason] += n
 
-    def applied(self, begin: Begin) -> None:
-        """`begin`'s clock is locked."""
+    def applied(self, begin: Begin, delay_s: float = 0.0) -> None:
+        """`begin`'s clock is locked, by a call made `delay_s` (s) after its instruction began."""
         self.locked_mhz = begin[0]
         self.counts["applied"] += 1
+        late = delay_s > self.late_after_s
+        self.counts["late"] += late
         if self._own is not None:
-            self._own("set", mhz=begin[0], **self.context(begin))
+            self._own("set", mhz=begin[0], **self.context(begin), **({"late_s": delay_s} if late else {}))
 
     def failed(self, begin: Begin, error: KareusError) -> None:
         """Locking `begin`'s clock raised `error`; the locked clock is unchanged."""
@@ -147,7 +153,8 @@ class Decisions:
         counts = self.counts
         return {"op": "mark", "seq": seq, "t": t, "energy_j": energy,
                 "temperature_c": self.temperature_c(self.read_temperature_c), "sm_clock_mhz": self.locked_mhz,
-                "stale": counts["stale"], "errors": counts["errors"]}
+                "applied": counts["applied"], "late": counts["late"], "stale": counts["stale"],
+                "errors": counts["errors"]}
 
     def close(self) -> None:
         """Close the controller's own log file (a simulated GPU closes its log itself)."""

@@ -32,7 +32,7 @@ class SimulatedTimeLine:
         self._dec = decisions
         self._lock = threading.Lock()  # the input thread schedules, the control loop resets
         self._free_at = float("-inf")  # when the simulated device finishes its last clock call (s)
-        self._pending: Begin | None = None  # a begin waiting for the device
+        self._pending: tuple[Begin, float] | None = None  # a begin waiting for the device, and its time (s)
         self._power = ModelSampler(simulation.energy_j_at)  # the power model sampled on the time line
 
     def take(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
@@ -98,23 +98,32 @@ class SimulatedTimeLine:
 
     def _begin(self, begin: Begin, t: float) -> None:
         """A begin at time `t` (s): call at once if the device is free then, else wait (a begin still
-        waiting is overtaken: stale)."""
+        waiting is overtaken: stale; a begin asking for the clock already asked for: unchanged)."""
         self._catch_up(t)
         if self._free_at <= t:
-            self._call(begin, t)
-        else:
-            if self._pending is not None:
-                self._dec.skip(self._pending, "stale")
-            self._pending = begin
+            self._call(begin, t, t)
+            return
+        dec = self._dec
+        if begin[0] == (dec.locked_mhz if self._pending is None else self._pending[0][0]):
+            dec.skip(begin, "unchanged")  # the clock already asked for (a waiting call keeps its begin time)
+            return
+        if self._pending is not None:
+            dec.skip(self._pending[0], "stale")
+            self._pending = None
+            if begin[0] == dec.locked_mhz:  # back to the clock the device is locking: no change left
+                dec.skip(begin, "unchanged")
+                return
+        self._pending = (begin, t)
 
     def _catch_up(self, t: float) -> None:
         """Make the waiting call if the device became free by `t` (s); it starts when the device is free."""
         if self._pending is not None and self._free_at <= t:
-            begin, self._pending = self._pending, None
-            self._call(begin, self._free_at)
+            (begin, t_begin), self._pending = self._pending, None
+            self._call(begin, self._free_at, t_begin)
 
-    def _call(self, begin: Begin, at: float) -> None:
-        """Issue `begin`'s clock call at `at` (s) on the simulated time line."""
+    def _call(self, begin: Begin, at: float, t_begin: float) -> None:
+        """Issue `begin`'s clock call at `at` (s) on the simulated time line (its instruction began at
+        `t_begin`, s: a call made later is counted late by the decisions)."""
         if not self._dec.wanted(begin):
             return
         try:
@@ -122,14 +131,14 @@ class SimulatedTimeLine:
         except KareusError as e:
             self._dec.failed(begin, e)
             return
-        self._dec.applied(begin)
+        self._dec.applied(begin, at - t_begin)
 
     def settle(self) -> None:
         """Before a reset or close: a call due by now is made; one still waiting is overtaken."""
         with self._lock:
             self._catch_up(time.monotonic())
             if self._pending is not None:
-                self._dec.skip(self._pending, "stale")
+                self._dec.skip(self._pending[0], "stale")
                 self._pending = None
 
     def reset_clocks(self) -> None:

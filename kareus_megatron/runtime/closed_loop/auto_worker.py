@@ -237,6 +237,12 @@ class AutoWorker(threading.Thread):
                               "--out", str(out))
         if calibration is not None:
             args += ["--calibration", str(calibration)]
+        from kareus_megatron.hardware.device import backend_from_env
+
+        if backend_from_env(self.ctl.session.backend) == "simulated":  # plan for its own clock-call latency
+            from kareus_megatron.hardware.device.sim import latency_from_env
+
+            args += ["--clock-latency-ms", repr(latency_from_env() * 1000.0)]
         if max_time_s is not None:
             args += ["--max-time", repr(max_time_s * (1 + 1e-9))]
         self._run(args, f"kareus plan ({tag})")

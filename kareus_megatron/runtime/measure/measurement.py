@@ -23,7 +23,8 @@ with the first iteration); a run whose overlap engine built SM-limited NCCL comm
 
 ``temperature_c`` is the GPU temperature at the end mark (°C), ``sm_clock_mhz`` the clock the controller had
 locked then (MHz; null when none), ``clock_stale``/``clock_errors`` how many of the clock calls between the
-iteration's two marks were skipped as stale or failed (the controller's counts on its mark answers; on
+iteration's two marks were skipped as stale or failed (``clock_applied``/``clock_late``: applied, and of those made
+late) (the controller's counts on its mark answers; on
 NVML, decided meanwhile, so an iteration may be charged a neighbour's); each null where unknown (no clock
 controller, measurement only). ``instructions`` (runtime/measure/instruction_times.py; KAREUS_LOG_INSTRUCTIONS=0:
 left out) holds each planned instruction's time, as columns; ``power`` (where the clock controller samples
@@ -73,7 +74,8 @@ ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still bei
 FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
 # The keys an iteration line has of its own (a tag may not take one); report/measurements.py reads the rest as tags.
 RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                         "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank", "power"})
+                         "sm_clock_mhz", "clock_stale", "clock_errors", "clock_applied", "clock_late", "instructions",
+                         "power", "rank", "pp_rank"})
 EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
 
@@ -381,7 +383,8 @@ class IterationMeter:
         record = {"kind": "iteration", "iteration": iteration, "t_start": _num(t0), "t_end": _num(t1),
                   "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0), "temperature_c": _num(info1.get("temperature_c")),
                   "sm_clock_mhz": clock if isinstance(clock, int) else None,
-                  "clock_stale": _count(info0, info1, "stale"), "clock_errors": _count(info0, info1, "errors")}
+                  "clock_stale": _count(info0, info1, "stale"), "clock_errors": _count(info0, info1, "errors"),
+                  "clock_applied": _count(info0, info1, "applied"), "clock_late": _count(info0, info1, "late")}
         if isinstance(info1.get("power"), dict):  # the GPU's power samples over the iteration (clock/power_samples.py)
             record["power"] = info1["power"]
         if stamps is not None and self._times is not None:

@@ -48,7 +48,7 @@ def test_thread_mode_applies_in_order_and_resets_on_close(tmp_path):
     client.close()
     assert [(e, m) for e, m, _ in decisions(log)] == [("set", m) if k != 2 else ("skip", m) for k, m in enumerate(seq)]
     assert [r["event"] for r in records(log)][-2:] == ["reset", "close"]
-    assert client.counts == {"applied": 4, "stale": 0, "unchanged": 1, "errors": 0}
+    assert client.counts == {"applied": 4, "late": 0, "stale": 0, "unchanged": 1, "errors": 0}
 
 
 def test_reset_request_waits_for_queued_changes(tmp_path):

@@ -7,6 +7,7 @@ import ast
 import time
 from pathlib import Path
 
+import pytest
 from clock_util import decisions, records
 
 from kareus_megatron.hardware.device.sim import SimulatedGPU
@@ -43,7 +44,7 @@ def test_batch_applies_latest_and_skips_stale(tmp_path):
     skip = next(r for r in recs if r["event"] == "skip")
     assert (skip["iteration"], skip["index"], skip["kind"]) == (0, 0, "forward")
     assert set(skip) == {"t", "pid", "gpu", "event", "mhz", "reason", "iteration", "index", "kind"}
-    assert ctl.counts == {"applied": 1, "stale": 2, "unchanged": 1, "errors": 0}
+    assert ctl.counts == {"applied": 1, "late": 0, "stale": 2, "unchanged": 1, "errors": 0}
     assert ctl.device.sm_clock_mhz() == 990
 
 
@@ -55,10 +56,29 @@ def test_unlogged_block_passes_on_only_its_last_begin():
     mhz = (1200, 1005, 990, 1410, 1095)
     ctl.feed(encode_records([x for k, m in enumerate(mhz) for x in begin_record(t + k * 1e-3, 0, k, m, "forward")]))
     batch = ctl._inbox.get_nowait()
-    assert batch == [("stale", 4), (1095, 0, 4, 0)]
+    assert batch == [("stale", 4), (1095, 0, 4, 0, pytest.approx(t + 4e-3))]
     ctl._handle(batch)
-    assert ctl.counts == {"applied": 1, "stale": 4, "unchanged": 0, "errors": 0}
+    assert ctl.counts == {"applied": 1, "late": 0, "stale": 4, "unchanged": 0, "errors": 0}
     assert ctl.device.sm_clock_mhz() == 1095
+
+
+def test_a_change_made_long_after_its_begin_counts_late(tmp_path):
+    """Wall time: a call made more than half the preset's clock latency after its instruction began is late
+    (counted, its set line carries late_s); the mark answers carry the applied and late counts."""
+    log = tmp_path / "clocks.jsonl"
+    ctl = ClockController(_plain_device(), lambda m: None, simulation=None, log_path=str(log))
+    ctl.probe()
+    assert ctl.decisions.late_after_s == pytest.approx(gpu_spec("a100-sxm4-40gb").clock_latency_s / 2)
+    t = time.monotonic()
+    ctl.feed(encode_records(begin_record(t - 0.5, 0, 0, 1200, "forward")))  # began 0.5 s before it arrives
+    ctl._handle(ctl._inbox.get_nowait())
+    ctl.feed(encode_records(begin_record(time.monotonic(), 0, 1, 990, "backward")))  # on time
+    ctl._handle(ctl._inbox.get_nowait())
+    assert ctl.counts == {"applied": 2, "late": 1, "stale": 0, "unchanged": 0, "errors": 0}
+    sets = [r for r in records(log) if r["event"] == "set"]
+    assert sets[0]["late_s"] >= 0.5 and "late_s" not in sets[1]
+    mark = ctl.decisions.mark(1, t, lambda: 0.0)
+    assert (mark["applied"], mark["late"], mark["stale"]) == (2, 1, 0)
 
 
 def test_reset_and_close_settle_then_reset(tmp_path):
@@ -74,7 +94,8 @@ def test_reset_and_close_settle_then_reset(tmp_path):
     assert [(r["event"], r.get("reason")) for r in records(log)] == [
         ("reset", "start"), ("skip", "stale"), ("reset", "requested"), ("reset", "closed")]
     assert replies == [{"op": "ack", "seq": 4},
-                       {"op": "ack", "seq": 5, "counts": {"applied": 0, "stale": 1, "unchanged": 0, "errors": 0}}]
+                       {"op": "ack", "seq": 5,
+                        "counts": {"applied": 0, "late": 0, "stale": 1, "unchanged": 0, "errors": 0}}]
 
 
 def test_marks_read_the_energy_counter_and_lazy_ones_wait():

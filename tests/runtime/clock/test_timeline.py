@@ -30,13 +30,14 @@ def test_simulated_time_line_decides_at_the_records_own_times(tmp_path):
                              for x in begin_record(t + dt, 0, k, m, "forward" if k < 3 else "backward")]))
     assert ctl._inbox.empty()  # nothing for the wall-time loop
     # 1200 is called at once (busy until +10 ms); 1005 waits and is overtaken by 990, which is called
-    # when the device is free (+10 ms, done +20 ms); at +30 ms 990 is already locked.
+    # when the device is free (+10 ms, done +20 ms): 8 ms after its begin, more than half a latency: late;
+    # at +30 ms 990 is already locked.
     log = tmp_path / "clocks.jsonl"
     assert decisions(log) == [("set", 1200, None), ("skip", 1005, "stale"), ("set", 990, None),
                               ("skip", 990, "unchanged")]
     sets = [r for r in records(log) if r["event"] == "set"]
     assert sets[0]["t_done"] == pytest.approx(t + 0.010) and sets[1]["t_issue"] == pytest.approx(t + 0.010)
-    assert ctl.counts == {"applied": 2, "stale": 1, "unchanged": 1, "errors": 0}
+    assert ctl.counts == {"applied": 2, "late": 1, "stale": 1, "unchanged": 1, "errors": 0}
 
 
 def test_reset_overtakes_a_waiting_call(tmp_path):
@@ -107,3 +108,20 @@ def test_busy_edges_account_like_set_busy():
     e_one, e_many = one.energy_j_at(t_end) - base[0], many.energy_j_at(t_end) - base[1]
     assert e_many == pytest.approx(e_one, rel=1e-9)
     assert e_many > spec.p_blocked_w * (t_end - t0 + 0.01) * 1.1  # busy power counted
+
+
+def test_a_begin_asking_for_the_clock_already_asked_for_changes_nothing(tmp_path):
+    """While a call is in flight or waiting, begins at the clock already asked for are unchanged, not stale, and
+    the waiting call keeps the time of the begin that asked first (so its lateness is measured from there)."""
+    dev = sim(tmp_path, latency_s=0.010)
+    ctl = ClockController(dev, lambda m: None, simulation=simulation_of(dev))
+    ctl.probe()
+    t = time.monotonic() - 5.0
+    begins = [(0.0, 1200), (0.003, 1200), (0.004, 990), (0.006, 990), (0.008, 990), (0.030, 990)]
+    ctl.feed(encode_records([x for k, (dt, m) in enumerate(begins) for x in begin_record(t + dt, 0, k, m, "forward")]))
+    # 1200 at once (busy to +10 ms); 1200 again: unchanged; 990 waits from +4 ms and is called at +10 ms: 6 ms
+    # after its begin, more than half the 10 ms latency: late (measured from the +8 ms repeat it would not be);
+    # its repeats at +6, +8 and +30 ms: unchanged
+    assert ctl.counts == {"applied": 2, "late": 1, "stale": 0, "unchanged": 4, "errors": 0}
+    sets = [r for r in records(tmp_path / "clocks.jsonl") if r["event"] == "set"]
+    assert sets[1]["mhz"] == 990 and sets[1]["t_issue"] == pytest.approx(t + 0.010)
