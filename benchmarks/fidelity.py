@@ -68,7 +68,7 @@ TRANSFERRED = ("gemm_efficiency", "attention_efficiency", "attention_bwd_efficie
 TARGET_POWER_MAPE_PCT = 12.0
 TARGET_ARGMIN_MHZ = 60.0
 FIT_STRIDE, QUICK_STRIDE = 4, 12  # fit on every n-th 15 MHz clock step from the max clock
-FIT_NFEV, QUICK_NFEV = 400, 12  # least-squares model evaluations per fit
+FIT_NFEV, QUICK_NFEV = 400, 3  # least-squares model evaluations per fit
 PRIOR_WEIGHT = 8.0  # the weight `kareus calibrate --profile` gives the priors (cost/calibrate.py)
 MODES = ("presets", "leave-one-GPU-out", "leave-one-workload-out")
 
@@ -140,12 +140,15 @@ def metrics(km: KernelModel, series: Sequence[Series]) -> dict[str, float]:
             "span_err_pts": float(100 * np.mean(span))}
 
 
-def fit(cases: Sequence[Case], gpu: GPUSpec, stride: int, nfev: int) -> tuple[GPUSpec, KernelParams]:
-    """Every free parameter but the time scale fitted to the cases' ratios and power (one GPU's profiles)."""
+def fit(cases: Sequence[Case], gpu: GPUSpec, stride: int, nfev: int,
+        record: dict[str, dict[str, float]]) -> tuple[GPUSpec, KernelParams]:
+    """Every free parameter but the time scale fitted to the cases' ratios and power (one GPU's profiles);
+    the fitted values go into `record` under "GPU workload+workload"."""
     series = [s for c in cases for s in subsample(c, stride)]
     free = tuple(p for p in default_free_params(gpu) if p.name != "time_scale")
-    fitted, params, _ = fit_series([*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=False,
-                                   prior_weight=PRIOR_WEIGHT, max_nfev=nfev)
+    fitted, params, values = fit_series([*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=False,
+                                        prior_weight=PRIOR_WEIGHT, max_nfev=nfev)
+    record[f"{cases[0].gpu} {'+'.join(c.workload for c in cases)}"] = values
     return fitted, params
 
 
@@ -155,30 +158,35 @@ def transfer(fitted: Sequence[KernelParams]) -> KernelParams:
                                                   for n in TRANSFERRED})
 
 
-def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] | None = None) -> list[Row]:
-    """Every (GPU, workload, mode) row; `presets` overrides GPU label -> preset (a perturbed model)."""
+def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] | None = None,
+        modes: Sequence[str] = MODES) -> tuple[list[Row], dict[str, dict[str, float]]]:
+    """Every (GPU, workload, mode) row of `modes`, and each fit's values by what it was fitted on;
+    `presets` overrides GPU label -> preset (a perturbed model)."""
     stride, nfev = (QUICK_STRIDE, QUICK_NFEV) if quick else (FIT_STRIDE, FIT_NFEV)
     spec = {g: (presets or {}).get(g) or gpu_spec(GPUS[g][0]) for g in GPUS}
     cases = {(g, w): load_case(g, w, data) for g in GPUS for w in GPUS[g][1]}
     rows: list[Row] = []
+    fits: dict[str, dict[str, float]] = {}
 
     def add(c: Case, mode: str, on: str, km: KernelModel) -> None:
         rows.append(Row(c.gpu, c.workload, mode, on, **metrics(km, c.series)))
 
-    per_gpu = {g: fit([c for (h, _), c in cases.items() if h == g], spec[g], stride, nfev)[1] for g in GPUS}
+    per_gpu = {g: fit([c for (h, _), c in cases.items() if h == g], spec[g], stride, nfev, fits)[1]
+               for g in GPUS if MODES[1] in modes}
     for g in GPUS:
         others = [h for h in GPUS if h != g]
         for w in GPUS[g][1]:
             c = cases[(g, w)]
-            add(c, MODES[0], "-", KernelModel(spec[g]))
-            if others:
+            if MODES[0] in modes:
+                add(c, MODES[0], "-", KernelModel(spec[g]))
+            if others and MODES[1] in modes:
                 km = KernelModel.from_params(spec[g], transfer([per_gpu[h] for h in others]))
                 add(c, MODES[1], "+".join(others), km)
             for v in GPUS[g][1]:
-                if v != w:
-                    fg, kp = fit([cases[(g, v)]], spec[g], stride, nfev)
+                if v != w and MODES[2] in modes:
+                    fg, kp = fit([cases[(g, v)]], spec[g], stride, nfev, fits)
                     add(c, MODES[2], f"{g} {v}", KernelModel.from_params(fg, kp))
-    return rows
+    return rows, fits
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -206,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        rows = run(args.data, args.quick)
+        rows, fits = run(args.data, args.quick)
     except KareusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -218,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{15 * stride} MHz{' (--quick: fits stop early)' if args.quick else ''}; {elapsed:.0f} s")
     if args.json is not None:
         doc = {"rows": [dataclasses.asdict(r) | {"met": r.met} for r in rows], "fit_stride_mhz": 15 * stride,
-               "quick": args.quick, "seconds": elapsed}
+               "quick": args.quick, "seconds": elapsed, "fits": fits}
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 

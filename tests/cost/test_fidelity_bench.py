@@ -1,0 +1,68 @@
+"""benchmarks/fidelity.py --quick (leave-one-out errors on the Perseus A100/A40 profiles) and that it can fail."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from kareus_megatron.cost.params import with_gpu_params
+from kareus_megatron.hardware.gpus import gpu_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module("fidelity")
+
+
+def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
+    out = tmp_path / "fidelity.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert table[0].startswith("| GPU | workload | mode |") and len(table) == 1 + 2 * 2 * 3, text
+    assert all(line.rstrip().endswith(("| met |", "| missed |")) for line in table[1:]), text
+    assert "targets: power MAPE <= 12% and energy-minimising clock within 60 MHz" in text
+    doc = json.loads(out.read_text())
+    keys = {(r["gpu"], r["workload"], r["mode"]) for r in doc["rows"]}
+    assert keys == {(g, w, m) for g in ("A100-SXM4-80GB", "A40") for w in ("GPT-3", "BLOOM") for m in bench.MODES}
+    for r in doc["rows"]:
+        assert 0 <= r["time_ratio_mape_pct"] < 100 and 0 <= r["power_mape_pct"] < 100, r
+        assert r["argmin_err_max_mhz"] % 15 == 0 and r["argmin_err_mean_mhz"] <= r["argmin_err_max_mhz"], r
+        assert r["met"] == (r["power_mape_pct"] <= 12 and r["argmin_err_max_mhz"] <= 60), r
+        # leave-one-GPU-out fits on the other GPU only; leave-one-workload-out on the other workload of this GPU
+        other_gpu = "A40" if r["gpu"] != "A40" else "A100-SXM4-80GB"
+        other_wl = "BLOOM" if r["workload"] == "GPT-3" else "GPT-3"
+        assert r["fitted_on"] == {"presets": "-", "leave-one-GPU-out": other_gpu,
+                                  "leave-one-workload-out": f"{r['gpu']} {other_wl}"}[r["mode"]], r
+    fitted_on = ("GPT-3+BLOOM", "GPT-3", "BLOOM")
+    assert set(doc["fits"]) == {f"{g} {w}" for g in ("A100-SXM4-80GB", "A40") for w in fitted_on}
+    assert all("comm_sm_bytes_per_cycle" in v and "compute_dynamic_w" in v for v in doc["fits"].values())
+    # the same-GPU fit on the other workload predicts the A40's power far better than its derived preset
+    by = {(r["gpu"], r["workload"], r["mode"]): r for r in doc["rows"]}
+    for w in ("GPT-3", "BLOOM"):
+        assert by[("A40", w, "leave-one-workload-out")]["power_mape_pct"] < by[("A40", w, "presets")]["power_mape_pct"]
+
+
+def test_perturbed_preset_misses_the_power_target(bench):
+    """The fitted A100 preset meets the targets; the same preset drawing 1.5x the power misses them."""
+    a100 = gpu_spec("a100-sxm4-80gb")
+    scaled = with_gpu_params(a100, {k: 1.5 * getattr(a100, k) for k in
+                                    ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w")})
+    rows = {m: {r.workload: r for r in bench.run(presets=p, modes=("presets",))[0] if r.gpu == "A100-SXM4-80GB"}
+            for m, p in (("as shipped", None), ("perturbed", {"A100-SXM4-80GB": scaled}))}
+    assert all(r.met and r.power_mape_pct <= 12 for r in rows["as shipped"].values()), rows
+    assert all(not r.met and r.power_mape_pct > 12 for r in rows["perturbed"].values()), rows
+
+
+def test_missing_data_folder_is_one_line_and_status_2(bench, tmp_path, capsys):
+    assert bench.main(["--data", str(tmp_path / "nowhere"), "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nowhere" in err, err
