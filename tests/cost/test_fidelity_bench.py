@@ -62,7 +62,11 @@ def test_perturbed_preset_misses_the_power_target(bench):
     assert all(not r.met and r.power_mape_pct > 12 for r in rows["perturbed"].values()), rows
 
 
-def test_missing_data_folder_is_one_line_and_status_2(bench, tmp_path, capsys):
-    assert bench.main(["--data", str(tmp_path / "nowhere"), "--quick"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "nowhere" in err, err
+def test_bad_paths_are_one_line_and_status_2(bench, tmp_path, capsys):
+    for args, named in ((["--data", str(tmp_path / "nowhere")], "nowhere"),
+                        (["--json", str(tmp_path / "no-dir" / "f.json")], "no-dir")):
+        assert bench.main([*args, "--quick"]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and named in err and not captured.out, err
+    assert not (tmp_path / "no-dir").exists()
