@@ -11,7 +11,10 @@ energy (J) of each stage's forward/backward at every locked SM clock (MHz). Thre
   dynamic, voltage curve, board limit) and link efficiency are used unchanged; with several other GPUs the
   median of their fitted values;
 - leave-one-workload-out: every free parameter fitted on the other workload's profile on the same GPU (what
-  `kareus calibrate --profile` does).
+  `kareus calibrate --profile` does);
+- boost-draw rule, other GPU: a candidate replacement of hardware/derive.py's base-clock rule, "a dense
+  training stage draws fraction r of the board limit at the max clock", with r measured on the other GPU(s)
+  (median) and the held-out preset's compute_dynamic_w scaled until the model's stages draw r x its limit.
 
 Columns: time-ratio MAPE t(f)/t(f_max) (%), power E/t MAPE (%), energy-minimising clock error (MHz, max over
 the 16 stage/instruction series), frontier span error (percentage points, mean over the series, of the time
@@ -43,7 +46,7 @@ from kareus_megatron.cost.calibrate import (
     profile_series,
 )
 from kareus_megatron.cost.kernel import KernelModel
-from kareus_megatron.cost.params import KernelParams
+from kareus_megatron.cost.params import KernelParams, with_gpu_params
 from kareus_megatron.cost.profile import StageProfile, read_perseus_profile
 from kareus_megatron.errors import KareusError
 from kareus_megatron.hardware.gpus import GPUSpec, gpu_spec
@@ -70,7 +73,7 @@ TARGET_ARGMIN_MHZ = 60.0
 FIT_STRIDE, QUICK_STRIDE = 4, 12  # fit on every n-th 15 MHz clock step from the max clock
 FIT_NFEV, QUICK_NFEV = 400, 3  # least-squares model evaluations per fit
 PRIOR_WEIGHT = 8.0  # the weight `kareus calibrate --profile` gives the priors (cost/calibrate.py)
-MODES = ("presets", "leave-one-GPU-out", "leave-one-workload-out")
+MODES = ("presets", "leave-one-GPU-out", "leave-one-workload-out", "boost-draw rule, other GPU")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,28 @@ def transfer(fitted: Sequence[KernelParams]) -> KernelParams:
                                                   for n in TRANSFERRED})
 
 
+def boost_draw_fraction(cases: Sequence[Case], gpu: GPUSpec) -> float:
+    """Measured mean power (W) of the cases' series at their max clock over the board limit (W)."""
+    return float(np.mean([s.energy_j[0] / s.time_s[0] for c in cases for s in c.series]) / gpu.power_limit_w)
+
+
+def boost_draw_preset(gpu: GPUSpec, cases: Sequence[Case], fraction: float) -> GPUSpec:
+    """`gpu` with compute_dynamic_w (W) scaled so that the model's mean power of the cases' series at their max
+    clock is `fraction` of the board limit (bisection; uses the cases' workloads and clocks, not their data)."""
+    target_w = fraction * gpu.power_limit_w
+    first = [s for c in cases for s in subsample(c, 10_000)]  # every series at its max clock only
+
+    def draw_w(scale: float) -> float:
+        km = KernelModel(with_gpu_params(gpu, {"compute_dynamic_w": scale * gpu.compute_dynamic_w}))
+        return float(np.mean([e[0] / t[0] for t, e in (s.predict(km) for s in first)]))
+
+    lo, hi = 0.2, 10.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if draw_w(mid) < target_w else (lo, mid)
+    return with_gpu_params(gpu, {"compute_dynamic_w": 0.5 * (lo + hi) * gpu.compute_dynamic_w})
+
+
 def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] | None = None,
         modes: Sequence[str] = MODES) -> tuple[list[Row], dict[str, dict[str, float]]]:
     """Every (GPU, workload, mode) row of `modes`, and each fit's values by what it was fitted on;
@@ -173,6 +198,12 @@ def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] |
 
     per_gpu = {g: fit([c for (h, _), c in cases.items() if h == g], spec[g], stride, nfev, fits)[1]
                for g in GPUS if MODES[1] in modes}
+    draw = {g: boost_draw_fraction([c for (h, _), c in cases.items() if h == g], spec[g]) for g in GPUS}
+    rule = {g: boost_draw_preset(spec[g], [c for (h, _), c in cases.items() if h == g],
+                                 float(np.median([draw[h] for h in GPUS if h != g])))
+            for g in GPUS if MODES[3] in modes and len(GPUS) > 1}
+    for g, r in rule.items():
+        fits[f"{g} boost-draw rule"] = {"measured_draw_fraction": draw[g], "compute_dynamic_w": r.compute_dynamic_w}
     for g in GPUS:
         others = [h for h in GPUS if h != g]
         for w in GPUS[g][1]:
@@ -182,6 +213,8 @@ def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] |
             if others and MODES[1] in modes:
                 km = KernelModel.from_params(spec[g], transfer([per_gpu[h] for h in others]))
                 add(c, MODES[1], "+".join(others), km)
+            if others and MODES[3] in modes:
+                add(c, MODES[3], "+".join(others), KernelModel(rule[g]))
             for v in GPUS[g][1]:
                 if v != w and MODES[2] in modes:
                     fg, kp = fit([cases[(g, v)]], spec[g], stride, nfev, fits)

@@ -27,7 +27,7 @@ def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
     assert bench.main(["--quick", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert table[0].startswith("| GPU | workload | mode |") and len(table) == 1 + 2 * 2 * 3, text
+    assert table[0].startswith("| GPU | workload | mode |") and len(table) == 1 + 2 * 2 * 4, text
     assert all(line.rstrip().endswith(("| met |", "| missed |")) for line in table[1:]), text
     assert "targets: power MAPE <= 12% and energy-minimising clock within 60 MHz" in text
     doc = json.loads(out.read_text())
@@ -41,10 +41,17 @@ def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
         other_gpu = "A40" if r["gpu"] != "A40" else "A100-SXM4-80GB"
         other_wl = "BLOOM" if r["workload"] == "GPT-3" else "GPT-3"
         assert r["fitted_on"] == {"presets": "-", "leave-one-GPU-out": other_gpu,
+                                  "boost-draw rule, other GPU": other_gpu,
                                   "leave-one-workload-out": f"{r['gpu']} {other_wl}"}[r["mode"]], r
-    fitted_on = ("GPT-3+BLOOM", "GPT-3", "BLOOM")
+    fitted_on = ("GPT-3+BLOOM", "GPT-3", "BLOOM", "boost-draw rule")
     assert set(doc["fits"]) == {f"{g} {w}" for g in ("A100-SXM4-80GB", "A40") for w in fitted_on}
-    assert all("comm_sm_bytes_per_cycle" in v and "compute_dynamic_w" in v for v in doc["fits"].values())
+    assert all("compute_dynamic_w" in v for v in doc["fits"].values())
+    # each GPU's measured draw at its max clock (A100 0.94 of 500 W, A40 0.98 of 300 W: at its limit) sets the
+    # other's dynamic power, above the preset's on both (the presets draw less than that at the max clock)
+    for g in ("A100-SXM4-80GB", "A40"):
+        rule = doc["fits"][f"{g} boost-draw rule"]
+        assert 0.9 < rule["measured_draw_fraction"] <= 1.0, rule
+        assert rule["compute_dynamic_w"] > gpu_spec(bench.GPUS[g][0]).compute_dynamic_w, rule
     # the same-GPU fit on the other workload predicts the A40's power far better than its derived preset
     by = {(r["gpu"], r["workload"], r["mode"]): r for r in doc["rows"]}
     for w in ("GPT-3", "BLOOM"):
