@@ -69,6 +69,29 @@ def test_perturbed_preset_misses_the_power_target(bench):
     assert all(not r.met and r.power_mape_pct > 12 for r in rows["perturbed"].values()), rows
 
 
+def test_leave_one_gpu_out_never_fits_on_the_held_out_gpu(bench, monkeypatch):
+    """Each leave-one-GPU-out row's kernel parameters come only from fits to the other GPU's profiles."""
+    fitted_gpus: dict[int, set[str]] = {}  # id of the fitted KernelParams -> GPUs of the profiles it saw
+    transferred: list[set[str]] = []  # per transfer() call, in row order: GPUs its inputs were fitted on
+    real_fit, real_transfer = bench.fit, bench.transfer
+
+    def fit(cases, *args, **kw):
+        out = real_fit(cases, *args, **kw)
+        fitted_gpus[id(out[1])] = {c.gpu for c in cases}
+        return out
+
+    def transfer(fitted):
+        transferred.append(set().union(*(fitted_gpus[id(p)] for p in fitted)))
+        return real_transfer(fitted)
+
+    monkeypatch.setattr(bench, "fit", fit)
+    monkeypatch.setattr(bench, "transfer", transfer)
+    rows, _ = bench.run(quick=True, modes=("leave-one-GPU-out",))
+    assert len(rows) == len(transferred) == 4
+    for row, gpus in zip(rows, transferred):
+        assert gpus == {row.fitted_on} and row.gpu not in gpus, (row, gpus)
+
+
 def test_bad_paths_are_one_line_and_status_2(bench, tmp_path, capsys):
     for args, named in ((["--data", str(tmp_path / "nowhere")], "nowhere"),
                         (["--json", str(tmp_path / "no-dir" / "f.json")], "no-dir")):
