@@ -148,8 +148,12 @@ def fit_series(
     base: KernelParams | None = None,
     fit_abs_time: bool = True,
     prior_weight: float = 1.0,
+    max_nfev: int = 400,
 ) -> tuple[GPUSpec, KernelParams, dict[str, float]]:
-    """Least-squares fit of the free parameters; returns (fitted GPU, fitted kernel params, values)."""
+    """Least-squares fit of the free parameters; returns (fitted GPU, fitted kernel params, values).
+
+    max_nfev bounds the model evaluations (each one predicts every series once).
+    """
     if not series:
         raise CalibrationError("nothing to fit: the measurements hold no series.")
     for s in series:
@@ -175,7 +179,7 @@ def fit_series(
         return np.concatenate([r, prior_weight * (x - prior) / sig])
 
     u0 = (x0 - lo) / span
-    res = least_squares(fun, u0, bounds=(0.0, 1.0), method="trf", x_scale=1.0, diff_step=1e-4, max_nfev=400)
+    res = least_squares(fun, u0, bounds=(0.0, 1.0), method="trf", x_scale=1.0, diff_step=1e-4, max_nfev=max_nfev)
     if not np.all(np.isfinite(res.x)):
         raise CalibrationError("the fit diverged (non-finite parameters); check the profile's units (s, J, MHz).")
     x = lo + res.x * span
