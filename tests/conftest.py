@@ -23,7 +23,7 @@ END_TO_END = (
     "tests/megatron_lm/", "tests/examples/", "tests/runtime/deepspeed/", "tests/runtime/overlap/",
     "tests/runtime/test_auto_run.py", "tests/runtime/test_framework_versions.py", "tests/runtime/test_durable_log.py",
     "tests/runtime/test_truth.py", "tests/runtime/test_selfcheck.py", "tests/hardware/test_read_only_paths.py",
-    "tests/hardware/test_gpu_check.py",
+    "tests/hardware/test_gpu_check.py", "tests/cost/test_fidelity_bench.py",
 )
 
 
