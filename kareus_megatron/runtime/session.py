@@ -32,7 +32,8 @@ from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.clock.transport_gpu import CudaEvents
 from kareus_megatron.runtime.closed_loop.truth import Truth, session_truth
 from kareus_megatron.runtime.frameworks import megatron_patch, megatron_writers
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 from kareus_megatron.runtime.process_env import global_rank_and_world, gpu_target, local_rank_from_env
 from kareus_megatron.runtime.session_signals import SignalHandling
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON

@@ -17,7 +17,8 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
 from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT3 = ROOT / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"

@@ -22,7 +22,7 @@ from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv, cuda_graph_problem
-from kareus_megatron.runtime.measure.measurement import LOG_MODES
+from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 
 
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
