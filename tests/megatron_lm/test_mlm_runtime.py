@@ -2,19 +2,30 @@
 
 A start refused before step 1 (a plan for 8 microbatches against a run of 4) leaves nothing in the
 --kareus-log directory that blocks the corrected rerun in the same directory, and the rerun's rank files
-each name their own pipeline rank.
+each name their own pipeline rank. `kareus report RUN` then finds the plan the run executed from the log
+(where the run named it; moved, beside the log by its sha256; or the log's point of a `--plan DIR`) and refuses
+another job's plan in one line, exit 2.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 from mlm_runs import CONFIGS, MBS, child_env, mlm_command, rank_output, run_torchrun
+
+from kareus_megatron.cli.main import main
 
 TAG = "core_v0.16.1"
 
 
-def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron_lm_tree, plan_dir, tmp_path):
+def _report(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["report", *args, "--no-plot"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron_lm_tree, plan_dir, tmp_path, capsys):
     tree = megatron_lm_tree(TAG)
     config = CONFIGS["pp2"]
     log = tmp_path / "run"
@@ -26,10 +37,33 @@ def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron
     assert r.returncode != 0
     assert not log.exists() or sorted(p.name for p in log.iterdir()) == [], "a refused start left rank files"
 
-    right = mlm_command(tree, False, config, plan_dir("pp2"), log)  # the same --kareus-log directory, mode new
+    plans = tmp_path / "plan"
+    shutil.copytree(plan_dir("pp2"), plans)
+    right = mlm_command(tree, False, config, plans, log)  # the same --kareus-log directory, mode new
     r = run_torchrun(right, rerun, child_env(KAREUS_SIMULATED_LOG=str(rerun / "clocks.jsonl")))
     assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(rerun, 0)}\n{rank_output(rerun, 1)}"
     for rank in range(2):
         lines = [json.loads(x) for x in (log / f"rank-{rank:05d}.jsonl").read_text().splitlines()]
         assert lines[0]["kind"] == "header" and lines[0]["rank"] == rank and lines[0]["pp_rank"] == rank, lines[0]
         assert sum(x["kind"] == "header" for x in lines) == 1
+
+    # kareus report without --plan: the plan where the run named it, then (moved) beside the log by its sha256
+    code, out, err = _report(capsys, str(log))
+    assert code == 0 and "plans/perseus-05.json (recorded in the log;" in out and "stage 1 energy" in out, err
+    plans.rename(tmp_path / "kept")
+    code, out, err = _report(capsys, str(log))
+    assert code == 0 and f"{tmp_path}/kept/plans/perseus-05.json (found beside the log by its sha256" in out, err
+    code, out, err = _report(capsys, str(log), "--plan", str(tmp_path / "kept"))  # a plan directory: the log's point
+    assert code == 0 and "kept/plans/perseus-05.json (the log's point of --plan;" in out, err
+    # another job's plan: one line, exit 2
+    others = ((plan_dir("pp2", microbatches=8), "microbatches 4 (run) vs 8 (plan)"),
+              (plan_dir("tp2") / "plans" / "perseus-05.json", "TP 1 (run) vs 2 (plan); PP 2 (run) vs 1"))
+    capsys.readouterr()  # what kareus plan printed
+    for other, why in others:
+        code, out, err = _report(capsys, str(log), "--plan", str(other))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and why in err, err
+        assert "is for another job than run log" in err
+    (tmp_path / "kept").rename(tmp_path / "elsewhere-deeper")
+    shutil.move(tmp_path / "elsewhere-deeper", tmp_path / "refused" / "a" / "b")
+    code, out, err = _report(capsys, str(log))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "pass --plan PLAN" in err, err

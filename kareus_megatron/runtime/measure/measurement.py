@@ -10,8 +10,9 @@ Layout: ``--kareus-log DIR`` is a directory; global rank r appends to ``DIR/rank
 depends on any other rank and nothing needs a collective. The first line is a header::
 
     {"kind": "header", "format": RANK_LOG_FORMAT, "rank": r, "world": N, "pp_rank": s, "pp": P, "tp": ...,
-     "cp": ..., "dp": ..., "plan": ..., "plan_sha256": ..., "gpu": ..., "backend": "simulated"|"nvml",
-     "clock_control": bool, "local_rank": l, "gpu_index": g, "gpu_uuid": ..., "gpu_name": ..., ...}
+     "cp": ..., "dp": ..., "num_microbatches": m, "micro_batch_size": b, "plan": ..., "plan_sha256": ...,
+     "gpu": ..., "backend": "simulated"|"nvml", "clock_control": bool, "local_rank": l, "gpu_index": g,
+     "gpu_uuid": ..., "gpu_name": ..., ...}
 
 written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
 with the first iteration). A run refused before step 1 writes no header and leaves no file, and
