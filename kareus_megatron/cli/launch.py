@@ -47,8 +47,8 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--point", default=None,
                    help="fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax)")
     p.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
-    p.add_argument("--nodes", type=int, default=2, help="nodes of the job (default 2)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: the plan's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the plan's)")
     p.add_argument("--master-addr", default=None, help="rendezvous host (default $MASTER_ADDR, else localhost)")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--rdzv-id", default=None, help="rendezvous id prefix (default $SLURM_JOB_ID, else kareus)")
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                          ("--skip-iterations", getattr(args, "skip_iterations", 0), 0)):
         if not low <= v <= MAX_ITERATIONS:
             raise ConfigError(f"{flag} {v} must be an integer from {low} to {MAX_ITERATIONS}")
-    job = JobSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    job = JobSpec(nodes=1 if args.nodes is None else args.nodes,  # left out: the plans' (jobs/orchestrate.py)
+                  gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
                   master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "localhost",
                   master_port=args.master_port, rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID") or "kareus",
                   container_image=args.container_image, container_mounts=args.container_mounts, workdir=os.getcwd())
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, extra_args=tuple(args.extra_args), node_rank=args.node_rank, overwrite=args.overwrite,
         dry_run=args.dry_run, plan_args=tuple(getattr(args, "plan_arg", ())),
         skip_iterations=getattr(args, "skip_iterations", DEFAULT_SKIP_ITERATIONS), argv=tuple(args.launch_argv),
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
     )
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main_thread else None

@@ -2,7 +2,8 @@
 
 ``run`` starts one job per selected point of one method (default point: fastest); ``comparison`` plans
 when DIR has no frontier.json yet (``kareus plan --out DIR PLAN_ARGS``), runs every point (default: all)
-of every method, then renders ``kareus compare LOG_DIR``. With the slurm launcher outside an allocation
+of every method, then renders ``kareus compare LOG_DIR``. The job's nodes and GPUs per node are the plans'
+unless given (``with_plan_shape``). With the slurm launcher outside an allocation
 (no SLURM_JOB_ID) the invocation resubmits itself, ``sbatch launch/slurm.sbatch ARGS``, and the batch
 script re-enters ``kareus launch ARGS`` inside the allocation. Without Slurm every node runs the same
 command, and node rank 0 keeps the books: it plans, refuses to append to earlier logs, writes each run's
@@ -17,12 +18,12 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kareus_megatron.errors import ConfigError, KareusError
 from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_command
-from kareus_megatron.plan.io import write_json_atomic
+from kareus_megatron.plan.io import load_plan, write_json_atomic
 from kareus_megatron.plan.points import ALL, FASTEST, FRONTIER_FILE, read_frontier, select_frontier_points
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, MANIFEST_FILE, MEASUREMENT_FILE
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, METHODS, NANOBATCH_PERSEUS
@@ -51,6 +52,8 @@ class Launch:
     plan_args: tuple[str, ...] = ()  # comparison: arguments of `kareus plan` when DIR has no frontier.json
     skip_iterations: int = DEFAULT_SKIP_ITERATIONS  # comparison: passed to kareus compare
     argv: tuple[str, ...] = ()  # this invocation's arguments after `kareus launch` (resubmitted by sbatch)
+    nodes: int | None = None  # as given (--nodes); None: the plans' (job.nodes is then filled in, with_plan_shape)
+    gpus_per_node: int | None = None  # as given (--gpus-per-node); None: the plans'
 
 
 Say = Callable[[str], None]
@@ -58,6 +61,32 @@ Say = Callable[[str], None]
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def with_plan_shape(launch: Launch) -> Launch:
+    """`launch` with the job's nodes and GPUs per node the user left out read from the plan directory's plans
+    (the printed torchrun/srun/sbatch commands show them).
+
+    Both left out: the plans' own shape. One given: the other divides the plans' GPUs by it (when it divides
+    them; else the plans' value, and check_job_fits names the flags that fit)."""
+    if launch.nodes is not None and launch.gpus_per_node is not None:
+        return launch
+    doc = read_frontier(launch.plan_dir)
+    method = next((m for m, v in doc["methods"].items() if v.get("points")), None)
+    if method is None:
+        raise ConfigError(f"{launch.plan_dir}/{FRONTIER_FILE} holds no plans to read the job's nodes from; "
+                          "pass --nodes and --gpus-per-node")
+    par = load_plan(select_frontier_points(launch.plan_dir, 0, method=method, flag="--point")[0].plan_path).parallel
+    world = par.nodes * par.gpus_per_node
+    nodes, per = launch.nodes, launch.gpus_per_node
+    if nodes is None and per is None:
+        nodes, per = par.nodes, par.gpus_per_node
+    elif nodes is None:
+        assert per is not None
+        nodes = world // per if world % per == 0 else par.nodes
+    elif per is None:
+        per = world // nodes if world % nodes == 0 else par.gpus_per_node
+    return replace(launch, job=replace(launch.job, nodes=nodes, gpus_per_node=per), nodes=nodes, gpus_per_node=per)
 
 
 def kareus_cli() -> list[str]:
@@ -132,6 +161,7 @@ def _comparison(launch: Launch, say: Say) -> int:
             say(f"# then one run per frontier point of {', '.join(methods)}, then kareus compare {launch.log_dir}")
             return 0
         execute([*cli, *plan_cmd])
+    launch = with_plan_shape(launch)
     doc = read_frontier(launch.plan_dir)
     present = [m for m in methods if doc["methods"].get(m, {}).get("points")]
     if doc.get("config", {}).get("framework") == FRAMEWORK_DEEPSPEED and NANOBATCH_PERSEUS in methods:
@@ -154,6 +184,12 @@ def launch_jobs(launch: Launch, say: Say = _say) -> int:
     """Carry out `launch` (see the module doc); return the exit status. Bad input raises a KareusError."""
     if launch.command not in (RUN, COMPARISON):
         raise ConfigError(f"unknown launch command {launch.command!r}; use {RUN} or {COMPARISON}")
+    if launch.command == RUN or (Path(launch.plan_dir) / FRONTIER_FILE).exists():
+        launch = with_plan_shape(launch)
+    elif launch.nodes is None or launch.gpus_per_node is None:
+        if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
+            raise ConfigError(f"{launch.plan_dir} has no plans yet to read the job's nodes from; pass --nodes and "
+                              "--gpus-per-node for the allocation")
     if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
         sb = sbatch_command(launch)
         say(f"+ {shlex.join(sb)}")

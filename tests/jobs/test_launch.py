@@ -272,6 +272,18 @@ def test_bad_input_is_one_line_exit_2(plan_dir, args, fragment):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_the_job_shape_comes_from_the_plan_unless_given(tmp_path):
+    d = make_plan_dir(tmp_path / "small", nodes=1, gpn=2, m=4)
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--dry-run")
+    assert r.returncode == 0 and " torchrun --nnodes 1 --nproc-per-node 2 " in r.stdout, r.stderr
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--launcher", "slurm", "--dry-run")
+    assert r.returncode == 0 and r.stdout.startswith("+ sbatch --nodes 1 --gpus-per-node 2 "), r.stderr
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--nodes", "2", "--dry-run")  # told otherwise
+    assert r.returncode == 2 and "pass --nodes 1 --gpus-per-node 2" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = launch("comparison", "--plan-dir", str(tmp_path / "none"), "--launcher", "slurm", "--dry-run")
+    assert r.returncode == 2 and "has no plans yet" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
 def test_missing_or_foreign_plan_dir(tmp_path):
     with pytest.raises(PlanError, match="does not exist"):
         select_frontier_points(tmp_path, "fastest", method="kareus")
