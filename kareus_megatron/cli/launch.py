@@ -1,6 +1,6 @@
 """`kareus launch run|comparison`: run a plan directory's points on a cluster (torchrun or Slurm).
 
-    kareus launch run --plan-dir DIR [--method kareus] [--point fastest|min-energy|all|NN|METHOD-NN] ...
+    kareus launch run --plan-dir DIR [--method kareus] [--point iso-time|fastest|min-energy|all|NN|METHOD-NN] ...
     kareus launch comparison --plan-dir DIR --log-dir LOGS [--plan-arg=--model ...] ... [-- TRAINING ARGS]
 
 `run` starts one job per selected frontier point of one method; `comparison` plans (when DIR has no
@@ -45,7 +45,8 @@ class _LaunchParser(OneLineParser):
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-dir", required=True, help="a `kareus plan --out` directory (frontier.json, plans/)")
     p.add_argument("--point", default=None,
-                   help="fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax)")
+                   help="iso-time, fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax; "
+                        "run: iso-time, the least energy no slower than Megatron; comparison: all)")
     p.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
     p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: the plan's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the plan's)")
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="launch_command", required=True, metavar="{run,comparison}",
                                 parser_class=_LaunchParser)
     run_p = sub.add_parser("run", help="run one method at one or more frontier points",
-                           description="run one method at one or more frontier points (default: fastest)")
+                           description="run one method at one or more frontier points (default: iso-time, the least "
+                                       "predicted energy no slower than Megatron's max-clock plan)")
     run_p.add_argument("--method", default=None, choices=METHODS,
                        help="the method (default: the point's METHOD-, else kareus)")
     _add_job_args(run_p)

@@ -1,6 +1,6 @@
 """The flow of ``kareus launch``: start the runs of a plan directory, or the whole measured comparison.
 
-``run`` starts one job per selected point of one method (default point: fastest); ``comparison`` plans
+``run`` starts one job per selected point of one method (default point: iso-time); ``comparison`` plans
 when DIR has no frontier.json yet (``kareus plan --out DIR PLAN_ARGS``), runs every point (default: all)
 of every method, then renders ``kareus compare LOG_DIR``. The job's nodes and GPUs per node are the plans'
 unless given (``with_plan_shape``). With the slurm launcher outside an allocation
@@ -24,7 +24,7 @@ from pathlib import Path
 from kareus_megatron.errors import ConfigError, KareusError
 from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_command
 from kareus_megatron.plan.io import load_plan, write_json_atomic
-from kareus_megatron.plan.points import ALL, FASTEST, FRONTIER_FILE, read_frontier, select_frontier_points
+from kareus_megatron.plan.points import ALL, DEFAULT_POINT, FRONTIER_FILE, read_frontier, select_frontier_points
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, MANIFEST_FILE, MEASUREMENT_FILE
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, METHODS, NANOBATCH_PERSEUS
 
@@ -40,7 +40,7 @@ class Launch:
     job: JobSpec
     method: str | None = None  # run: the method (None: the point's, else vocab.DEFAULT_METHOD)
     methods: tuple[str, ...] = METHODS  # comparison: the methods
-    point: str | None = None  # plan/points.py syntax; default fastest (run) or all (comparison)
+    point: str | None = None  # plan/points.py syntax; default DEFAULT_POINT, iso-time (run) or all (comparison)
     launcher: str = "torchrun"
     log_dir: str = "runs"
     train_iters: int = 20
@@ -198,6 +198,6 @@ def launch_jobs(launch: Launch, say: Say = _say) -> int:
             return 0
         say("# inside the allocation, it runs:")
     if launch.command == RUN:
-        start(run_commands(launch, [launch.method], FASTEST), launch, say)
+        start(run_commands(launch, [launch.method], DEFAULT_POINT), launch, say)
         return 0
     return _comparison(launch, say)

@@ -223,3 +223,26 @@ def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_ru
     assert cli_main.main(["plan", "--out", str(ramped), "--max-ramp", str(limit), *QUICK]) == 0
     rdoc = json.loads((ramped / "frontier.json").read_text())
     assert all(p["ramp_w_per_s"] <= limit * (1 + 1e-9) for m in rdoc["methods"].values() for p in m["points"])
+
+
+def test_one_default_point_everywhere(default_run, capsys, monkeypatch):
+    """kareus plan's suggestion, --kareus-point's default (the entry points read plan directories through
+    load_point_plan), kareus launch run's default and --kareus-plan auto's default objective pick one plan:
+    iso-time, the least predicted energy no slower than Megatron's max-clock plan."""
+    from kareus_megatron.plan.objective import ISO_TIME, Objective, select_point
+    from kareus_megatron.plan.points import ALL, load_point_plan, select_frontier_points
+
+    _, work = default_run
+    out = work / "kareus-out"
+    suggested = json.loads((out / "timeline.trace.json").read_text())["traceEvents"][0]["args"]["name"]
+    _, path = load_point_plan(str(out))  # --kareus-plan DIR without --kareus-point
+    assert Path(path).name == f"{suggested}.json"
+    kareus = select_frontier_points(out, ALL, method="kareus", allow_all=True)
+    (mega,) = select_frontier_points(out, "megatron-fastest")
+    auto = select_point(kareus, Objective(ISO_TIME), reference_time_s=mega.time_s)  # closed_loop/auto_worker.py
+    assert f"kareus-{auto.index:02d}" == suggested
+    assert auto.index > 0 and auto.time_s <= mega.time_s and auto.energy_j < kareus[0].energy_j  # not the fastest
+    monkeypatch.setattr(cli_main, "COMMANDS", {"launch": "launch"})
+    capsys.readouterr()
+    assert cli_main.main(["launch", "run", "--plan-dir", str(out), "--dry-run"]) == 0
+    assert f"--kareus-plan {out}/plans/{suggested}.json " in capsys.readouterr().out
