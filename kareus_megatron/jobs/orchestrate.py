@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kareus_megatron.errors import ConfigError, KareusError
 from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_command
+from kareus_megatron.jobs.torchrun import run_summarised
 from kareus_megatron.plan.io import load_plan, write_json_atomic
 from kareus_megatron.plan.points import ALL, DEFAULT_POINT, FRONTIER_FILE, read_frontier, select_frontier_points
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, MANIFEST_FILE, MEASUREMENT_FILE
@@ -102,6 +103,14 @@ def execute(argv: list[str], env: dict[str, str] | None = None) -> None:
         raise subprocess.CalledProcessError(rc, argv)
 
 
+def execute_training(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Run a training command (torchrun, srun): RankError (jobs/torchrun.py; one line, exit status 2) when a
+    kareus error stopped a rank, subprocess.CalledProcessError for other failures."""
+    rc = run_summarised(argv, env)
+    if rc:
+        raise subprocess.CalledProcessError(rc, argv)
+
+
 def sbatch_command(launch: Launch) -> list[str]:
     """Resubmit this very invocation inside an allocation of the job's size."""
     passthrough = [a for a in launch.argv if a != "--dry-run"]
@@ -142,7 +151,7 @@ def start(cmds: list[RunCommand], launch: Launch, say: Say = _say) -> None:
             c.log_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(c.log_dir / MEASUREMENT_FILE, ignore_errors=True)  # a directory of rank logs
             write_json_atomic(c.log_dir / MANIFEST_FILE, manifest(c, launch.job))
-        execute(c.argv, c.env)
+        execute_training(c.argv, c.env)
 
 
 def _comparison(launch: Launch, say: Say) -> int:

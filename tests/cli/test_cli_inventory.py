@@ -64,6 +64,7 @@ EXPECTED = {
         '--master-addr', '--master-port', '--methods', '--node-rank', '--nodes', '--overwrite', '--plan-arg',
         '--plan-dir', '--point', '--rdzv-id', '--script', '--skip-iterations', '--train-iters'
     ],
+    "torchrun": ['--debug'],
 }
 
 

@@ -2,7 +2,9 @@
 
 A start refused before step 1 (a plan for 8 microbatches against a run of 4) leaves nothing in the
 --kareus-log directory that blocks the corrected rerun in the same directory, and the rerun's rank files
-each name their own pipeline rank. `kareus report RUN` then finds the plan the run executed from the log
+each name their own pipeline rank. Under `kareus torchrun` the refused start ends with the ranks' first kareus
+error as the last line on stderr and exit status 2 (not torchrun's ChildFailedError report and status 1).
+`kareus report RUN` then finds the plan the run executed from the log
 (where the run named it; moved, beside the log by its sha256; or the log's point of a `--plan DIR`) and refuses
 another job's plan in one line, exit 2.
 """
@@ -11,12 +13,28 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-from mlm_runs import CONFIGS, MBS, child_env, mlm_command, rank_output, run_torchrun
+from mlm_runs import CONFIGS, MBS, RUN_TIMEOUT_S, child_env, mlm_command, rank_output, run_torchrun
 
 from kareus_megatron.cli.main import main
 
 TAG = "core_v0.16.1"
+
+
+def _kareus_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`kareus torchrun --standalone --nproc-per-node 2 ARGS` (each rank's output to cwd/torchrun-logs)."""
+    cmd = [sys.executable, "-m", "kareus_megatron.cli.main", "torchrun", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(cwd / "torchrun-logs"), "--redirects", "3", *args]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # torchrun stops its workers on SIGTERM
+        out, err = p.communicate(timeout=30)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _report(capsys, *args: str) -> tuple[int, str, str]:
@@ -33,8 +51,11 @@ def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron
     refused.mkdir()
     rerun.mkdir()
     wrong = mlm_command(tree, False, config, plan_dir("pp2", microbatches=8), log, global_batch=MBS * 4)
-    r = run_torchrun(wrong, refused, child_env(KAREUS_SIMULATED_LOG=str(refused / "clocks.jsonl")))
-    assert r.returncode != 0
+    r = _kareus_torchrun(wrong, refused, child_env(KAREUS_SIMULATED_LOG=str(refused / "clocks.jsonl")))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2, f"exit {r.returncode}: {r.stderr[-3000:]}"
+    assert last.startswith("kareus torchrun: error: rank ") and "stopped the job (torchrun exit status 1)" in last
+    assert "microbatches per iteration: plan 8, run 4" in last and "perseus-05" in last, last
     assert not log.exists() or sorted(p.name for p in log.iterdir()) == [], "a refused start left rank files"
 
     plans = tmp_path / "plan"
