@@ -160,9 +160,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**_json(cmp, log, n_complete), "power": power}, indent=2))
     else:
         print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
-              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({found}; "
-              f"{plan.method}, "
-              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')})")
+              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({plan.method}, "
+              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')}; {found})")
         print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
         for row in cmp.rows:
             err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"

@@ -70,12 +70,14 @@ def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron
 
     # kareus report without --plan: the plan where the run named it, then (moved) beside the log by its sha256
     code, out, err = _report(capsys, str(log))
-    assert code == 0 and "plans/perseus-05.json (recorded in the log;" in out and "stage 1 energy" in out, err
+    assert code == 0 and "plans/perseus-05.json (perseus, " in out and "; recorded in the log)" in out, err
+    assert "stage 1 energy" in out
     plans.rename(tmp_path / "kept")
     code, out, err = _report(capsys, str(log))
-    assert code == 0 and f"{tmp_path}/kept/plans/perseus-05.json (found beside the log by its sha256" in out, err
+    assert code == 0 and f"{tmp_path}/kept/plans/perseus-05.json (perseus, " in out, err
+    assert "; found beside the log by its sha256)" in out
     code, out, err = _report(capsys, str(log), "--plan", str(tmp_path / "kept"))  # a plan directory: the log's point
-    assert code == 0 and "kept/plans/perseus-05.json (the log's point of --plan;" in out, err
+    assert code == 0 and "kept/plans/perseus-05.json (perseus, " in out and "; the log's point of --plan)" in out, err
     # another job's plan: one line, exit 2
     others = ((plan_dir("pp2", microbatches=8), "microbatches 4 (run) vs 8 (plan)"),
               (plan_dir("tp2") / "plans" / "perseus-05.json", "TP 1 (run) vs 2 (plan); PP 2 (run) vs 1"))

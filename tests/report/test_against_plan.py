@@ -141,7 +141,7 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main.main(["report", str(log), "--plan", str(plan_file), "--no-plot"]) == 0
     text = capsys.readouterr().out
-    assert "(--plan; solve, a100-sxm4-80gb, blocked power 75 W" in text and "stage 1 energy" in text
+    assert "(solve, a100-sxm4-80gb, blocked power 75 W" in text and "; --plan)" in text and "stage 1 energy" in text
     pred = compare(summarize(read_run_log(log)), plan).stage_energy_j
     for st in plan.stages:
         busy = sum(i.predicted_time_s for i in st.instructions)
