@@ -52,5 +52,5 @@ def run_summarised(argv: list[str], env: dict[str, str] | None = None) -> int:
     if first is not None:
         rank, line = first
         sys.stderr.flush()
-        raise RankError(f"rank {rank} stopped the job (torchrun exit status {rc}): {line}")
+        raise RankError(f"rank {rank} stopped the job (exit status {rc}): {line}")
     return rc

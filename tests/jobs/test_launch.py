@@ -296,7 +296,7 @@ def test_a_kareus_error_on_a_rank_ends_the_launch_with_that_line_last(tmp_path):
                env={"PATH": path, "KAREUS_GPU_BACKEND": "simulated", "PYTHONPATH": str(ROOT)})
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2, r.stderr[-3000:]
-    assert last.startswith("kareus launch: error: rank ") and "stopped the job (torchrun exit status 1)" in last
+    assert last.startswith("kareus launch: error: rank ") and "stopped the job (exit status 1)" in last
     assert f"training script {tmp_path}/no_such_train.py does not exist" in last, last
 
 

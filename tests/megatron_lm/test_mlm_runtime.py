@@ -54,7 +54,7 @@ def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron
     r = _kareus_torchrun(wrong, refused, child_env(KAREUS_SIMULATED_LOG=str(refused / "clocks.jsonl")))
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2, f"exit {r.returncode}: {r.stderr[-3000:]}"
-    assert last.startswith("kareus torchrun: error: rank ") and "stopped the job (torchrun exit status 1)" in last
+    assert last.startswith("kareus torchrun: error: rank ") and "stopped the job (exit status 1)" in last
     assert "microbatches per iteration: plan 8, run 4" in last and "perseus-05" in last, last
     assert not log.exists() or sorted(p.name for p in log.iterdir()) == [], "a refused start left rank files"
 
