@@ -13,7 +13,8 @@ the transformer layer: ``local`` (default; megatron's ``get_gpt_layer_local_spec
 (``kareus_megatron.runtime.overlap.get_sdpa_gpt_layer_spec``: the same layer on torch's
 scaled_dot_product_attention) or ``partitioned`` (``get_partitioned_gpt_layer_spec``: the layer a plan with
 2-nanobatch instructions needs). The two kareus specs use an SP-capable torch norm where megatron's torch-norm
-fallback (no Apex/TE) refuses ``--sp``; the block's final norm is the layer spec's norm class.
+fallback (no Apex/TE) refuses ``--sp``; the block's final norm is the layer spec's norm class (for the
+partitioned layer, the package's ``get_partitioned_gpt_block_spec``).
 
 Layouts: ``--tp``, ``--pp``, ``--vp``, ``--cp``, ``--sp`` as megatron's flags; data parallelism is what is left
 of the world size. The script does by hand what megatron's DDP and ``finalize_model_grads`` would: it
@@ -86,14 +87,19 @@ def layer_spec(name: str) -> Any:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         return get_gpt_layer_local_spec()
-    from kareus_megatron.runtime import overlap  # the only kareus import: an optional layer spec
+    from kareus_megatron.runtime import overlap  # the only kareus imports: an optional layer or block spec
 
     return overlap.get_sdpa_gpt_layer_spec() if name == "sdpa" else overlap.get_partitioned_gpt_layer_spec()
 
 
-def block_spec(cfg: Any, layer: Any, stage: int | None) -> Any:
+def block_spec(cfg: Any, layer: Any, stage: int | None, name: str) -> Any:
     """This stage's block of `layer`s, its final norm of the layer's own norm class (megatron's default for
-    a bare layer spec is its torch-norm fallback, which refuses sequence parallelism)."""
+    a bare layer spec is its torch-norm fallback, which refuses sequence parallelism). The partitioned
+    layer's block is the package's own (kareus_megatron.runtime.overlap.get_partitioned_gpt_block_spec)."""
+    if name == "partitioned":
+        from kareus_megatron.runtime import overlap
+
+        return overlap.get_partitioned_gpt_block_spec(cfg, vp_stage=stage)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         TransformerBlock,
@@ -119,8 +125,8 @@ def build_model(args: argparse.Namespace, shape: dict[str, Any]) -> list[torch.n
     for c in range(args.vp):
         stage = c if vp else None
         chunks.append(GPTModel(
-            config=cfg, transformer_layer_spec=block_spec(cfg, layer, stage), vocab_size=shape["vocab_size"],
-            max_sequence_length=args.seq, vp_stage=stage,
+            config=cfg, transformer_layer_spec=block_spec(cfg, layer, stage, args.layer_spec),
+            vocab_size=shape["vocab_size"], max_sequence_length=args.seq, vp_stage=stage,
             share_embeddings_and_output_weights=False,  # tied weights on two stages need megatron's grad sync
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)))

@@ -17,7 +17,8 @@ Or one line in the script, before ``deepspeed.initialize``, in one of three form
 
 The config section: ``"kareus": {"plan": PATH, "log": PATH, "on_error": "fail"|"warn"}``; a
 ``"plan"`` that is a ``kareus plan`` output directory takes ``"point"`` (plan/points.py's syntax: NN,
-METHOD-NN, fastest, min-energy, METHOD-fastest, METHOD-min-energy; default fastest) and ``"method"``
+METHOD-NN, iso-time, fastest, min-energy, METHOD-iso-time, METHOD-fastest, METHOD-min-energy; default
+iso-time: the least predicted energy no slower than Megatron's max-clock plan) and ``"method"``
 (default kareus), as ``install(DIR, point=..., method=...)`` does. DeepSpeed 0.19.8 ignores unknown top-level keys, but
 ``from_config`` returns the config without the section, so no DeepSpeed version can reject it. Without
 a plan (``install(None, log_path=...)``) the run is only measured, at the driver's default clocks.
@@ -79,9 +80,9 @@ def install(plan: Plan | str | os.PathLike[str] | None, *, log_path: str | os.Pa
             method: str | None = None, log_mode: str = "new") -> DeepSpeedSession:
     """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session.
 
-    For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: the fastest
-    plan of the kareus method). `log_path` is a directory of per-rank logs; `log_mode`: new (refuse an
-    existing rank log), append or overwrite."""
+    For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: iso-time of
+    the kareus method, the least predicted energy no slower than Megatron's max-clock plan). `log_path` is a
+    directory of per-rank logs; `log_mode`: new (refuse an existing rank log), append or overwrite."""
     resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
     return _slot.install(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
                          log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log,

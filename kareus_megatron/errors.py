@@ -6,7 +6,10 @@ status 2; the message names the bad value, what is allowed, and the fix.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from typing import Any
 
 
@@ -58,11 +61,32 @@ class UnsupportedVersionError(KareusError):
     """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""
 
 
+ERROR_DIR_ENV = "KAREUS_ERROR_DIR"  # set by jobs/torchrun.py for the ranks it starts
+
+
 def print_error(prog: str, e: BaseException | str) -> int:
-    """Write "PROG: error: MESSAGE" to stderr with the message folded onto one line; return 2."""
+    """Write "PROG: error: MESSAGE" to stderr with the message folded onto one line; return 2.
+
+    Under ``kareus torchrun``/``kareus launch`` (KAREUS_ERROR_DIR set) the line also goes to this rank's file
+    there, so the launcher can end the job with the ranks' first error (jobs/torchrun.py)."""
     msg = " ".join(str(e).split())
-    sys.stderr.write(f"{prog}: error: {msg}\n")
+    line = f"{prog}: error: {msg}"
+    sys.stderr.write(line + "\n")
+    record_rank_error(line)
     return 2
+
+
+def record_rank_error(line: str) -> None:
+    """Append `line` (time s, rank) to DIR/rank-RANK.err where KAREUS_ERROR_DIR names DIR; never raises."""
+    d = os.environ.get(ERROR_DIR_ENV)
+    if not d:
+        return
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(d, f"rank-{rank}.err"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": time.time(), "rank": rank, "line": line}) + "\n")
+    except OSError:
+        pass
 
 
 def describe_validation_error(e: Any, limit: int = 3) -> str:

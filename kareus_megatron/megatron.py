@@ -14,10 +14,8 @@ KAREUS_GPU_BACKEND, KAREUS_GPU and KAREUS_CLOCK_LOG unless given.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
 from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
@@ -31,11 +29,12 @@ def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[
             on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
             local_rank: int | None = None, controller: Controller = "process",
             source: str | None = None, log_mode: str = "new", workload: Plan | str | os.PathLike[str] | None = None,
-            objective: str = "iso-time") -> RuntimeSession:
-    """Run `plan` (a Plan or a plan file) in this process; return the started session.
+            objective: str = "iso-time", point: str | None = None) -> RuntimeSession:
+    """Run `plan` (a Plan, a plan file or a `kareus plan` directory) in this process; return the started session.
 
-    `log_path` is a directory (each rank appends to its own rank-NNNNN.jsonl there); `log_mode`: new
-    (refuse an existing rank log), append or overwrite."""
+    For a directory, `point` picks the plan (plan/points.py's syntax; default iso-time: the least predicted
+    energy no slower than Megatron's max-clock plan). `log_path` is a directory (each rank appends to its own
+    rank-NNNNN.jsonl there); `log_mode`: new (refuse an existing rank log), append or overwrite."""
     if isinstance(plan, str) and plan == "auto":
         from kareus_megatron.plan.objective import parse_objective
         from kareus_megatron.plan.points import load_point_plan
@@ -50,8 +49,9 @@ def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[
                             local_rank=local_rank, on_error=on_error, controller=controller, log_mode=log_mode)
     source = source or "the plan"
     if not isinstance(plan, Plan):
-        source = str(plan)
-        plan = load_plan(Path(plan))
+        from kareus_megatron.plan.points import load_point_plan
+
+        plan, source = load_point_plan(plan, point, flag="point", path_flag="plan")
     return _slot.install(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
                          log_path=log_path, on_error=on_error, controller=controller,
                          log_mode=log_mode)

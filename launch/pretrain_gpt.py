@@ -1,12 +1,12 @@
 """Drop-in for Megatron-LM's pretrain_gpt.py that runs a kareus plan.
 
     torchrun --nproc_per_node 8 launch/pretrain_gpt.py \\
-        --kareus-plan kareus-out --kareus-point min-energy --kareus-log run.jsonl \\
+        --kareus-plan kareus-out --kareus-point iso-time --kareus-log runs/kareus \\
         --megatron-lm-dir /opt/Megatron-LM  <the usual pretrain_gpt.py arguments>
 
 Takes Megatron-LM's own arguments unchanged plus: --kareus-plan PATH (plan file or `kareus plan`
-output directory), --kareus-point POINT (NN, METHOD-NN, fastest, min-energy, METHOD-fastest,
-METHOD-min-energy), --kareus-log PATH, --kareus-on-error fail|warn, --kareus-debug, and
+output directory), --kareus-point POINT (iso-time, the default; NN, METHOD-NN, fastest, min-energy,
+METHOD-fastest, METHOD-min-energy), --kareus-log DIR, --kareus-on-error fail|warn, --kareus-debug, and
 --megatron-lm-dir DIR (or MEGATRON_LM_DIR). It installs the kareus patch, then runs DIR/pretrain_gpt.py
 as ``__main__`` with the remaining arguments, so Megatron-LM's own code (and its megatron.core) does the
 training. ``--help`` lists the kareus flags without needing Megatron-LM.

@@ -1,6 +1,6 @@
 """`kareus launch run|comparison`: run a plan directory's points on a cluster (torchrun or Slurm).
 
-    kareus launch run --plan-dir DIR [--method kareus] [--point fastest|min-energy|all|NN|METHOD-NN] ...
+    kareus launch run --plan-dir DIR [--method kareus] [--point iso-time|fastest|min-energy|all|NN|METHOD-NN] ...
     kareus launch comparison --plan-dir DIR --log-dir LOGS [--plan-arg=--model ...] ... [-- TRAINING ARGS]
 
 `run` starts one job per selected frontier point of one method; `comparison` plans (when DIR has no
@@ -45,10 +45,11 @@ class _LaunchParser(OneLineParser):
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-dir", required=True, help="a `kareus plan --out` directory (frontier.json, plans/)")
     p.add_argument("--point", default=None,
-                   help="fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax)")
+                   help="iso-time, fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax; "
+                        "run: iso-time, the least energy no slower than Megatron; comparison: all)")
     p.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
-    p.add_argument("--nodes", type=int, default=2, help="nodes of the job (default 2)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: the plan's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the plan's)")
     p.add_argument("--master-addr", default=None, help="rendezvous host (default $MASTER_ADDR, else localhost)")
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--rdzv-id", default=None, help="rendezvous id prefix (default $SLURM_JOB_ID, else kareus)")
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="launch_command", required=True, metavar="{run,comparison}",
                                 parser_class=_LaunchParser)
     run_p = sub.add_parser("run", help="run one method at one or more frontier points",
-                           description="run one method at one or more frontier points (default: fastest)")
+                           description="run one method at one or more frontier points (default: iso-time, the least "
+                                       "predicted energy no slower than Megatron's max-clock plan)")
     run_p.add_argument("--method", default=None, choices=METHODS,
                        help="the method (default: the point's METHOD-, else kareus)")
     _add_job_args(run_p)
@@ -109,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
                          ("--skip-iterations", getattr(args, "skip_iterations", 0), 0)):
         if not low <= v <= MAX_ITERATIONS:
             raise ConfigError(f"{flag} {v} must be an integer from {low} to {MAX_ITERATIONS}")
-    job = JobSpec(nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    job = JobSpec(nodes=1 if args.nodes is None else args.nodes,  # left out: the plans' (jobs/orchestrate.py)
+                  gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
                   master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "localhost",
                   master_port=args.master_port, rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID") or "kareus",
                   container_image=args.container_image, container_mounts=args.container_mounts, workdir=os.getcwd())
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, extra_args=tuple(args.extra_args), node_rank=args.node_rank, overwrite=args.overwrite,
         dry_run=args.dry_run, plan_args=tuple(getattr(args, "plan_arg", ())),
         skip_iterations=getattr(args, "skip_iterations", DEFAULT_SKIP_ITERATIONS), argv=tuple(args.launch_argv),
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
     )
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main_thread else None

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "compare": "compare",
     "launch": "launch",
     "validate": "validate",
+    "torchrun": "torchrun",
 }
 
 
@@ -137,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["plan"]  # the main job on its built-in default
+    if argv[0] == "torchrun" and argv[1:2] not in (["-h"], ["--help"]) and "torchrun" in COMMANDS:
+        from kareus_megatron.cli import torchrun  # torchrun's own flags: not for argparse to read
+
+        ns = argparse.Namespace(command="torchrun", torchrun_args=argv[1:], _run=torchrun.run)
+        return run_command(ns, "kareus torchrun", bool(os.environ.get("KAREUS_DEBUG")))
     try:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    f"{CLOCK_GRID_STEP_MHZ} MHz from the max clock down to "
                    f"{CLOCK_GRID_LOWEST_FRACTION * 100:.0f}%% of it)")
     g.add_argument("--timeline", default=None, metavar="NAME-NN",
-                   help="plan drawn in timeline.png (default: the kareus plan with the least energy "
-                   "that is no slower than Perseus's fastest)")
+                   help="plan drawn in timeline.png (default: the suggested plan, iso-time: the kareus plan with the "
+                   "least energy no slower than Megatron's max-clock plan, as --kareus-point's default)")
     g.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the optimizer "
                    "state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
     g.add_argument("--cross-layer", action="store_true", help="model cross-layer overlap: each layer's last "
@@ -179,7 +179,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     return result, doc, built
 
 
-def _timeline_choice(args: argparse.Namespace, result: Any, built: list[Any]) -> Any:
+def _timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any], built: list[Any]) -> Any:
     by_name = {b.name: b for b in built}
     if args.timeline is not None:
         if args.timeline not in by_name:
@@ -188,15 +188,11 @@ def _timeline_choice(args: argparse.Namespace, result: Any, built: list[Any]) ->
             have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
             raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
         return by_name[args.timeline]
-    from kareus_megatron.search.planner import reduction_indices
+    from kareus_megatron.plan.points import iso_time_index, reference_time_s
 
     method = KAREUS if KAREUS in result.methods else list(result.methods)[-1]
-    mf, ref = result.methods[method], result.methods[PERSEUS]
-    want = reduction_indices(mf.time_s, mf.energy_j, float(ref.time_s[0]), float(ref.energy_j.min()))
-    for b in built:
-        if b.method == method and want and b.frontier_index == want[0]:
-            return b
-    return by_name[f"{method}-00"]
+    pts = doc["methods"][method]["points"]  # the iso-time point, as --kareus-point's default picks it
+    return by_name[f"{method}-{iso_time_index(pts, reference_time_s(doc, pts)):02d}"]
 
 
 def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
@@ -290,7 +286,8 @@ def _na_notes(doc: dict[str, Any]) -> list[str]:
     return notes
 
 
-def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:
+def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float,
+                  suggested: bool = True) -> None:
     """Print the per-method frontier ends, the reductions, and where the outputs went."""
     from rich import box
     from rich.console import Console
@@ -336,13 +333,18 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
         f"run a plan: torchrun ... -m {runner} --kareus-plan {out} --kareus-point {chosen.name} "
         "-- your_training_script.py ...", highlight=False, soft_wrap=True,
     )
+    console.print(
+        f"{chosen.name} is the iso-time plan (Megatron's speed, least predicted energy), which --kareus-point "
+        "picks by default" if suggested else f"{chosen.name}: the plan named by --timeline",
+        highlight=False, soft_wrap=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan, write the outputs atomically and print the summary table; 0 on success."""
     t0 = time.perf_counter()
     result, doc, built = _plan(args)
-    chosen = _timeline_choice(args, result, built)
+    chosen = _timeline_choice(args, result, doc, built)
     out = Path(args.out).resolve()
     if args.max_time is not None:
         for name, mf in result.methods.items():
@@ -353,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
                 )
     previous = _previous_output(out)
     _write(out, doc, built, result, chosen)
-    print_summary(doc, out, built, chosen, time.perf_counter() - t0)
+    print_summary(doc, out, built, chosen, time.perf_counter() - t0, suggested=args.timeline is None)
     sys.stdout.flush()
     if previous is not None:
         _progress_console().print(f"note: replaced the earlier output in {out} ({previous}); give --out another "

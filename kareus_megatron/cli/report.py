@@ -1,10 +1,11 @@
-"""`kareus report LOG --plan PLAN`: measured against predicted iteration time and energy, and a plot.
+"""`kareus report LOG [--plan PLAN]`: measured against predicted iteration time and energy, and a plot.
 
 For a ``--kareus-plan auto`` run, also (or, without --plan, only) its phases, the model error before and after
 calibration and the saving against its max-clock iterations (report/auto.py).
 
 LOG is the run log written with --kareus-log (read by report/runlog.py, as `kareus compare` reads it); PLAN is the
-plan file the run used. Prints, over the iterations after ``--skip-iterations`` warm-up iterations (default 2), the
+plan the run executed, found from the log's header when not given, and refused when it is another job's
+(report/run_plan.py). Prints, over the iterations after ``--skip-iterations`` warm-up iterations (default 2), the
 median time and the mean energy (total over total), per stage and in total, and writes a PNG (default: LOG with the
 suffix .png); the job's power waveform measured against predicted (report/power.py; JSON "power") and its plot
 beside the PNG (NAME.power.png).
@@ -29,8 +30,10 @@ PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table with
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus report` flags."""
     parser.add_argument("log", help="run log directory written with --kareus-log (rank-NNNNN.jsonl files)")
-    parser.add_argument("--plan", default=None, help="the plan file the run used (optional for a --kareus-plan auto "
-                        "run: its phases, model error and saving are read from the log)")
+    parser.add_argument("--plan", default=None, help="the plan the run executed: a plan file, or a kareus plan "
+                        "directory (the log's point is picked); default: the plan the log header records (path and "
+                        "sha256; a moved plan is found beside the log); a --kareus-plan auto run without --plan "
+                        "reports its phases, model error and saving")
     parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
                         help=f"warm-up iterations left out of the figures ({STATISTICS_TEXT}; "
                              f"default {DEFAULT_SKIP_ITERATIONS})")
@@ -137,17 +140,14 @@ def run(args: argparse.Namespace) -> int:
     """Print the comparison table (or JSON) and write the plot; exit 0."""
     import json
 
-    from kareus_megatron.errors import ConfigError
-    from kareus_megatron.plan.io import load_plan
     from kareus_megatron.report.against_plan import blocked_power_w, compare
     from kareus_megatron.report.auto import auto_lines, auto_summary
+    from kareus_megatron.report.run_plan import plan_for_run
     from kareus_megatron.report.runlog import read_run_log, summarize
 
-    if args.plan is None:
-        log = read_run_log(args.log)
-        auto = auto_summary(log)
-        if auto is None:
-            raise ConfigError(f"{args.log} is not a --kareus-plan auto run; give --plan, the plan file the run used")
+    log = read_run_log(args.log)
+    auto = auto_summary(log) if args.plan is None else None
+    if auto is not None:  # a --kareus-plan auto run without --plan: its phases, model error and saving
         if args.format == "json":
             from dataclasses import asdict
 
@@ -156,9 +156,8 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(auto_lines(auto)))
         return 0
     out = _plot_path(args)
-    plan = load_plan(args.plan)
-    p_blocked_w = blocked_power_w(plan, source=f"plan {args.plan}")
-    log = read_run_log(args.log)
+    plan, plan_path, found = plan_for_run(log, args.plan)  # refuses another job's plan in one line
+    p_blocked_w = blocked_power_w(plan, source=f"plan {plan_path}")
     summary = summarize(log, args.skip_iterations)
     cmp = compare(summary, plan, p_blocked_w)
     from kareus_megatron.report.power import power_section
@@ -174,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
                           "clock_changes": None if changes is None else changes.as_json()}, indent=2))
     else:
         print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
-              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {args.plan} ({plan.method}, "
-              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')})")
+              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({plan.method}, "
+              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')}; {found})")
         print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
         for row in cmp.rows:
             err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"
@@ -198,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         fig = plot_run_report(cmp, plan.predicted.iteration_time_s * cmp.time_scale,
                               title=("simulated" + (f" (time scale ×{cmp.time_scale:g})" if cmp.time_scale != 1
                                                     else "") + ": " if log.simulated else "") +
-                              f"{Path(args.log).name} vs {Path(args.plan).name}")
+                              f"{Path(args.log).name} vs {plan_path.name}")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
         print(f"wrote {out}", file=sys.stderr if args.format == "json" else sys.stdout)

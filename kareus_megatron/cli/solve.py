@@ -26,7 +26,9 @@ from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SOLVE
 
 # Upper bounds of the sizes (far above any real run; beyond them the DAG or the numbers blow up).
 SOLVE_MAX = {"--pp": 2**12, "--microbatches": 2**14, "--points": 2**12, "--tp": 2**12, "--cp": 2**12, "--dp": 2**20,
-             "--mbs": 2**14, "--seq": 2**20, "--nodes": 2**16}
+             "--mbs": 2**14, "--seq": 2**20, "--nodes": 2**16,
+             "--gpus-per-node": 2**10}
+GPUS_PER_NODE = 8  # the default node, as kareus plan's (and kareus launch's reading of the plan)
 HELP = "solve the pipeline time-energy frontier of a measured Perseus-format profile (CSV)"
 
 
@@ -63,7 +65,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     g.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
     g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
-    g.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1; GPUs split evenly over them)")
+    g.add_argument("--nodes", type=int, default=None,
+                   help="nodes of the job (default: as many as TP×CP×PP×DP needs, --gpus-per-node each)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help=f"GPUs per node (default {GPUS_PER_NODE}; with --nodes alone: the GPUs split evenly)")
+
+
+def node_shape(world: int, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a job of `world` GPUs: as given, else nodes of GPUS_PER_NODE (one node of
+    `world` when it is smaller); ConfigError when they do not multiply to `world`."""
+    from kareus_megatron.errors import ConfigError
+
+    if nodes is None:
+        per = gpus_per_node or GPUS_PER_NODE
+        if world <= per:
+            return 1, world
+        if world % per:
+            raise ConfigError(f"the job's {world} GPUs (tp x cp x dp x pp) do not fill whole nodes of {per} GPUs; "
+                              "set --nodes and --gpus-per-node to match")
+        return world // per, per
+    if gpus_per_node is None:
+        if world % nodes:
+            raise ConfigError(f"--nodes {nodes} does not divide the job's {world} GPUs (tp x cp x dp x pp)")
+        return nodes, world // nodes
+    if nodes * gpus_per_node != world:
+        raise ConfigError(f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} GPUs, but "
+                          f"the job has {world} (tp x cp x dp x pp)")
+    return nodes, gpus_per_node
 
 
 def _check_args(args: argparse.Namespace) -> list[int]:
@@ -71,7 +99,8 @@ def _check_args(args: argparse.Namespace) -> list[int]:
 
     for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--points", args.points),
                     ("--tp", args.tp), ("--cp", args.cp), ("--dp", args.dp),
-                    ("--mbs", args.micro_batch_size), ("--seq", args.seq_length), ("--nodes", args.nodes)):
+                    ("--mbs", args.micro_batch_size), ("--seq", args.seq_length), ("--nodes", args.nodes or 1),
+                    ("--gpus-per-node", args.gpus_per_node or 1)):
         if v < 1:
             raise ConfigError(f"{flag} {v} must be a positive integer")
         if v > SOLVE_MAX[flag]:
@@ -82,9 +111,7 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise ConfigError(f"--max-time {args.max_time} must be a finite time > 0 s")
     if not (args.p2p_time >= 0 and args.p2p_time < float("inf")):
         raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
-    world = args.tp * args.cp * args.dp * args.pp
-    if world % args.nodes:
-        raise ConfigError(f"--nodes {args.nodes} does not divide the job's {world} GPUs (tp x cp x dp x pp)")
+    args.nodes, args.gpus_per_node = node_shape(args.tp * args.cp * args.dp * args.pp, args.nodes, args.gpus_per_node)
     from kareus_megatron.hardware.gpus import gpu_spec
 
     gpu_spec(args.gpu)  # an unknown preset: one line naming the known ones
@@ -163,11 +190,10 @@ def solve_profile(
     gpus = args.tp * args.cp * args.dp
     plans = solve_frontier(dag, node_opts, args.p_blocked, gpus_per_stage=gpus, points=args.points,
                            max_time_s=args.max_time, progress=progress)
-    world = gpus * args.pp
     layout = ParallelLayout(
         tp=args.tp, cp=args.cp, pp=args.pp, vp=1, dp=args.dp, micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length, num_microbatches=args.microbatches, layers_per_stage=tuple(layers),
-        nodes=args.nodes, gpus_per_node=world // args.nodes, schedule=args.schedule,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, schedule=args.schedule,
     )
     out_plans = [solved_plan(dag, node_opts, sp, method=SOLVE, gpu=args.gpu, parallel=layout,
                              p_blocked_w=args.p_blocked) for sp in plans]

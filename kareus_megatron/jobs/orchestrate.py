@@ -1,8 +1,9 @@
 """The flow of ``kareus launch``: start the runs of a plan directory, or the whole measured comparison.
 
-``run`` starts one job per selected point of one method (default point: fastest); ``comparison`` plans
+``run`` starts one job per selected point of one method (default point: iso-time); ``comparison`` plans
 when DIR has no frontier.json yet (``kareus plan --out DIR PLAN_ARGS``), runs every point (default: all)
-of every method, then renders ``kareus compare LOG_DIR``. With the slurm launcher outside an allocation
+of every method, then renders ``kareus compare LOG_DIR``. The job's nodes and GPUs per node are the plans'
+unless given (``with_plan_shape``). With the slurm launcher outside an allocation
 (no SLURM_JOB_ID) the invocation resubmits itself, ``sbatch launch/slurm.sbatch ARGS``, and the batch
 script re-enters ``kareus launch ARGS`` inside the allocation. Without Slurm every node runs the same
 command, and node rank 0 keeps the books: it plans, refuses to append to earlier logs, writes each run's
@@ -17,13 +18,14 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kareus_megatron.errors import ConfigError, KareusError
 from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_command
-from kareus_megatron.plan.io import write_json_atomic
-from kareus_megatron.plan.points import ALL, FASTEST, FRONTIER_FILE, read_frontier, select_frontier_points
+from kareus_megatron.jobs.torchrun import run_summarised
+from kareus_megatron.plan.io import load_plan, write_json_atomic
+from kareus_megatron.plan.points import ALL, DEFAULT_POINT, FRONTIER_FILE, read_frontier, select_frontier_points
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, MANIFEST_FILE, MEASUREMENT_FILE
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, METHODS, NANOBATCH_PERSEUS
 
@@ -39,7 +41,7 @@ class Launch:
     job: JobSpec
     method: str | None = None  # run: the method (None: the point's, else vocab.DEFAULT_METHOD)
     methods: tuple[str, ...] = METHODS  # comparison: the methods
-    point: str | None = None  # plan/points.py syntax; default fastest (run) or all (comparison)
+    point: str | None = None  # plan/points.py syntax; default DEFAULT_POINT, iso-time (run) or all (comparison)
     launcher: str = "torchrun"
     log_dir: str = "runs"
     train_iters: int = 20
@@ -51,6 +53,8 @@ class Launch:
     plan_args: tuple[str, ...] = ()  # comparison: arguments of `kareus plan` when DIR has no frontier.json
     skip_iterations: int = DEFAULT_SKIP_ITERATIONS  # comparison: passed to kareus compare
     argv: tuple[str, ...] = ()  # this invocation's arguments after `kareus launch` (resubmitted by sbatch)
+    nodes: int | None = None  # as given (--nodes); None: the plans' (job.nodes is then filled in, with_plan_shape)
+    gpus_per_node: int | None = None  # as given (--gpus-per-node); None: the plans'
 
 
 Say = Callable[[str], None]
@@ -58,6 +62,32 @@ Say = Callable[[str], None]
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def with_plan_shape(launch: Launch) -> Launch:
+    """`launch` with the job's nodes and GPUs per node the user left out read from the plan directory's plans
+    (the printed torchrun/srun/sbatch commands show them).
+
+    Both left out: the plans' own shape. One given: the other divides the plans' GPUs by it (when it divides
+    them; else the plans' value, and check_job_fits names the flags that fit)."""
+    if launch.nodes is not None and launch.gpus_per_node is not None:
+        return launch
+    doc = read_frontier(launch.plan_dir)
+    method = next((m for m, v in doc["methods"].items() if v.get("points")), None)
+    if method is None:
+        raise ConfigError(f"{launch.plan_dir}/{FRONTIER_FILE} holds no plans to read the job's nodes from; "
+                          "pass --nodes and --gpus-per-node")
+    par = load_plan(select_frontier_points(launch.plan_dir, 0, method=method, flag="--point")[0].plan_path).parallel
+    world = par.nodes * par.gpus_per_node
+    nodes, per = launch.nodes, launch.gpus_per_node
+    if nodes is None and per is None:
+        nodes, per = par.nodes, par.gpus_per_node
+    elif nodes is None:
+        assert per is not None
+        nodes = world // per if world % per == 0 else par.nodes
+    elif per is None:
+        per = world // nodes if world % nodes == 0 else par.gpus_per_node
+    return replace(launch, job=replace(launch.job, nodes=nodes, gpus_per_node=per), nodes=nodes, gpus_per_node=per)
 
 
 def kareus_cli() -> list[str]:
@@ -69,6 +99,14 @@ def kareus_cli() -> list[str]:
 def execute(argv: list[str], env: dict[str, str] | None = None) -> None:
     """Run a command with `env` added; subprocess.CalledProcessError when it fails."""
     rc = subprocess.run(argv, env={**os.environ, **(env or {})}).returncode
+    if rc:
+        raise subprocess.CalledProcessError(rc, argv)
+
+
+def execute_training(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Run a training command (torchrun, srun): RankError (jobs/torchrun.py; one line, exit status 2) when a
+    kareus error stopped a rank, subprocess.CalledProcessError for other failures."""
+    rc = run_summarised(argv, env)
     if rc:
         raise subprocess.CalledProcessError(rc, argv)
 
@@ -113,7 +151,7 @@ def start(cmds: list[RunCommand], launch: Launch, say: Say = _say) -> None:
             c.log_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(c.log_dir / MEASUREMENT_FILE, ignore_errors=True)  # a directory of rank logs
             write_json_atomic(c.log_dir / MANIFEST_FILE, manifest(c, launch.job))
-        execute(c.argv, c.env)
+        execute_training(c.argv, c.env)
 
 
 def _comparison(launch: Launch, say: Say) -> int:
@@ -132,6 +170,7 @@ def _comparison(launch: Launch, say: Say) -> int:
             say(f"# then one run per frontier point of {', '.join(methods)}, then kareus compare {launch.log_dir}")
             return 0
         execute([*cli, *plan_cmd])
+    launch = with_plan_shape(launch)
     doc = read_frontier(launch.plan_dir)
     present = [m for m in methods if doc["methods"].get(m, {}).get("points")]
     if doc.get("config", {}).get("framework") == FRAMEWORK_DEEPSPEED and NANOBATCH_PERSEUS in methods:
@@ -154,6 +193,12 @@ def launch_jobs(launch: Launch, say: Say = _say) -> int:
     """Carry out `launch` (see the module doc); return the exit status. Bad input raises a KareusError."""
     if launch.command not in (RUN, COMPARISON):
         raise ConfigError(f"unknown launch command {launch.command!r}; use {RUN} or {COMPARISON}")
+    if launch.command == RUN or (Path(launch.plan_dir) / FRONTIER_FILE).exists():
+        launch = with_plan_shape(launch)
+    elif launch.nodes is None or launch.gpus_per_node is None:
+        if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
+            raise ConfigError(f"{launch.plan_dir} has no plans yet to read the job's nodes from; pass --nodes and "
+                              "--gpus-per-node for the allocation")
     if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
         sb = sbatch_command(launch)
         say(f"+ {shlex.join(sb)}")
@@ -162,6 +207,6 @@ def launch_jobs(launch: Launch, say: Say = _say) -> int:
             return 0
         say("# inside the allocation, it runs:")
     if launch.command == RUN:
-        start(run_commands(launch, [launch.method], FASTEST), launch, say)
+        start(run_commands(launch, [launch.method], DEFAULT_POINT), launch, say)
         return 0
     return _comparison(launch, say)

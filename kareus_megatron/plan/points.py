@@ -5,7 +5,12 @@ DIR/frontier.json (format ``kareus-frontier/1``) and DIR/plans/NAME-NN.json. Eac
 sorted fastest first, so point 00 is the fastest. A *point* names plans of one method's frontier:
 
 - ``NN`` (e.g. ``03``): the NN-th point; ``fastest``, ``min-energy``: the fastest / lowest-energy point;
-- ``METHOD-NN``, ``METHOD-fastest``, ``METHOD-min-energy`` (e.g. ``perseus-03``): the same, of METHOD;
+- ``iso-time`` (DEFAULT_POINT): the lowest-energy point no slower than Megatron's max-clock plan (the
+  ``megatron`` point of the same frontier; a frontier without one, e.g. ``kareus solve``'s: the method's
+  fastest point) -- Megatron's speed at the least energy, the ``--kareus-plan auto`` default objective
+  (plan/objective.py) and the plan ``kareus plan`` suggests;
+- ``METHOD-NN``, ``METHOD-fastest``, ``METHOD-min-energy``, ``METHOD-iso-time`` (e.g. ``perseus-03``): the
+  same, of METHOD;
 - ``all``, ``METHOD-all``: every point, fastest first (only where a caller runs several plans: the launcher).
 
 A point without a method refers to the caller's method (``--method``, ``install(method=...)``), else
@@ -28,11 +33,13 @@ from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.files import read_input_text
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import FRONTIER_FORMAT, Plan
-from kareus_megatron.vocab import DEFAULT_METHOD, PLAN_METHODS
+from kareus_megatron.vocab import DEFAULT_METHOD, MEGATRON, PLAN_METHODS
 
 FRONTIER_FILE = "frontier.json"
-FASTEST, MIN_ENERGY, ALL = "fastest", "min-energy", "all"
-_WORDS = (FASTEST, MIN_ENERGY, ALL)
+FASTEST, MIN_ENERGY, ALL, ISO_TIME = "fastest", "min-energy", "all", "iso-time"
+_WORDS = (FASTEST, MIN_ENERGY, ALL, ISO_TIME)
+DEFAULT_POINT = ISO_TIME  # the one default of --kareus-point, kareus launch run, kareus plan's suggestion
+TIME_SLACK = 1e-9  # relative: a point at the reference time (to rounding) is no slower
 
 
 def plan_relpath(method: str, index: int) -> str:
@@ -65,8 +72,8 @@ class FrontierPoint:
 
 
 def _syntax(allow_all: bool) -> str:
-    return ("NN (e.g. 03), METHOD-NN (e.g. perseus-03), fastest, min-energy, METHOD-fastest, METHOD-min-energy"
-            + (", all or METHOD-all" if allow_all else ""))
+    return ("NN (e.g. 03), METHOD-NN (e.g. perseus-03), iso-time, fastest, min-energy, METHOD-iso-time, "
+            "METHOD-fastest, METHOD-min-energy" + (", all or METHOD-all" if allow_all else ""))
 
 
 def parse_point(text: str | int, *, allow_all: bool = False, flag: str = "point") -> PointSpec:
@@ -125,6 +132,20 @@ def read_frontier(plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return doc
 
 
+def reference_time_s(doc: dict[str, Any], points: list[dict[str, Any]]) -> float:
+    """Iso-time's reference (s): the frontier's megatron (max-clock) point, else the fastest of `points`."""
+    mega = (doc["methods"].get(MEGATRON) or {}).get("points") or points
+    return float(min(p["time_s"] for p in mega))
+
+
+def iso_time_index(points: list[dict[str, Any]], ref_time_s: float) -> int:
+    """Index of the lowest-energy point with time <= `ref_time_s` (s); none that fast: the fastest point."""
+    ok = [i for i, p in enumerate(points) if p["time_s"] <= ref_time_s * (1 + TIME_SLACK)]
+    if not ok:
+        return min(range(len(points)), key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
+    return min(ok, key=lambda i: (points[i]["energy_j"], points[i]["time_s"]))
+
+
 def _method_of(spec: PointSpec, method: str | None, doc: dict[str, Any], text: str, flag: str) -> str:
     if spec.method and method and spec.method != method:
         raise ConfigError(f"{flag} {text} names method {spec.method} but method {method} was asked for; "
@@ -143,8 +164,9 @@ def select_frontier_points(
     allow_all: bool = False,
     flag: str = "point",
 ) -> list[FrontierPoint]:
-    """The points of DIR's frontier that `point` (default fastest) selects; 'all' gives every one, fastest first."""
-    text = FASTEST if point is None else point
+    """The points of DIR's frontier that `point` (default DEFAULT_POINT) selects; 'all' gives every one, fastest
+    first."""
+    text = DEFAULT_POINT if point is None else point
     spec = parse_point(text, allow_all=allow_all, flag=flag)
     if method is not None and method not in PLAN_METHODS:
         raise ConfigError(f"unknown method {method!r}; use one of {', '.join(PLAN_METHODS)}")
@@ -162,6 +184,8 @@ def select_frontier_points(
         chosen = [min(range(len(pts)), key=lambda i: (pts[i]["time_s"], pts[i]["energy_j"]))]
     elif spec.which == MIN_ENERGY:
         chosen = [min(range(len(pts)), key=lambda i: (pts[i]["energy_j"], pts[i]["time_s"]))]
+    elif spec.which == ISO_TIME:
+        chosen = [iso_time_index(pts, reference_time_s(doc, pts))]
     elif isinstance(spec.which, int) and spec.which < len(pts):
         chosen = [spec.which]
     else:
@@ -174,7 +198,7 @@ def select_frontier_points(
 
 def resolve_point(plan_dir: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None,
                   flag: str = "point") -> FrontierPoint:
-    """The one point of DIR's frontier that `point` (default fastest) names; 'all' is refused."""
+    """The one point of DIR's frontier that `point` (default DEFAULT_POINT) names; 'all' is refused."""
     return select_frontier_points(plan_dir, point, method=method, flag=flag)[0]
 
 

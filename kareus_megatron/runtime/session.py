@@ -32,7 +32,8 @@ from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.clock.transport_gpu import CudaEvents
 from kareus_megatron.runtime.closed_loop.truth import Truth, session_truth
 from kareus_megatron.runtime.frameworks import megatron_patch, megatron_writers
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 from kareus_megatron.runtime.process_env import global_rank_and_world, gpu_target, local_rank_from_env
 from kareus_megatron.runtime.session_signals import SignalHandling
 from kareus_megatron.vocab import FRAMEWORK_MEGATRON
@@ -253,7 +254,9 @@ class RuntimeSession(SignalHandling):
         if plan is not None and self.framework_patch is megatron_patch:
             self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
         if self.meter is not None:  # comm_groups: the SM-limited communicators' costs (overlap/comm_groups.py)
-            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups)
+            m = getattr(live, "num_microbatches", getattr(live, "micro_batches", None))  # the job, for kareus report
+            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups, num_microbatches=m,
+                                 micro_batch_size=getattr(live, "micro_batch_size", None))
             if plan is not None and live.pp_rank < len(plan.stages):  # what the per-instruction columns name
                 self.meter.set_plan(plan.stages[live.pp_rank].instructions)
             if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one

@@ -23,9 +23,11 @@ GPT3 = ["--gpu", "a100-sxm4-80gb", "--model", "gpt3-175b", "--tp", "8", "--pp", 
         "--recompute", "none"]
 BINARY = b"\xff\xfe\x00\x81\x9c binary \xc3\x28\n"
 CLASSES = ("binary", "empty", "truncated", "wrong_shape", "huge", "negative", "under_file", "in_proc", "dir_for_file")
-COMMANDS = ("env", "predict", "partitions", "plan", "calibrate", "solve", "report", "compare", "launch", "validate")
+COMMANDS = ("env", "predict", "partitions", "plan", "calibrate", "solve", "report", "compare", "launch", "validate",
+            "torchrun")
 NOT_APPLICABLE = {("env", c) for c in CLASSES if c not in ("huge", "negative")}  # env reads and writes no file
 NOT_APPLICABLE |= {("validate", c) for c in ("binary", "empty", "truncated", "wrong_shape")}  # reads no file
+NOT_APPLICABLE |= {("torchrun", c) for c in CLASSES}  # every argument is torchrun's (tests/jobs/test_launch.py)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +214,12 @@ def test_the_table_covers_every_command_and_class():
 
     assert set(COMMANDS) == set(REGISTERED)
     assert len(CASES) + len(NOT_APPLICABLE) == len(COMMANDS) * len(CLASSES)
+
+
+def test_kareus_torchrun_without_arguments_is_one_line(capsys):
+    assert main(["torchrun"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "needs torchrun's arguments" in err
 
 
 def test_debug_after_the_subcommand_shows_the_traceback():

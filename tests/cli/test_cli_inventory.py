@@ -43,7 +43,8 @@ EXPECTED = {
         '--vp'
     ],
     "solve": [
-        '--cp', '--debug', '--dp', '--gpu', '--layers-per-stage', '--max-time', '--mbs', '--micro-batch-size',
+        '--cp', '--debug', '--dp', '--gpu', '--gpus-per-node', '--layers-per-stage', '--max-time', '--mbs',
+        '--micro-batch-size',
         '--microbatches', '--nodes', '--out', '--p-blocked', '--p2p-time', '--points', '--pp', '--profile',
         '--schedule', '--seq', '--seq-length', '--tp',
         '--zeus-format'
@@ -63,6 +64,7 @@ EXPECTED = {
         '--master-addr', '--master-port', '--methods', '--node-rank', '--nodes', '--overwrite', '--plan-arg',
         '--plan-dir', '--point', '--rdzv-id', '--script', '--skip-iterations', '--train-iters'
     ],
+    "torchrun": ['--debug'],
 }
 
 

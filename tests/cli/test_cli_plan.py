@@ -284,3 +284,26 @@ def test_plans_record_the_clock_latency_they_assumed(default_run, tmp_path):
     assert (plan["clock_latency_s"], plan["min_clock_segment_s"]) == (0.04, 0.08)
     assert cli_main.main(["plan", "--out", str(tmp_path / "z"), *QUICK, "--clock-latency-ms", "0"]) == 0
     assert "clock_latency_s" not in json.loads((tmp_path / "z" / "plans" / "perseus-01.json").read_text())
+
+
+def test_one_default_point_everywhere(default_run, capsys, monkeypatch):
+    """kareus plan's suggestion, --kareus-point's default (the entry points read plan directories through
+    load_point_plan), kareus launch run's default and --kareus-plan auto's default objective pick one plan:
+    iso-time, the least predicted energy no slower than Megatron's max-clock plan."""
+    from kareus_megatron.plan.objective import ISO_TIME, Objective, select_point
+    from kareus_megatron.plan.points import ALL, load_point_plan, select_frontier_points
+
+    _, work = default_run
+    out = work / "kareus-out"
+    suggested = json.loads((out / "timeline.trace.json").read_text())["traceEvents"][0]["args"]["name"]
+    _, path = load_point_plan(str(out))  # --kareus-plan DIR without --kareus-point
+    assert Path(path).name == f"{suggested}.json"
+    kareus = select_frontier_points(out, ALL, method="kareus", allow_all=True)
+    (mega,) = select_frontier_points(out, "megatron-fastest")
+    auto = select_point(kareus, Objective(ISO_TIME), reference_time_s=mega.time_s)  # closed_loop/auto_worker.py
+    assert f"kareus-{auto.index:02d}" == suggested
+    assert auto.index > 0 and auto.time_s <= mega.time_s and auto.energy_j < kareus[0].energy_j  # not the fastest
+    monkeypatch.setattr(cli_main, "COMMANDS", {"launch": "launch"})
+    capsys.readouterr()
+    assert cli_main.main(["launch", "run", "--plan-dir", str(out), "--dry-run"]) == 0
+    assert f"--kareus-plan {out}/plans/{suggested}.json " in capsys.readouterr().out

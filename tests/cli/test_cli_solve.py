@@ -202,3 +202,26 @@ def test_frequencies_the_gpu_cannot_lock_are_refused(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "1412" in err and "cannot lock" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_readme_example_records_a_node_shape_kareus_launch_runs(tmp_path, capsys):
+    """README's `kareus solve ... --tp 8 --pp 8`: 64 GPUs recorded as 8 nodes x 8 (not 1 x 64), and `kareus launch`
+    runs its plans with --nodes 8 --gpus-per-node 8 or, left out, with the plan's shape."""
+    out = tmp_path / "solved"
+    prof = _write_csv(tmp_path / "gpt3.csv", _rows(stages=8, every=4))
+    assert cli_main.main(["solve", "--profile", str(prof), "--pp", "8", "--microbatches", "16", "--tp", "8",
+                          "--points", "2", "--out", str(out), "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048",
+                          "--layers-per-stage", "12,12,12,12,12,12,12,12"]) == 0
+    par = load_plan(out / "plans" / "solve-00.json").parallel
+    assert (par.nodes, par.gpus_per_node) == (8, 8)
+    capsys.readouterr()
+    for shape in (["--nodes", "8", "--gpus-per-node", "8"], []):
+        assert cli_main.main(["launch", "run", "--plan-dir", str(out), *shape, "--script", "train.py",
+                              "--dry-run"]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert "torchrun --nnodes 8 --nproc-per-node 8 " in first, first
+    assert cli_main.main(["solve", "--profile", str(prof), "--pp", "8", "--microbatches", "4", "--tp", "2",
+                          "--points", "2", "--out", str(tmp_path / "small"), "--gpu", "a100-sxm4-80gb", "--mbs", "1",
+                          "--seq", "2048", "--layers-per-stage", "12,12,12,12,12,12,12,12", "--nodes", "4"]) == 0
+    par = load_plan(tmp_path / "small" / "plans" / "solve-00.json").parallel
+    assert (par.nodes, par.gpus_per_node) == (4, 4)  # --nodes alone: the GPUs split evenly, as before

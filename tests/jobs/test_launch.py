@@ -272,6 +272,34 @@ def test_bad_input_is_one_line_exit_2(plan_dir, args, fragment):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+def test_the_job_shape_comes_from_the_plan_unless_given(tmp_path):
+    d = make_plan_dir(tmp_path / "small", nodes=1, gpn=2, m=4)
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--dry-run")
+    assert r.returncode == 0 and " torchrun --nnodes 1 --nproc-per-node 2 " in r.stdout, r.stderr
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--launcher", "slurm", "--dry-run")
+    assert r.returncode == 0 and r.stdout.startswith("+ sbatch --nodes 1 --gpus-per-node 2 "), r.stderr
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--nodes", "2", "--dry-run")  # told otherwise
+    assert r.returncode == 2 and "pass --nodes 1 --gpus-per-node 2" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = launch("comparison", "--plan-dir", str(tmp_path / "none"), "--launcher", "slurm", "--dry-run")
+    assert r.returncode == 2 and "has no plans yet" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+def test_a_kareus_error_on_a_rank_ends_the_launch_with_that_line_last(tmp_path):
+    """A real torchrun of 2 CPU ranks (the generic launcher refuses a missing script on each rank): kareus launch
+    ends with the ranks' first kareus error as its one last line, exit status 2, not torchrun's report."""
+    from _dist import free_port
+
+    d = make_plan_dir(tmp_path / "small", nodes=1, gpn=2, m=4)
+    path = f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # torchrun of this interpreter
+    r = launch("run", "--method", "kareus", "--plan-dir", str(d), "--script", str(tmp_path / "no_such_train.py"),
+               "--master-port", str(free_port()), "--log-dir", str(tmp_path / "runs"),
+               env={"PATH": path, "KAREUS_GPU_BACKEND": "simulated", "PYTHONPATH": str(ROOT)})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert last.startswith("kareus launch: error: rank ") and "stopped the job (exit status 1)" in last
+    assert f"training script {tmp_path}/no_such_train.py does not exist" in last, last
+
+
 def test_missing_or_foreign_plan_dir(tmp_path):
     with pytest.raises(PlanError, match="does not exist"):
         select_frontier_points(tmp_path, "fastest", method="kareus")

@@ -31,9 +31,9 @@ def tiny_plan(method: str = "kareus", *, pp: int = 2, m: int = 2, tp: int = 2, g
 
 
 def log_lines(rows: list[tuple[float | None, float | None]], *, header: bool = True, pp: int = 2,
-              world: int = 4) -> list[str]:
+              world: int = 4, gpu: str = GPU) -> list[str]:
     """Run-log lines: a header, then one iteration per (time_s, energy_j); stage r gets energy/pp, time."""
-    out = [json.dumps({"kind": "header", "world": world, "gpu": GPU, "backend": "simulated"})] if header else []
+    out = [json.dumps({"kind": "header", "world": world, "gpu": gpu, "backend": "simulated"})] if header else []
     for i, (t, e) in enumerate(rows):
         stages = [{"pp_rank": r, "time_s": t, "energy_j": None if e is None else e / pp, "gpus": world // pp}
                   for r in range(pp)]

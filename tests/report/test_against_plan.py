@@ -17,7 +17,8 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
 from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 GPT3 = ROOT / "benchmarks/data/perseus_sosp24/gpt3-175b+a100_sxm_bf16.csv"
@@ -136,11 +137,11 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
     plan = load_plan(plan_file)
     assert plan.gpu == "a100-sxm4-80gb" and plan.p_blocked_w == 75.0  # --p-blocked, not the preset's: carried
     assert (plan.parallel.nodes * plan.parallel.gpus_per_node, plan.parallel.tp) == (4, 2)
-    log = write_log(tmp_path / "run.jsonl", ROWS, world=4)
+    log = write_log(tmp_path / "run.jsonl", ROWS, world=4, gpu="a100-sxm4-80gb")
     capsys.readouterr()
     assert cli_main.main(["report", str(log), "--plan", str(plan_file), "--no-plot"]) == 0
     text = capsys.readouterr().out
-    assert "(solve, a100-sxm4-80gb, blocked power 75 W" in text and "stage 1 energy" in text
+    assert "(solve, a100-sxm4-80gb, blocked power 75 W" in text and "; --plan)" in text and "stage 1 energy" in text
     pred = compare(summarize(read_run_log(log)), plan).stage_energy_j
     for st in plan.stages:
         busy = sum(i.predicted_time_s for i in st.instructions)

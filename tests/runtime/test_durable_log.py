@@ -22,7 +22,8 @@ from _dist import free_port
 from kareus_megatron.cli.main import main
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.runlog import read_run_log, summarize
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "durable_train.py"
@@ -120,11 +121,32 @@ def test_log_paths_are_checked_before_training(tmp_path):
         open_rank_log(tmp_path / "d", 0)
     with pytest.raises(ConfigError, match="--kareus-log-mode 'keep' is not allowed"):
         open_rank_log(tmp_path / "e", 0, "keep")
-    open_rank_log(tmp_path / "e", 0).close()
+    log = open_rank_log(tmp_path / "e", 0)
+    log.write({"kind": "header", "rank": 0, "pp_rank": 0})
+    log.close()
+    open_rank_log(tmp_path / "e", 0).close()  # no iteration line: a run refused before step 1, replaced
+    assert (tmp_path / "e" / "rank-00000.jsonl").read_text() == ""
+    log = open_rank_log(tmp_path / "e", 0)
+    log.write({"kind": "header", "rank": 0, "pp_rank": 0})
+    log.write({"kind": "iteration", "iteration": 0, "time_s": 0.1, "energy_j": 1.0})
+    log.close()
     with pytest.raises(ConfigError, match="already holds a run log .*append or overwrite"):
         open_rank_log(tmp_path / "e", 0)
     open_rank_log(tmp_path / "e", 0, "append").close()
     open_rank_log(tmp_path / "e", 0, "overwrite").close()
+
+
+def test_a_rank_that_never_learns_its_stage_leaves_no_file(tmp_path):
+    """Refused before step 1: no header with a guessed pp_rank, no file; a staged rank's header names its stage."""
+    meter = IterationMeter(open_rank_log(tmp_path / "log", 1), header={"rank": 1, "world": 2}, flush_interval_s=None)
+    meter.event("auto-plan", plan="x")  # queued before validation; the run never began
+    meter.close()
+    assert list((tmp_path / "log").iterdir()) == []
+    meter = IterationMeter(open_rank_log(tmp_path / "log", 1), header={"rank": 1, "world": 2}, flush_interval_s=None)
+    meter.set_stage(1, pp=2)
+    meter.close()
+    (header,) = [json.loads(x) for x in (tmp_path / "log" / "rank-00001.jsonl").read_text().splitlines()]
+    assert header["pp_rank"] == 1 and header["rank"] == 1
 
 
 def test_an_existing_log_stops_a_2_rank_run_before_training_with_one_line(tmp_path):
@@ -184,7 +206,7 @@ def test_report_json_names_simulated_and_counts_complete_iterations(tmp_path, ca
         assert why in err and len(err.strip().splitlines()) == 1
     save_plan(plans.tiny_plan(pp=4, m=4), tmp_path / "pp4.json")
     assert main(["report", str(d), "--plan", str(tmp_path / "pp4.json"), "--format", "json"]) == 2
-    assert "PP=2 run but the plan has PP=4" in capsys.readouterr().err
+    assert "is for another job than run log" in (err := capsys.readouterr().err) and "PP 2 (run) vs 4 (plan)" in err
 
 
 def test_the_writer_thread_writes_resolved_iterations_within_a_second(tmp_path):

@@ -114,7 +114,7 @@ def test_each_shipped_patch_applies_strictly_to_its_release(series, tmp_path):
 def test_the_patch_flags_are_the_launchers_flags():
     """Every --kareus-* flag of the native patch exists on the drop-in with the same choices."""
     from kareus_megatron.runtime.frameworks.entry import kareus_parser
-    from kareus_megatron.runtime.measure.measurement import LOG_MODES
+    from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 
     flags = {a.option_strings[0]: a for a in kareus_parser("x")._actions if a.option_strings}
     for series in supported_series("megatron-core"):

@@ -17,7 +17,8 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.measurements import ITERATION_KEYS, energy_windows, instruction_samples, run_events
 from kareus_megatron.report.runlog import read_run_log
 from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents
-from kareus_megatron.runtime.measure.measurement import RECORD_KEYS, IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import RECORD_KEYS, IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 M = 4
 PROFILE, PLANNED = 3, 2  # iterations before and after the tag switch

@@ -18,7 +18,8 @@ from kareus_megatron.plan.io import plan_sha256, save_plan
 from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.runlog import read_run_log, summarize
 from kareus_megatron.runtime.clock.client import ClockClient
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 
 def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):

@@ -2,8 +2,10 @@
 
 ``--kareus-plan PATH`` is a plan file, or a ``kareus plan`` output directory (``frontier.json`` +
 ``plans/NAME-NN.json``) together with ``--kareus-point`` in plan/points.py's syntax: ``NN`` (the kareus
-method's NN-th plan, 00 = fastest), ``METHOD-NN`` (e.g. perseus-03), ``fastest``, ``min-energy``,
-``METHOD-fastest`` or ``METHOD-min-energy`` (default: fastest).
+method's NN-th plan, 00 = fastest), ``METHOD-NN`` (e.g. perseus-03), ``iso-time``, ``fastest``, ``min-energy``,
+``METHOD-iso-time``, ``METHOD-fastest`` or ``METHOD-min-energy``. The default is ``iso-time`` (plan/points.py
+DEFAULT_POINT): the least predicted energy no slower than Megatron's max-clock plan -- the plan ``kareus plan``
+suggests, and the objective ``--kareus-plan auto`` chooses by default.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv, cuda_graph_problem
-from kareus_megatron.runtime.measure.measurement import LOG_MODES
+from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 
 
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,9 @@ def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --kareus-plan auto: iso-time (least energy at the max-clock time, default), "
                         "min-energy, max-time=S or energy=J")
     g.add_argument("--kareus-point", default=None, metavar="POINT",
-                   help="which plan of a plan directory: NN, METHOD-NN, fastest, min-energy, METHOD-fastest or "
-                        "METHOD-min-energy (default: fastest of the kareus method)")
+                   help="which plan of a plan directory: iso-time, NN, METHOD-NN, fastest, min-energy, "
+                        "METHOD-iso-time, METHOD-fastest or METHOD-min-energy (default: iso-time of the kareus "
+                        "method, the least predicted energy no slower than Megatron's max-clock plan)")
     g.add_argument("--kareus-log", default=None, metavar="DIR",
                    help="log directory: each rank appends its per-iteration time and energy to "
                         "DIR/rank-NNNNN.jsonl; read it with `kareus report DIR`")

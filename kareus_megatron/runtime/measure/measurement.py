@@ -6,15 +6,18 @@ reached them), on a CPU they are ``time.monotonic()``. Energy comes from the dev
 total-energy counter; simulated: the power model).
 
 Layout: ``--kareus-log DIR`` is a directory; global rank r appends to ``DIR/rank-NNNNN.jsonl``
-(RANK_FILE, r with 5 digits), one O_APPEND ``os.write`` per line (jsonl.JsonlAppender), so no line
+(rank_files.RANK_FILE, r with 5 digits), one O_APPEND ``os.write`` per line (jsonl.JsonlAppender), so no line
 depends on any other rank and nothing needs a collective. The first line is a header::
 
     {"kind": "header", "format": RANK_LOG_FORMAT, "rank": r, "world": N, "pp_rank": s, "pp": P, "tp": ...,
-     "cp": ..., "dp": ..., "plan": ..., "plan_sha256": ..., "gpu": ..., "backend": "simulated"|"nvml",
-     "clock_control": bool, "local_rank": l, "gpu_index": g, "gpu_uuid": ..., "gpu_name": ..., ...}
+     "cp": ..., "dp": ..., "num_microbatches": m, "micro_batch_size": b, "plan": ..., "plan_sha256": ...,
+     "gpu": ..., "backend": "simulated"|"nvml", "clock_control": bool, "local_rank": l, "gpu_index": g,
+     "gpu_uuid": ..., "gpu_name": ..., ...}
 
 written when the rank knows its pipeline stage (``set_stage``, at validation before the first step, or
-with the first iteration); a run whose overlap engine built SM-limited NCCL communicators adds
+with the first iteration). A run refused before step 1 writes no header and leaves no file, and
+``--kareus-log-mode new`` replaces a rank file without an iteration line, so the corrected rerun
+starts in the same directory. A run whose overlap engine built SM-limited NCCL communicators adds
 ``"comm_groups": [{"comm_sms": n|null, "kind": "tp"|"cp", "init_s": s, "memory_bytes": b|null, "shared": bool}]``
 (runtime/overlap/comm_groups.py; null comm_sms: the shared parent). Then one line per iteration::
 
@@ -54,7 +57,6 @@ the per-GPU view).
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -65,10 +67,9 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
 from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
+from kareus_megatron.runtime.measure.rank_files import remove_if_empty
 
-RANK_FILE = "rank-{rank:05d}.jsonl"
 RANK_LOG_FORMAT = "kareus-rank-log/1"
-LOG_MODES = ("new", "append", "overwrite")
 RECENT_RECORDS = 1000  # lines kept in memory (IterationMeter.records); the file holds them all
 ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still being answered
 FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
@@ -78,43 +79,6 @@ RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "ene
                          "power", "rank", "pp_rank"})
 EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
-
-
-def rank_file(log_dir: str | os.PathLike[str], rank: int) -> str:
-    """The path of global rank `rank`'s log in `log_dir`."""
-    return os.path.join(os.fspath(log_dir), RANK_FILE.format(rank=rank))
-
-
-def open_rank_log(log_dir: str | os.PathLike[str], rank: int, mode: str = "new") -> JsonlAppender:
-    """Check `log_dir` and open this rank's file; ConfigError (one line) before any training otherwise.
-
-    `mode`: ``new`` refuses an existing rank file, ``append`` adds a run after it, ``overwrite`` replaces it.
-    """
-    if mode not in LOG_MODES:
-        raise ConfigError(f"--kareus-log-mode {mode!r} is not allowed; use {', '.join(LOG_MODES)}")
-    d = os.fspath(log_dir)
-    if os.path.exists(d) and not os.path.isdir(d):
-        raise ConfigError(f"--kareus-log {d} is a file; it must name a directory (one rank-NNNNN.jsonl per rank)")
-    try:
-        os.makedirs(d, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--kareus-log {d}: cannot create the log directory ({e.strerror})") from None
-    path = rank_file(d, rank)
-    if os.path.isdir(path):
-        raise ConfigError(f"--kareus-log {d}: {path} is a directory, not a rank log")
-    if os.path.exists(path):
-        if mode == "new":
-            raise ConfigError(f"--kareus-log {d} already holds a run log ({os.path.basename(path)}); choose a new "
-                              "directory or pass --kareus-log-mode append or overwrite")
-        if mode == "overwrite":
-            try:
-                os.unlink(path)
-            except OSError as e:
-                raise ConfigError(f"--kareus-log {d}: cannot replace {path} ({e.strerror})") from None
-    try:
-        return JsonlAppender(path)
-    except OSError as e:
-        raise ConfigError(f"--kareus-log {d}: cannot write {path} ({e.strerror})") from None
 
 
 def _done(point: Any) -> bool:
@@ -341,15 +305,20 @@ class IterationMeter:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
         with self._lock:
+            if not self._staged and not any(isinstance(item, tuple) for item in self._queue):
+                self._queue.clear()  # events of a run that never began (its stage unknown): not written
             self.drain(wait_s)
             rest = [r for r in (self._write_item(self._queue.popleft()) for _ in range(len(self._queue)))
                     if r is not None]
             if self.sink is not None:
                 for record in rest:
                     self.sink.record(record)
-            self._write_header()
+            if self._staged or self._header_written:  # never a header before this rank knows its stage
+                self._write_header()
             if self._log is not None:
                 self._log.close()
+                if not self._header_written:  # refused before step 1: leave no file behind
+                    remove_if_empty(self._log.path)
                 self._log = None
             sink, self.sink = self.sink, None
         if sink is not None:

@@ -4,6 +4,8 @@ Public API:
 
 - ``get_partitioned_gpt_layer_spec(core_attention="sdpa", **local_spec_kwargs)``: layer spec for ``GPTModel``
   (needs megatron-core); core attention "sdpa" (``SDPAttention``) or "local" (megatron's DotProductAttention).
+- ``get_partitioned_gpt_block_spec(config, vp_stage=None, **layer_spec_kwargs)``: this stage's block of those
+  layers with an SP-capable final norm, for ``GPTModel`` (block.py; docs/megatron_core.md).
 - ``get_sdpa_gpt_layer_spec(**local_spec_kwargs)``: megatron's local spec with only ``SDPAttention`` swapped in
   (no nanobatching; needs no overlap engine).
 - ``setup_overlap(plan, ...)``: per-rank set-up (plan check, NCCL SM-limited communicators, hooks listener).
@@ -39,6 +41,7 @@ __all__ = [
     "SDPAttention",
     "comm_sms_values",
     "get_engine",
+    "get_partitioned_gpt_block_spec",
     "get_partitioned_gpt_layer_spec",
     "get_sdpa_gpt_layer_spec",
     "overlap_violations",
@@ -52,6 +55,7 @@ _LAZY = {
     "PartitionedTransformerLayer": "kareus_megatron.runtime.overlap.layer",
     "check_model_for_plan": "kareus_megatron.runtime.overlap.layer",
     "get_partitioned_gpt_layer_spec": "kareus_megatron.runtime.overlap.layer",
+    "get_partitioned_gpt_block_spec": "kareus_megatron.runtime.overlap.block",
     "SDPAttention": "kareus_megatron.runtime.overlap.attention",
     "get_sdpa_gpt_layer_spec": "kareus_megatron.runtime.overlap.attention",
     "get_engine": "kareus_megatron.runtime.overlap.engine",
