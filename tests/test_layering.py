@@ -52,6 +52,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "jobs": frozenset({"report", "plan", "workload", "hardware"}),
     "runtime": frozenset({"plan", "hardware"}),
     "megatron": frozenset({"runtime", "plan", "hardware"}),
+    "megatron_spec": frozenset({"runtime", "plan", "hardware"}),
     "deepspeed": frozenset({"runtime", "plan", "hardware"}),
     "launch": frozenset({"runtime", "plan", "hardware"}),
     "plotting": frozenset({"jobs", "report", "plan", "search", "cost", "workload", "hardware"}),
