@@ -1,0 +1,146 @@
+"""Megatron-LM's own pretrain_gpt.py runs plan points whose instructions run 2 nanobatches, with no --spec.
+
+The entry point (drop-in launch/pretrain_gpt.py or the patched tree's --kareus-plan) builds the model with
+kareus's partitioned layer from the plan (runtime/frameworks/layer_choice.py) and says so at rank 0. Each run
+(torchrun, gloo, --mock-data, 3 iterations, dropout 0) is checked against a stock run of the same tree, seed
+and layout (Megatron-LM's pretrain_gpt.py without kareus; one per tree and layout, shared by the session):
+exit 0, the same losses, the plan's clocks on every rank for every iteration, a complete run log, and an
+overlap trace (KAREUS_OVERLAP_TRACE) whose partnered collectives carry the plan's comm SMs and launch slot.
+Cases x releases x entry points: each layout on both releases, the entry point alternating (drop-in on one
+release, the native patch on the other); PP=2 x TP=2 (4 ranks) on one release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from mlm_runs import (
+    CONFIGS,
+    HERE,
+    ITERS,
+    MBS,
+    MICROBATCHES,
+    MLM_RUN_ARGS,
+    WRAPPER,
+    child_env,
+    megatron_losses,
+    mlm_command,
+    rank_output,
+    run_torchrun,
+)
+
+from kareus_megatron.jobs.commands import model_args
+from kareus_megatron.plan.points import load_point_plan
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.runtime.overlap.trace import overlap_violations
+
+NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234")
+# (tag, config, entry point): every layout on both releases, the entry point alternating between them.
+CASES = [
+    ("core_v0.16.1", "tp2-nb", "drop-in"), ("core_v0.19.0", "tp2-nb", "patched"),
+    ("core_v0.16.1", "tp2sp-nb", "patched"), ("core_v0.19.0", "tp2sp-nb", "drop-in"),
+    ("core_v0.16.1", "cp2-nb", "drop-in"), ("core_v0.19.0", "cp2-nb", "patched"),
+    ("core_v0.19.0", "pp2tp2-nb", "drop-in"),
+]
+TIMES: dict[str, float] = {}  # run wall times (s), printed at the end of the session (-s) for the README table
+
+
+def _stock_command(tree: Path, config, plan) -> list[str]:
+    """Megatron-LM's own pretrain_gpt.py (no kareus flags) with the kareus run's model and run flags."""
+    spec = ("--spec", "mlm_stock_specs", "local_sp_block_spec") if "--sequence-parallel" in config.mlm_flags else ()
+    return [str(WRAPPER), str(tree), str(tree / "pretrain_gpt.py"), *config.mlm_flags, *model_args(plan.model),
+            *MLM_RUN_ARGS, "--global-batch-size", str(MBS * MICROBATCHES), *NO_DROPOUT, *spec]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = child_env(CUDA_DEVICE_MAX_CONNECTIONS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)  # mlm_stock_specs
+    return env
+
+
+@pytest.fixture(scope="session")
+def stock_losses(megatron_lm_tree, plan_dir, tmp_path_factory):
+    """stock_losses(tag, config_name) -> Megatron-LM's losses of the stock run (made once per session)."""
+    cache: dict[tuple[str, str], list[float]] = {}
+
+    def losses(tag: str, name: str) -> list[float]:
+        if (tag, name) not in cache:
+            config = CONFIGS[name]
+            plan, _ = load_point_plan(str(plan_dir(name)), config.point)
+            cwd = tmp_path_factory.mktemp(f"stock-{tag}-{name}")
+            t0 = time.perf_counter()
+            r = run_torchrun(_stock_command(megatron_lm_tree(tag), config, plan), cwd, _env(), nproc=config.world)
+            TIMES[f"stock {tag} {name}"] = time.perf_counter() - t0
+            assert r.returncode == 0, f"stock run failed:\n{r.stderr[-3000:]}\n{rank_output(cwd, 0)}"
+            cache[tag, name] = megatron_losses(cwd)
+            assert len(cache[tag, name]) == ITERS, cache[tag, name]
+        return cache[tag, name]
+
+    return losses
+
+
+def _stdout(cwd: Path, rank: int) -> str:
+    """Rank `rank`'s whole stdout in a torchrun run under cwd."""
+    return "".join(f.read_text(errors="replace") for f in sorted(cwd.glob(f"torchrun-logs/*/attempt_*/{rank}/stdout.log")))
+
+
+def _clock_sequences(path: Path, world: int) -> list[list[int]]:
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [[x["mhz"] for x in recs if x["gpu"] == g and x["event"] in ("set", "skip")] for g in range(world)]
+
+
+@pytest.mark.parametrize("tag,config_name,path", CASES, ids=[f"{t[6:]}-{c}-{p}" for t, c, p in CASES])
+def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, stock_losses,
+                                               tmp_path):
+    config = CONFIGS[config_name]
+    native = path == "patched"
+    plans = plan_dir(config_name)
+    plan, _ = load_point_plan(str(plans), config.point)
+    two_nb = {(s.pp_rank, k) for s in plan.stages for k, i in enumerate(s.instructions) if i.nanobatches == 2}
+    assert two_nb, f"{config.point} of {config_name} runs no instruction with 2 nanobatches"
+    expected = stock_losses(tag, config_name)
+    tree = megatron_lm_tree(tag, patched=native)
+    traces = tmp_path / "traces"
+    env = _env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), KAREUS_OVERLAP_TRACE=str(traces))
+    cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT)
+    assert "--spec" not in cmd
+    t0 = time.perf_counter()
+    r = run_torchrun(cmd, tmp_path, env, nproc=config.world)
+    TIMES[f"{tag} {config_name} {path}"] = time.perf_counter() - t0
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}\n{rank_output(tmp_path, 1)}"
+
+    said = [ln for ln in _stdout(tmp_path, 0).splitlines() if ln.startswith("kareus: model built with")]
+    assert len(said) == 1 and "kareus's partitioned layer" in said[0] and "2 nanobatches" in said[0], said
+    assert all("kareus: model built" not in _stdout(tmp_path, r) for r in range(1, config.world))
+    assert megatron_losses(tmp_path) == pytest.approx(expected, rel=2e-4), (megatron_losses(tmp_path), expected)
+
+    ranks_per_stage = config.world // config.pp  # Megatron's rank order: TP and CP inside a pipeline stage
+    got = _clock_sequences(tmp_path / "clocks.jsonl", config.world)
+    for rank in range(config.world):
+        assert got[rank] == plan.clock_sequence(rank // ranks_per_stage) * ITERS, f"rank {rank}"
+    run = read_run_log(tmp_path / "run")
+    assert run.header["world"] == config.world and not run.partial and not run.truncated
+    assert [x["iteration"] for x in run.iterations] == list(range(ITERS))
+    for x in run.iterations:
+        assert {s["pp_rank"] for s in x["stages"]} == set(range(config.pp)), x
+
+    for rank in range(config.world):
+        pp_rank = rank // ranks_per_stage
+        doc = json.loads((traces / f"overlap_trace.rank{rank}.json").read_text())
+        events = doc["events"]
+        assert not doc["truncated"] and overlap_violations(events) == []
+        partnered = [e for e in events if e["kind"] == "issue" and e.get("partition")]
+        assert {(pp_rank, e["instr"]) for e in partnered} == {k for k in two_nb if k[0] == pp_rank}, f"rank {rank}"
+        for e in partnered:
+            knobs = plan.stages[pp_rank].instructions[e["instr"]].partitions[e["partition"]]
+            assert (e["comm_sms"], e["slot"]) == (knobs.comm_sms, knobs.launch_slot), (rank, e)
+
+
+def test_print_times():
+    """Not a check: the wall time of each run above (pytest -s), for tests/megatron_lm/README.md."""
+    for name, s in sorted(TIMES.items()):
+        print(f"{name}: {s:.1f} s")
