@@ -86,7 +86,8 @@ CONFIGS = {
 def plan_command(config: Config, out: Path, microbatches: int = MICROBATCHES) -> list[str]:
     """`kareus plan` arguments (without the program name) for `config`."""
     return ["plan", "--model", str(MODEL_YAML), "--gpu", GPU, *config.plan_flags, "--mbs", str(MBS),
-            "--seq", str(SEQ), "--microbatches", str(microbatches), "--nodes", "1", "--gpus-per-node", str(config.world),
+            "--seq", str(SEQ), "--microbatches", str(microbatches), "--nodes", "1",
+            "--gpus-per-node", str(config.world),
             "--precision", "fp32", "--recompute", "none", "--out", str(out)]
 
 

@@ -85,7 +85,8 @@ def stock_losses(megatron_lm_tree, plan_dir, tmp_path_factory):
 
 def _stdout(cwd: Path, rank: int) -> str:
     """Rank `rank`'s whole stdout in a torchrun run under cwd."""
-    return "".join(f.read_text(errors="replace") for f in sorted(cwd.glob(f"torchrun-logs/*/attempt_*/{rank}/stdout.log")))
+    files = sorted(cwd.glob(f"torchrun-logs/*/attempt_*/{rank}/stdout.log"))
+    return "".join(f.read_text(errors="replace") for f in files)
 
 
 def _clock_sequences(path: Path, world: int) -> list[list[int]]:
