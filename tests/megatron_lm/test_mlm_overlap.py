@@ -2,8 +2,9 @@
 
 The entry point (drop-in launch/pretrain_gpt.py or the patched tree's --kareus-plan) builds the model with
 kareus's partitioned layer from the plan (runtime/frameworks/layer_choice.py) and says so at rank 0. Each run
-(torchrun, gloo, --mock-data, 3 iterations, dropout 0) is checked against a stock run of the same tree, seed
-and layout (Megatron-LM's pretrain_gpt.py without kareus; one per tree and layout, shared by the session):
+(torchrun, gloo, --mock-data, 3 iterations, dropout 0) is checked against a baseline run of the same tree, seed
+and layout (Megatron-LM's pretrain_gpt.py without kareus, except for CP: see _baseline_command; one per tree
+and layout, shared by the session):
 exit 0, the same losses, the plan's clocks on every rank for every iteration, a complete run log, and an
 overlap trace (KAREUS_OVERLAP_TRACE) whose partnered collectives carry the plan's comm SMs and launch slot.
 Cases x releases x entry points: each layout on both releases, the entry point alternating (drop-in on one
@@ -12,6 +13,7 @@ release, the native patch on the other); PP=2 x TP=2 (4 ranks) on one release.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -49,8 +51,18 @@ CASES = [
 TIMES: dict[str, float] = {}  # run wall times (s), printed at the end of the session (-s) for the README table
 
 
-def _stock_command(tree: Path, config, plan) -> list[str]:
-    """Megatron-LM's own pretrain_gpt.py (no kareus flags) with the kareus run's model and run flags."""
+def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
+    """What a run of `config` is compared with: Megatron-LM's own pretrain_gpt.py with no kareus flags and the
+    same model and run flags (with SP, megatron's local layer with SP-capable torch norms: mlm_stock_specs).
+
+    Megatron-LM's local attention refuses context parallelism (only TE's runs it), so a CP=2 layout is compared
+    with the same CP=2 job at a 1-nanobatch point (perseus-00) on kareus's partitioned layer, named with
+    Megatron-LM's own ``--spec kareus_megatron.megatron_spec partitioned_layer_spec``."""
+    if "--context-parallel-size" in config.mlm_flags:
+        one_nb = dataclasses.replace(config, point="perseus-00")
+        return mlm_command(tree, False, one_nb, plans, cwd / "run", extra=(
+            *NO_DROPOUT, "--spec", "kareus_megatron.megatron_spec", "partitioned_layer_spec"))
+    plan, _ = load_point_plan(str(plans), config.point)
     spec = ("--spec", "mlm_stock_specs", "local_sp_block_spec") if "--sequence-parallel" in config.mlm_flags else ()
     return [str(WRAPPER), str(tree), str(tree / "pretrain_gpt.py"), *config.mlm_flags, *model_args(plan.model),
             *MLM_RUN_ARGS, "--global-batch-size", str(MBS * MICROBATCHES), *NO_DROPOUT, *spec]
@@ -63,19 +75,19 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def stock_losses(megatron_lm_tree, plan_dir, tmp_path_factory):
-    """stock_losses(tag, config_name) -> Megatron-LM's losses of the stock run (made once per session)."""
+def baseline_losses(megatron_lm_tree, plan_dir, tmp_path_factory):
+    """baseline_losses(tag, config_name) -> Megatron-LM's losses of the baseline run (once per session)."""
     cache: dict[tuple[str, str], list[float]] = {}
 
     def losses(tag: str, name: str) -> list[float]:
         if (tag, name) not in cache:
             config = CONFIGS[name]
-            plan, _ = load_point_plan(str(plan_dir(name)), config.point)
-            cwd = tmp_path_factory.mktemp(f"stock-{tag}-{name}")
+            cwd = tmp_path_factory.mktemp(f"baseline-{tag}-{name}")
             t0 = time.perf_counter()
-            r = run_torchrun(_stock_command(megatron_lm_tree(tag), config, plan), cwd, _env(), nproc=config.world)
-            TIMES[f"stock {tag} {name}"] = time.perf_counter() - t0
-            assert r.returncode == 0, f"stock run failed:\n{r.stderr[-3000:]}\n{rank_output(cwd, 0)}"
+            cmd = _baseline_command(megatron_lm_tree(tag), config, plan_dir(name), cwd)
+            r = run_torchrun(cmd, cwd, _env(), nproc=config.world)
+            TIMES[f"baseline {tag} {name}"] = time.perf_counter() - t0
+            assert r.returncode == 0, f"baseline run failed:\n{r.stderr[-3000:]}\n{rank_output(cwd, 0)}"
             cache[tag, name] = megatron_losses(cwd)
             assert len(cache[tag, name]) == ITERS, cache[tag, name]
         return cache[tag, name]
@@ -95,7 +107,7 @@ def _clock_sequences(path: Path, world: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("tag,config_name,path", CASES, ids=[f"{t[6:]}-{c}-{p}" for t, c, p in CASES])
-def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, stock_losses,
+def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, baseline_losses,
                                                tmp_path):
     config = CONFIGS[config_name]
     native = path == "patched"
@@ -103,7 +115,7 @@ def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_
     plan, _ = load_point_plan(str(plans), config.point)
     two_nb = {(s.pp_rank, k) for s in plan.stages for k, i in enumerate(s.instructions) if i.nanobatches == 2}
     assert two_nb, f"{config.point} of {config_name} runs no instruction with 2 nanobatches"
-    expected = stock_losses(tag, config_name)
+    expected = baseline_losses(tag, config_name)
     tree = megatron_lm_tree(tag, patched=native)
     traces = tmp_path / "traces"
     env = _env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), KAREUS_OVERLAP_TRACE=str(traces))
