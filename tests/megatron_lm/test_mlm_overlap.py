@@ -69,7 +69,7 @@ def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = child_env(CUDA_DEVICE_MAX_CONNECTIONS="1", **extra)
+    env = child_env(**{"CUDA_DEVICE_MAX_CONNECTIONS": "1", **extra})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)  # mlm_stock_specs
     return env
 
@@ -157,3 +157,44 @@ def test_print_times():
     """Not a check: the wall time of each run above (pytest -s), for tests/megatron_lm/README.md."""
     for name, s in sorted(TIMES.items()):
         print(f"{name}: {s:.1f} s")
+
+
+# What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
+# parser keeps the last value of a repeated flag.
+CPU_FLAGS = ("--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
+             "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+             "--no-persist-layer-norm --clip-grad 0").split()
+
+
+def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, plan_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    """The torchrun line `kareus launch comparison` writes for a 2-nanobatch kareus point, executed: its
+    script and arguments unchanged behind run_on_cpu.py, plus the CPU flags (gloo, no fusions)."""
+    import shlex
+    import shutil
+
+    from kareus_megatron.cli.main import main
+
+    config = CONFIGS["tp2-nb"]
+    shutil.copytree(plan_dir("tp2-nb"), tmp_path / "plan")
+    monkeypatch.chdir(tmp_path)  # the command names the plan as the user gave it: plan/plans/NAME.json
+    capsys.readouterr()
+    assert main(["launch", "comparison", "--plan-dir", "plan", "--methods", "kareus", "--point", config.point,
+                 "--launcher", "torchrun", "--nodes", "1", "--gpus-per-node", "2", "--train-iters", str(ITERS),
+                 "--log-dir", "runs", "--dry-run"]) == 0
+    lines = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ ") and "torchrun" in ln]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])
+    env_assign = [a for a in argv[:argv.index("torchrun")] if "=" in a]
+    script_at = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+    tree = megatron_lm_tree("core_v0.16.1")
+    env = _env(MEGATRON_LM_DIR=str(tree), KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+               **dict(a.split("=", 1) for a in env_assign))
+    t0 = time.perf_counter()
+    r = run_torchrun([str(WRAPPER), str(tree), *argv[script_at:], *CPU_FLAGS], tmp_path, env)
+    TIMES["core_v0.16.1 kareus launch comparison command"] = time.perf_counter() - t0
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}"
+    assert "kareus: model built with kareus's partitioned layer" in _stdout(tmp_path, 0)
+    assert len(megatron_losses(tmp_path)) == ITERS
+    run = read_run_log(tmp_path / "runs" / config.point / "measurement")
+    assert [x["iteration"] for x in run.iterations] == list(range(ITERS)) and not run.partial
