@@ -19,6 +19,9 @@ commands ``kareus launch`` writes) choose one themselves when the plan needs the
   ``--sequence-parallel``; the entry points pick these then. The number of layers comes from Megatron-LM's
   parsed arguments (``megatron.training.get_args``) on first use, so these serve Megatron-LM's scripts only.
 
+``transformer_layer_spec(config, plan)`` gives code that builds megatron-core's GPTModel itself (the Python API,
+``kareus_megatron.megatron.transformer_layer_spec``) the same choice.
+
 A core attention set in the spec (e.g. Megatron-LM 0.19's ``--attention-backend local`` override) is kept.
 State dicts are those of megatron's local layer spec (runtime/overlap/layer.py).
 """
@@ -42,6 +45,7 @@ __all__ = [
     "partitioned_layer_spec",
     "partitioned_layer_spec_local_attention",
     "spec_for_config",
+    "transformer_layer_spec",
 ]
 
 
@@ -117,3 +121,39 @@ def _layers_per_stage() -> int:
 partitioned_block_spec = ModuleSpec(module=TransformerBlock, submodules=StageBlockSubmodules(partitioned_layer_spec))
 partitioned_block_spec_local_attention = ModuleSpec(
     module=TransformerBlock, submodules=StageBlockSubmodules(partitioned_layer_spec_local_attention))
+
+
+def transformer_layer_spec(config: Any, plan: Any, vp_stage: int | None = None, pp_rank: int | None = None,
+                           auto: bool = False, core_attention: str = CORE_ATTENTION_SDPA) -> Any:
+    """``GPTModel(transformer_layer_spec=...)`` for code that builds megatron-core's model itself: kareus's
+    partitioned layer when `plan` needs it (layer_choice.partitioned_reason), megatron's local layer spec
+    otherwise, both from `config` (norms, QK-norm). With sequence parallelism and megatron's torch-norm
+    fallback (no Apex, no TE) a ``TransformerBlockSubmodules`` of this stage's layers (`vp_stage`, `pp_rank`)
+    whose final norm runs SP. Rank 0 prints which layer and why, in one line."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from kareus_megatron.runtime.frameworks.layer_choice import partitioned_reason, torch_norm_fallback
+
+    why = partitioned_reason(plan, auto)
+    if why is None:
+        spec = get_gpt_layer_local_spec(qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+                                        normalization=getattr(config, "normalization", "LayerNorm"),
+                                        qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)))
+        line = "kareus: model built with megatron-core's local layer: every instruction of the plan runs 1 nanobatch"
+    else:
+        spec = spec_for_config(config, core_attention)
+        line = f"kareus: model built with kareus's partitioned layer (core attention {core_attention}): {why}"
+        if getattr(config, "sequence_parallel", False) and torch_norm_fallback():
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
+                                              layer_norm=SPTorchNorm)
+            line += "; final norm: SP-capable torch norm"
+    if _rank() == 0 and not vp_stage:
+        print(line, flush=True)
+    return spec
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -51,7 +51,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "report": frozenset({"plan", "cost", "workload", "hardware"}),
     "jobs": frozenset({"report", "plan", "workload", "hardware"}),
     "runtime": frozenset({"plan", "hardware"}),
-    "megatron": frozenset({"runtime", "plan", "hardware"}),
+    "megatron": frozenset({"megatron_spec", "runtime", "plan", "hardware"}),
     "megatron_spec": frozenset({"runtime", "plan", "hardware"}),
     "deepspeed": frozenset({"runtime", "plan", "hardware"}),
     "launch": frozenset({"runtime", "plan", "hardware"}),

@@ -134,19 +134,31 @@ attn = layer.self_attention
 print(len(block.layers), isinstance(layer, PartitionedTransformerLayer), type(layer.input_layernorm).__name__,
       type(attn.q_layernorm).__name__, type(attn.core_attention).__name__, attn.linear_qkv.weight.shape[0],
       layer.mlp.linear_fc1.weight.shape[0], layer.mlp.linear_fc1.bias is None)
+from pathlib import Path
+from kareus_megatron.plan.io import load_plan
+import kareus_megatron.megatron as kareus
+for name in ("TWO", "ONE"):  # the Python API's choice for code that builds GPTModel itself
+    print(kareus.transformer_layer_spec(cfg, plan=load_plan(Path(os.environ[name]))).module.__name__)
 """
 
 
-def test_the_spec_object_builds_the_partitioned_layer_from_the_config():
+def test_the_spec_object_builds_the_partitioned_layer_from_the_config(plans, tmp_path):
     """Megatron's import_module reads the object; its layer follows the config: RMSNorm, QK-norm, GQA, SwiGLU,
-    no biases (a subprocess: it joins a 1-rank gloo group)."""
+    no biases; the Python API chooses by the plan (a subprocess: it joins a 1-rank gloo group)."""
     sys.path.insert(0, str(ROOT / "tests"))
     import os
 
     from _dist import free_port
 
-    env = {**os.environ, "PORT": str(free_port()), "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1"}
+    for name, plan in zip(("two", "one"), plans):
+        (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
+    env = {**os.environ, "PORT": str(free_port()), "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1",
+           "TWO": str(tmp_path / "two.json"), "ONE": str(tmp_path / "one.json")}
     r = subprocess.run([sys.executable, "-c", SPEC_PROBE], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     # 2 layers; q: 4 heads x 8 + k, v: 2 groups x 8 each = 64 rows; fc1: 2 x 128 (SwiGLU)
-    assert r.stdout.split() == ["2", "True", "RMSNorm", "RMSNorm", "SDPAttention", "64", "256", "True"], r.stdout
+    out = r.stdout.splitlines()
+    assert out[0].split() == ["2", "True", "RMSNorm", "RMSNorm", "SDPAttention", "64", "256", "True"], r.stdout
+    assert out[1].startswith("kareus: model built with kareus's partitioned layer") and "2 nanobatches" in out[1]
+    assert out[2] == "PartitionedTransformerLayer", out
+    assert out[3].startswith("kareus: model built with megatron-core's local layer") and out[4] == "TransformerLayer"
