@@ -41,9 +41,11 @@ from kareus_megatron.report.runlog import read_run_log
 from kareus_megatron.runtime.overlap.trace import overlap_violations
 
 NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234")
-# (tag, config, entry point): every layout on both releases, the entry point alternating between them.
+TE = ("--transformer-impl", "transformer_engine")  # Megatron-LM's default; TE is not installed here
+# (tag, config, entry point): every layout on both releases, the entry point alternating between them. One run
+# keeps Megatron-LM's default --transformer-impl (docs/layer_choice.md: local modules, said in the line).
 CASES = [
-    ("core_v0.16.1", "tp2-nb", "drop-in"), ("core_v0.19.0", "tp2-nb", "patched"),
+    ("core_v0.16.1", "tp2-nb", "drop-in"), ("core_v0.19.0", "tp2-nb", "patched+te"),
     ("core_v0.16.1", "tp2sp-nb", "patched"), ("core_v0.19.0", "tp2sp-nb", "drop-in"),
     ("core_v0.16.1", "cp2-nb", "drop-in"), ("core_v0.19.0", "cp2-nb", "patched"),
     ("core_v0.19.0", "pp2tp2-nb", "drop-in"),
@@ -110,7 +112,8 @@ def _clock_sequences(path: Path, world: int) -> list[list[int]]:
 def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, baseline_losses,
                                                tmp_path):
     config = CONFIGS[config_name]
-    native = path == "patched"
+    native = path.startswith("patched")
+    te = path.endswith("+te")
     plans = plan_dir(config_name)
     plan, _ = load_point_plan(str(plans), config.point)
     two_nb = {(s.pp_rank, k) for s in plan.stages for k, i in enumerate(s.instructions) if i.nanobatches == 2}
@@ -119,7 +122,7 @@ def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_
     tree = megatron_lm_tree(tag, patched=native)
     traces = tmp_path / "traces"
     env = _env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), KAREUS_OVERLAP_TRACE=str(traces))
-    cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT)
+    cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT + (TE if te else ()))
     assert "--spec" not in cmd
     t0 = time.perf_counter()
     r = run_torchrun(cmd, tmp_path, env, nproc=config.world)
@@ -128,6 +131,7 @@ def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_
 
     said = [ln for ln in _stdout(tmp_path, 0).splitlines() if ln.startswith("kareus: model built with")]
     assert len(said) == 1 and "kareus's partitioned layer" in said[0] and "2 nanobatches" in said[0], said
+    assert ("--transformer-impl transformer_engine: built on megatron-core's local modules" in said[0]) == te, said
     assert all("kareus: model built" not in _stdout(tmp_path, r) for r in range(1, config.world))
     assert megatron_losses(tmp_path) == pytest.approx(expected, rel=2e-4), (megatron_losses(tmp_path), expected)
 
@@ -151,12 +155,6 @@ def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_
         for e in partnered:
             knobs = plan.stages[pp_rank].instructions[e["instr"]].partitions[e["partition"]]
             assert (e["comm_sms"], e["slot"]) == (knobs.comm_sms, knobs.launch_slot), (rank, e)
-
-
-def test_print_times():
-    """Not a check: the wall time of each run above (pytest -s), for tests/megatron_lm/README.md."""
-    for name, s in sorted(TIMES.items()):
-        print(f"{name}: {s:.1f} s")
 
 
 # What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
@@ -198,3 +196,9 @@ def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, pla
     assert len(megatron_losses(tmp_path)) == ITERS
     run = read_run_log(tmp_path / "runs" / config.point / "measurement")
     assert [x["iteration"] for x in run.iterations] == list(range(ITERS)) and not run.partial
+
+
+def test_print_times():
+    """Not a check: the wall time of each run above (pytest -s), for tests/megatron_lm/README.md."""
+    for name, s in sorted(TIMES.items()):
+        print(f"{name}: {s:.1f} s")
