@@ -4,20 +4,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint install install-test bench repro clean try-runtime
+.PHONY: demo test test-fast lint docs install install-test bench repro clean try-runtime
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 $(VENV)/.core: $(BIN)/python pyproject.toml
+	@echo "installing kareus-megatron's planner (numpy, scipy, highspy, matplotlib, rich) into $(VENV): first time only, about a minute"
 	$(BIN)/pip install -q -e .
 	touch $@
 
 # torch is installed first, pinned, so megatron-core's `torch>=2.6` cannot pull a CUDA build.
 $(VENV)/.test: $(BIN)/python pyproject.toml
+	@echo "installing the test environment into $(VENV): torch 2.13.0 (CPU), megatron-core 0.16.1 and 0.15.3, DeepSpeed \
+	0.19.8 and 0.18.9, pytest, ruff, mypy, mkdocs; first time (or after pyproject.toml changes) only, 3-5 minutes"
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	# The older supported series (kareus_megatron/versions.py), each in its own directory: a test puts it
 	# first on PYTHONPATH to run the runtime against it (tests/runtime/test_framework_versions.py).
 	$(BIN)/pip install -q --no-deps --target $(VENV)/alt/megatron-core-0.15.3 megatron-core==0.15.3
@@ -39,8 +42,18 @@ lint: $(VENV)/.test
 # against 762 s serial on the 2-core machine. --hypothesis-seed=0: reproducible (plain `pytest tests` explores new
 # examples); --timeout: a hung test fails with its stacks. One worker: `make test PYTEST_WORKERS=0`.
 PYTEST_WORKERS ?= 2
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadgroup --hypothesis-seed=0 --timeout=300 tests
+
+# The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
+test-fast: lint
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadgroup --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
+
+# The docs site into site/ (mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
+# reference pages are generated from the code (docs/gen_reference.py). Seconds. Browse: $(BIN)/mkdocs serve
+# (not --quiet: it hides the warnings that strict mode counts, so a broken link would pass)
+docs: $(VENV)/.test
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.test
 	$(BIN)/pip install -q -e '.[bench]'
@@ -57,6 +70,9 @@ bench: $(VENV)/.test
 # The model is built with the partitioned (overlap) layer spec when the plan has 2-nanobatch instructions or
 # the layout uses SP or CP (megatron's local spec cannot run those without Apex/TE), else megatron's local spec.
 ITERATIONS ?= 6
+# the simulated GPU's time scale: each instruction takes TIME_SCALE × its predicted GPU time (2-core machine: the
+# CPU's own work needs ≥ 250 for the default job; more for larger PARALLEL layouts if the report warns of floors)
+TIME_SCALE ?= 500
 # iterations `kareus report` skips as warm-up (report/runlog.py DEFAULT_SKIP_ITERATIONS; a test keeps them equal)
 REPORT_WARMUP := 2
 OUT ?= try-out
@@ -74,17 +90,22 @@ try-runtime: $(VENV)/.test
 	@case '$(ITERATIONS)' in ''|*[!0-9]*) echo "try-runtime: ITERATIONS=$(ITERATIONS) must be a whole number" >&2; exit 2;; esac; \
 	if [ '$(ITERATIONS)' -le $(REPORT_WARMUP) ]; then echo "try-runtime: ITERATIONS=$(ITERATIONS) leaves nothing to report: \
 	the report skips the first $(REPORT_WARMUP) iterations (warm-up); use ITERATIONS=$$(( $(REPORT_WARMUP) + 1 )) or more" >&2; exit 2; fi
+	@case '$(TIME_SCALE)' in ''|*[!0-9.]*|*.*.*|.) echo "try-runtime: TIME_SCALE=$(TIME_SCALE) must be a positive number" >&2; exit 2;; esac
 	@o='$(abspath $(OUT))'; case "$(CURDIR)/" in "$$o"/*) echo "try-runtime: OUT=$(OUT) holds this repository; pick another directory" >&2; exit 2;; esac; \
-	if [ -d "$$o" ] && ls -A "$$o" | grep -qvE '^(plan|run.*)$$'; then \
-	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*); pick another OUT" >&2; exit 2; fi
+	if [ -d "$$o" ] && ls -A "$$o" | grep -qvE '^(plan|run.*|truth\.json)$$'; then \
+	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*, truth.json); pick another OUT" >&2; exit 2; fi
 	rm -rf $(OUT)
 	$(BIN)/kareus plan --model $(TRY_MODEL) --gpu a40 $(TRY_JOB) --nodes 1 --gpus-per-node 2 \
 	    --precision fp32 --recompute none --methods '$(METHOD)' $(PLAN_ARGS) --out $(OUT)/plan
 	@test -f '$(TRY_PLAN)' || { echo "try-runtime: no plan $(METHOD)-$(POINT) in $(OUT)/plan/plans; use METHOD=kareus, nanobatch_perseus, perseus or megatron and POINT=00 (the fastest) .. 09" >&2; exit 2; }
 	# $(OUT)/run: the run log directory (a file per rank); new, since OUT was removed above (--kareus-log-mode new).
+	# The simulated GPU runs each instruction TIME_SCALE × its predicted GPU time (a truth equal to the a40
+	# preset, runtime/closed_loop/truth.py), long enough to cover the CPU's work; the report scales alike.
+	@printf '{"format": "kareus-simulated-truth/1", "gpu": "a40", "params": {"time_scale": %s}}\n' '$(TIME_SCALE)' \
+	    > $(OUT)/truth.json
 	@spec=$$($(BIN)/python -c '$(TRY_SPEC)' '$(TRY_PLAN)') && echo "layer spec: $$spec" && set -x && \
-	KAREUS_GPU_BACKEND=simulated OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore::UserWarning,ignore::FutureWarning \
-	    $(BIN)/python -m torch.distributed.run --standalone \
+	KAREUS_GPU_BACKEND=simulated KAREUS_SIMULATED_TRUTH=$(OUT)/truth.json OMP_NUM_THREADS=1 \
+	    PYTHONWARNINGS=ignore::UserWarning,ignore::FutureWarning $(BIN)/python -m torch.distributed.run --standalone \
 	    --nproc-per-node 2 -m kareus_megatron.launch --kareus-plan $(OUT)/plan --kareus-point $(METHOD)-$(POINT) \
 	    --kareus-log $(OUT)/run -- examples/tiny_train.py --iterations $(ITERATIONS) --model $(TRY_MODEL) \
 	    $(TRY_JOB) --layer-spec $$spec
@@ -94,4 +115,4 @@ repro: $(VENV)/.core
 	$(BIN)/python benchmarks/reproduce.py
 
 clean:
-	rm -rf $(VENV) kareus-out repro-out try-out build *.egg-info
+	rm -rf $(VENV) kareus-out repro-out try-out site build *.egg-info

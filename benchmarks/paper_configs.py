@@ -190,7 +190,7 @@ def _render(head: list[str], body: list[list[str]], markdown: bool) -> str:
 def main() -> None:
     """Plan every configuration and print the tables."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--markdown", action="store_true", help="print markdown tables (for the README)")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables (for docs/benchmarks.md)")
     ap.add_argument("--only", default=None, help="comma-separated configuration tags (1..10, 70b)")
     ap.add_argument("--calibration", default=None, help="calibration JSON (default: GPU preset only)")
     ap.add_argument("--variants", default="published",

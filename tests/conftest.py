@@ -1,7 +1,9 @@
 """Shared pytest setup: the ``gpu`` marker (real NVIDIA GPU through NVML), skipped where NVML is absent, and the
 ``xdist_group`` of every test for ``make test``'s two workers (``pytest -n 2 --dist loadgroup``): a file's tests stay
 on one worker (module fixtures that start real runs are built once), and all of ``tests/megatron_lm/`` shares one
-(its session fixtures extract and patch the Megatron-LM trees)."""
+(its session fixtures extract and patch the Megatron-LM trees). Tests under END_TO_END (real multi-process runs of
+Megatron-LM, megatron-core, DeepSpeed and the try-outs, 5 s to 2 min each) carry the ``e2e`` marker: ``make
+test-fast`` leaves them out (``-m "not e2e"``)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "gpu: needs a real NVIDIA GPU reachable through NVML; skipped when NVML does not initialise"
     )
+    config.addinivalue_line("markers", "e2e: a real multi-process run (tests/conftest.py END_TO_END); test-fast skips")
 
 
 SHARED_SESSION_DIRS = ("megatron_lm",)  # test directories whose files share session fixtures: one worker each
+# The slowest files of the suite (measured with --durations: together about three quarters of its time).
+END_TO_END = (
+    "tests/megatron_lm/", "tests/examples/", "tests/runtime/deepspeed/", "tests/runtime/overlap/",
+    "tests/runtime/test_auto_run.py", "tests/runtime/test_framework_versions.py", "tests/runtime/test_durable_log.py",
+    "tests/runtime/test_truth.py", "tests/runtime/test_selfcheck.py", "tests/hardware/test_read_only_paths.py",
+    "tests/hardware/test_gpu_check.py",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
@@ -24,6 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = rel.split("/")
         shared = len(parts) > 2 and parts[1] in SHARED_SESSION_DIRS
         item.add_marker(pytest.mark.xdist_group("/".join(parts[:2]) if shared else rel))
+        if rel.startswith(END_TO_END):
+            item.add_marker(pytest.mark.e2e)
     _skip_gpu_tests_without_nvml(items)
 
 

@@ -35,7 +35,7 @@ PACKAGE_ROOT = "__init__"  # the layer of kareus_megatron/__init__.py itself
 # the commands; cli/ is the `kareus` command and sits on top of the planner side.
 # The bottom modules (BOTTOM) and the package root may be imported by every layer; each layer's entry
 # lists the other layers it may import.
-BOTTOM = ("errors", "vocab", "jsonl", "files", "versions")
+BOTTOM = ("errors", "vocab", "jsonl", "files", "versions", "environment")
 LAYERS: dict[str, frozenset[str]] = {
     PACKAGE_ROOT: frozenset(),  # the version string only: every import of the package runs it
     "errors": frozenset(),
@@ -43,6 +43,7 @@ LAYERS: dict[str, frozenset[str]] = {
     "jsonl": frozenset(),
     "files": frozenset({"errors"}),
     "versions": frozenset(),
+    "environment": frozenset(),  # the KAREUS_* table (docs; tests/test_environment.py)
     "hardware": frozenset(),
     "workload": frozenset({"hardware"}),
     "cost": frozenset({"workload", "hardware"}),

@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
+from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.vocab import (
     FRAMEWORK_DEEPSPEED,
     FRAMEWORK_MEGATRON,
@@ -217,8 +219,8 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
         p = chosen.plan.predicted
         save_timeline_png(
             tmp / "timeline.png", bars,
-            title=f"{chosen.name} ({method_label(chosen.method)}): {p.iteration_time_s:.3f} s, "
-            f"{p.iteration_energy_j / 1e3:.1f} kJ per iteration; hatched = 2 nanobatches",
+            title=f"{chosen.name} ({method_label(chosen.method)}): {_quantity(p.iteration_time_s, time_unit)}, "
+            f"{_quantity(p.iteration_energy_j, energy_unit)} per iteration; hatched = 2 nanobatches",
         )
 
 
@@ -252,6 +254,32 @@ def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
     return pct(fast) if fast is slow else f"{pct(fast)} / {pct(slow)}"
 
 
+def _quantity(value: float, unit_of: Callable[[Iterable[float | None]], tuple[float, str]]) -> str:
+    """`value` (s or J) in the unit plotting/units.py picks for it, e.g. '5.223 ms', '2.2 J', '1.313 MJ'."""
+    factor, unit = unit_of([value])
+    return f"{value * factor:.4g} {unit}"
+
+
+def _na_notes(doc: dict[str, Any]) -> list[str]:
+    """Why a reduction reads n/a: the method has no plan as fast as (or as frugal as) Perseus's, by how much."""
+    perseus = doc["methods"][PERSEUS]["points"]
+    t_ref, e_ref = perseus[0]["time_s"], min(p["energy_j"] for p in perseus)
+    notes = []
+    for name, entry in doc["methods"].items():
+        if name == MEGATRON:  # the one-plan baseline: its iso-energy n/a is by construction
+            continue
+        pts, r = entry["points"], doc["reductions"][name]
+        if r["iso_time_energy"] is None:
+            dt = pts[0]["time_s"] - t_ref
+            notes.append(f"note: {name} iso-time energy n/a: its fastest plan is {_quantity(dt, time_unit)} "
+                         f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time.")
+        if r["iso_energy_time"] is None:
+            de = min(p["energy_j"] for p in pts) - e_ref
+            notes.append(f"note: {name} iso-energy time n/a: its least-energy plan uses {_quantity(de, energy_unit)} "
+                         f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy.")
+    return notes
+
+
 def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float) -> None:
     """Print the per-method frontier ends, the reductions, and where the outputs went."""
     from rich import box
@@ -267,7 +295,10 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
     )
     ends = Table(title="frontier ends (model predictions; energy = all GPUs per iteration)", box=box.SIMPLE)
     ends.add_column("method", no_wrap=True)
-    for col in ("plans", "fastest (s)", "(kJ)", "min-energy (s)", "(kJ)", "swing (% peak)"):
+    ends_pts = [p for entry in doc["methods"].values() for p in (entry["points"][0], entry["points"][-1])]
+    tf, tu = time_unit(p["time_s"] for p in ends_pts)  # ms for a small model's plans, else s
+    ef, eu = energy_unit(p["energy_j"] for p in ends_pts)  # J, kJ or MJ: never a column of 0.00
+    for col in ("plans", f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})", "swing (% peak)"):
         ends.add_column(col, justify="right")
     red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)",
                 box=box.SIMPLE)
@@ -278,12 +309,14 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
         pts = entry["points"]
         r = doc["reductions"][name]
         fast, slow = pts[0], pts[-1]
-        ends.add_row(name, str(len(pts)), f"{fast['time_s']:.3f}", f"{fast['energy_j'] / 1e3:.2f}",
-                     f"{slow['time_s']:.3f}", f"{slow['energy_j'] / 1e3:.2f}", _swing_cell(fast, slow))
+        ends.add_row(name, str(len(pts)), f"{fast['time_s'] * tf:.3f}", f"{fast['energy_j'] * ef:.2f}",
+                     f"{slow['time_s'] * tf:.3f}", f"{slow['energy_j'] * ef:.2f}", _swing_cell(fast, slow))
         red.add_row(name, _fmt_pct(r["iso_time_energy"]), _fmt_pct(r["iso_energy_time"]),
                     _fmt_pct(r["max_throughput_time_vs_megatron"]), _fmt_pct(r["max_throughput_energy_vs_megatron"]))
     console.print(ends)
     console.print(red)
+    for line in _na_notes(doc):
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(
         f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
         f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
@@ -308,7 +341,26 @@ def run(args: argparse.Namespace) -> int:
                     f"note: {name} has no plan within --max-time {args.max_time:g} s; its fastest plan "
                     f"({mf.time_s[0]:.4g} s) is kept for reference."
                 )
+    previous = _previous_output(out)
     _write(out, doc, built, result, chosen)
     print_summary(doc, out, built, chosen, time.perf_counter() - t0)
     sys.stdout.flush()
+    if previous is not None:
+        _progress_console().print(f"note: replaced the earlier output in {out} ({previous}); give --out another "
+                                  "directory to keep both.", highlight=False, soft_wrap=True)
     return 0
+
+
+def _previous_output(out: Path) -> str | None:
+    """What an existing kareus output in `out` planned (check_output_dir refused any other content); else None."""
+    import json
+
+    frontier = out / "frontier.json"
+    if not frontier.is_file():
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(frontier.stat().st_mtime))
+    try:
+        cfg = json.loads(frontier.read_text())["config"]
+        return f"{cfg['model']} on {cfg['nodes']} × {cfg['gpus_per_node']} {cfg['gpu']}, written {when}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"written {when}"

@@ -54,14 +54,20 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
 
     if args.no_plot or (args.format == "json" and not args.plot):
         return None
+    from kareus_megatron.files import check_writable_location
+
     if not args.plot:
         log = Path(args.log)
-        return log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
+        out = log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
+        if log.exists():  # a missing LOG is named when it is read; checked before the table is printed
+            check_writable_location(out, "--plot (default: beside LOG; or --no-plot)", directory=False)
+        return out
     out = Path(args.plot)
     if out.is_dir():
         raise ConfigError(f"--plot {out} is a directory; give a file name ending in .png")
     if out.suffix.lower() != ".png":
         raise ConfigError(f"--plot {out} does not end in .png; give a PNG file name")
+    check_writable_location(out, "--plot", directory=False)
     return out
 
 
@@ -78,7 +84,8 @@ def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
                        "measured_time_s": t.measured, "measured_energy_j": e.measured,
                        "predicted_time_s": t.predicted, "predicted_energy_j": e.predicted})
     it, en = rows["iteration time"], rows["iteration energy"]
-    return {"simulated": log.simulated, "backend": log.header.get("backend"), "iterations": n_complete,
+    return {"simulated": log.simulated, "backend": log.header.get("backend"), "time_scale": cmp.time_scale,
+            "iterations": n_complete,
             "used": cmp.used, "skipped": cmp.skipped, "partial": len(log.partial),
             "measured_time_s": it.measured, "measured_energy_j": en.measured,
             "predicted_time_s": it.predicted, "predicted_energy_j": en.predicted,
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     cmp = compare(summary, plan, p_blocked_w)
     from kareus_megatron.report.power import power_section
 
-    power, curves = power_section(summary, plan)
+    power, curves = power_section(summary, plan, cmp.time_scale)
     sim = "simulated GPU: " if log.simulated else ""
     n_complete = sum(1 for r in log.iterations if r["iteration"] not in log.partial)
     if args.format == "json":
@@ -180,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
 
         from kareus_megatron.plotting.report import plot_run_report
 
-        fig = plot_run_report(cmp, plan.predicted.iteration_time_s,
-                              title=("simulated: " if log.simulated else "") +
+        fig = plot_run_report(cmp, plan.predicted.iteration_time_s * cmp.time_scale,
+                              title=("simulated" + (f" (time scale ×{cmp.time_scale:g})" if cmp.time_scale != 1
+                                                    else "") + ": " if log.simulated else "") +
                               f"{Path(args.log).name} vs {Path(args.plan).name}")
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)

@@ -189,8 +189,12 @@ def warm_up(device: GPUDevice, fn: Work, sync: Work, policy: WindowPolicy, sim: 
             if temp is None:
                 continue
             trace.append((now, temp))
-            recent = [c for s, c in trace if s >= now - policy.warmup_stable_s]
-            if now >= policy.warmup_stable_s and max(recent) - min(recent) <= policy.stable_c:
+            start = now - policy.warmup_stable_s
+            # the readings over the whole span: the last one before it too, so a stalled host that took a single
+            # reading within the span does not call one sample "stable"
+            before = [c for s, c in trace if s < start]
+            recent = before[-1:] + [c for s, c in trace if s >= start]
+            if now >= policy.warmup_stable_s and len(recent) >= 2 and max(recent) - min(recent) <= policy.stable_c:
                 stable = True
                 break
     finally:

@@ -53,6 +53,11 @@ def _same(p: tuple[float, float], q: tuple[float, float], rel_tol: float = 1e-9)
     return all(abs(a - b) <= rel_tol * max(abs(a), abs(b)) for a, b in zip(p, q))
 
 
+def _same_points(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> bool:
+    """Whether two frontiers (time s, energy J; fastest first) are the same points, so one hides the other."""
+    return len(a) == len(b) and all(_same(p, q, rel_tol=1e-6) for p, q in zip(a, b))
+
+
 def plot_frontier(
     doc: Mapping[str, Any],
     ax: Any,
@@ -77,18 +82,26 @@ def plot_frontier(
     tf, tu = time_unit(times)
     ef, eu = energy_unit(energies)
     what = "runs" if doc.get("config", {}).get("source") == "measured" else "plans"
+    fronts = {}
     for name, entry in methods.items():
-        label, colour, marker = METHOD_STYLE.get(name, (name, None, "o"))
         pts = [(float(p["time_s"]), float(p["energy_j"])) for p in entry["points"]]
         ct, ce = curves.get(name, ((), ()))
-        front = pareto_points([t for t, _ in pts] + list(ct), [e for _, e in pts] + list(ce))
+        fronts[name] = (pts, pareto_points([t for t, _ in pts] + list(ct), [e for _, e in pts] + list(ce)))
+    order = list(methods)
+    for k, name in enumerate(order):
+        label, colour, marker = METHOD_STYLE.get(name, (name, None, "o"))
+        pts, front = fronts[name]
+        # a frontier another method's, drawn later, covers exactly: the legend says so (it is not missing)
+        over = [METHOD_STYLE.get(m, (m,))[0] for m in order[k + 1:] if _same_points(front, fronts[m][1])]
+        suffix = f" (same frontier as {' and '.join(over)}, drawn under it)" if over else ""
         kept = [p for p in pts if any(_same(p, q) for q in front)]
         dominated = [p for p in pts if not any(_same(p, q) for q in front)]
         if len(front) > 1:
             ax.step([t * tf for t, _ in front], [e * ef for _, e in front], where="post", color=colour, lw=1.0,
                     alpha=0.7, gid=f"frontier/{name}")
         ax.scatter([t * tf for t, _ in kept], [e * ef for _, e in kept], color=colour, marker=marker, s=28,
-                   zorder=3, label=f"{label}: {len(pts)} {what if len(pts) != 1 else what[:-1]}", gid=f"points/{name}")
+                   zorder=3, label=f"{label}: {len(pts)} {what if len(pts) != 1 else what[:-1]}{suffix}",
+                   gid=f"points/{name}")
         if dominated:
             ax.scatter([t * tf for t, _ in dominated], [e * ef for _, e in dominated], color=colour, marker=marker,
                        s=22, alpha=0.25, zorder=2, gid=f"dominated/{name}")

@@ -90,13 +90,27 @@ def plot_timeline(
     cbar = ax.figure.colorbar(sm, ax=ax, label="SM clock (MHz)", pad=0.01)
     distinct = sorted(set(clocks))
     if len(distinct) <= 6 and clock_range_mhz is None:
-        cbar.set_ticks(distinct)  # few clocks: tick exactly the ones the plan locks
+        cbar.set_ticks(spaced_ticks(distinct))  # few clocks: tick the ones the plan locks, never overlapping
     else:
         cbar.locator = MaxNLocator(nbins=6, integer=True)
         cbar.update_ticks()
     if title:
         ax.set_title(title, fontsize=10)
     return ax
+
+
+def spaced_ticks(values_mhz: Sequence[int], min_gap_fraction: float = 0.08) -> list[int]:
+    """The sorted clocks (MHz) a colour bar can label without overlap: the lowest and the highest, and each other
+    clock at least `min_gap_fraction` of the range away from its labelled neighbours (1395/1410 next to 1980: one)."""
+    vals = sorted(set(values_mhz))
+    if len(vals) <= 2:
+        return vals
+    gap = min_gap_fraction * (vals[-1] - vals[0])
+    kept = [vals[0]]
+    for v in vals[1:-1]:
+        if v - kept[-1] >= gap and vals[-1] - v >= gap:
+            kept.append(v)
+    return [*kept, vals[-1]]
 
 
 def trace_events(bars: Sequence[Bar], name: str = "plan") -> dict[str, Any]:

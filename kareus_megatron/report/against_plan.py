@@ -8,6 +8,11 @@ the prediction used: the plan's ``p_blocked_w``, or for a plan written before pl
 preset's. Measured per stage: energy summed over the stage's ranks, time the slowest of its ranks; every
 measured figure is the median of runlog.summarize. Per GPU (report/per_gpu.py): each rank's median energy,
 its share of the job's, and its stage's predicted energy divided by the stage's GPUs.
+
+A simulated run under a truth (runtime/closed_loop/truth.py) whose ``time_scale`` S is recorded in the log
+header makes each instruction take S times its GPU time at the same power, so its times and energies are S
+times a GPU's: every predicted time and energy is multiplied by S (``Comparison.time_scale``) to compare like
+with like, and the report says so.
 """
 
 from __future__ import annotations
@@ -54,6 +59,16 @@ class Comparison:
     stage_energy_j: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
     stage_iterations: dict[int, int] = field(default_factory=dict)  # after warm-up, every rank of the stage
     gpus: list[GpuFigures] = field(default_factory=list)  # per rank ([] for a log without per-rank lines)
+    time_scale: float = 1.0  # the simulated truth's: predicted times and energies are multiplied by it
+
+
+def truth_time_scale(header: dict) -> float:
+    """The simulated truth's time_scale a run log header records (1.0 without a truth or for older logs)."""
+    truth = header.get("truth")
+    scale = truth.get("time_scale") if isinstance(truth, dict) else None
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf"):
+        return float(scale)
+    return 1.0
 
 
 def blocked_power_w(plan: Plan, source: str = "the plan") -> float:
@@ -98,21 +113,27 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     if header.get("clock_control") is False:
         notes.append("clocks were not controlled in this run (no permission; --kareus-on-error warn)")
     notes.extend(log_notes(run.log))
+    s = truth_time_scale(header)
+    if s != 1.0:
+        notes.append(f"simulated truth time_scale {s:g}: each instruction took {s:g} × its GPU time at the same "
+                     f"power, so predicted times and energies are shown × {s:g} (the plan's own: "
+                     f"{plan.predicted.iteration_time_s * 1e3:.4g} ms, {plan.predicted.iteration_energy_j:.4g} J)")
     rows = [
-        Row("iteration time", "s", run.time_s, plan.predicted.iteration_time_s),
-        Row("iteration energy", "J", run.energy_j, plan.predicted.iteration_energy_j),
+        Row("iteration time", "s", run.time_s, plan.predicted.iteration_time_s * s),
+        Row("iteration energy", "J", run.energy_j, plan.predicted.iteration_energy_j * s),
     ]
-    pred_stage = predicted_stage_energy_j(plan, pb)
+    pred_stage = {r: None if e is None else e * s for r, e in predicted_stage_energy_j(plan, pb).items()}
     stage_energy: dict[int, tuple[float | None, float | None]] = {}
     for st in plan.stages:
         r = st.pp_rank
         e = run.stage_energy_j.get(r)
         stage_energy[r] = (e, pred_stage.get(r))
         rows.append(Row(f"stage {r} energy", "J", e, pred_stage.get(r)))
-        rows.append(Row(f"stage {r} time", "s", run.stage_time_s.get(r), plan.predicted.iteration_time_s))
+        rows.append(Row(f"stage {r} time", "s", run.stage_time_s.get(r), plan.predicted.iteration_time_s * s))
     its = run.log.iterations
     return Comparison(rows=rows, iteration_time_s=[r.get("time_s") for r in its],
                       iteration_energy_j=[r.get("energy_j") for r in its], used=run.used, skipped=run.skipped,
                       p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy,
                       stage_iterations=dict(run.stage_iterations),
-                      gpus=per_gpu(run, pred_stage, plan.parallel.tp * plan.parallel.cp * plan.parallel.dp))
+                      gpus=per_gpu(run, pred_stage, plan.parallel.tp * plan.parallel.cp * plan.parallel.dp),
+                      time_scale=s)

@@ -38,7 +38,7 @@ from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, RunLog, check
 
 MIN_WINDOW_S = 1.0  # shortest energy window (s): about 10 updates of NVML's energy counter
 ITERATION_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                            "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank"})
+                            "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank", "power"})
 KIND_NAMES = {"F": "forward", "B": "backward"}
 BusyKey = tuple[int, str, int | None]  # (chunk, kind, sm_clock_mhz MHz)
 

@@ -68,9 +68,11 @@ def measured_power(records: Any, period_s: float) -> tuple[dict[str, Any], np.nd
     return m, job, period_s / bins
 
 
-def power_section(summary: Any, plan: Any) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+def power_section(summary: Any, plan: Any, time_scale: float = 1.0
+                  ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The report's ``power`` object ({"measured": {...}, "predicted": {...}}, a part absent when unknown) and
-    the curves to plot (label -> (t s, W))."""
+    the curves to plot (label -> (t s, W)). `time_scale`: a simulated truth's (report/against_plan.py); the
+    predicted waveform is stretched by it (same powers, its ramps and band taken on the stretched time)."""
     out: dict[str, Any] = {}
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     meas = measured_power(summary.records, float(summary.time_s)) if summary.used else None
@@ -78,7 +80,10 @@ def power_section(summary: Any, plan: Any) -> tuple[dict[str, Any], dict[str, tu
         out["measured"], job, step = meas
         curves["measured"] = ((np.arange(job.size) + 0.5) * step, job)
     wave = predicted_waveform(plan)
-    if plan.predicted.power is not None:
+    if wave is not None and time_scale != 1.0:
+        wave = (wave[0], wave[1] * time_scale)
+        out["predicted"] = power_metrics(*wave).as_dict()
+    elif plan.predicted.power is not None:
         out["predicted"] = plan.predicted.power.model_dump()
     elif wave is not None:
         out["predicted"] = power_metrics(*wave).as_dict()

@@ -115,7 +115,8 @@ class RuntimeSession(SignalHandling):
         if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
         if self.truth is not None:
-            header["truth"] = {"path": self.truth.file.path, "sha256": self.truth.file.sha256}
+            header["truth"] = {"path": self.truth.file.path, "sha256": self.truth.file.sha256,
+                               "time_scale": self.truth.file.params.get("time_scale", 1.0)}
         try:
             self._start_measuring(index, uuid, backend, gpu, header, log)
         except BaseException:

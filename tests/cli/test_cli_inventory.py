@@ -1,6 +1,6 @@
 """Every `kareus` subcommand and flag, listed so that adding or removing one is a deliberate change.
 
-If this test fails because you added a flag on purpose, add it here too (and to the README).
+If this test fails because you added a flag on purpose, add it here too (docs/reference/cli.md is generated).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ EXPECTED = {
         '--calibration', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
         '--gpus-per-node',
-        '--last-stage-layers', '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
+        '--last-stage-layers', '--max-ramp', '--max-swing',
+        '--max-time', '--mbs', '--methods', '--microbatches', '--model', '--no-memory-check',
         '--nodes', '--out',
         '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
         '--vp'

@@ -87,10 +87,14 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
     monkeypatch.chdir(work)
     out = work / "again"
     assert cli_main.main(["plan", "--out", str(out), *QUICK]) == 0
+    assert "replaced" not in capsys.readouterr().err  # a new directory replaces nothing
     assert cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "3",
                           "--timeline", "perseus-01"]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "perseus-01" in text and "iso-time energy" in text
+    # never silently: the earlier output's job is named (issue 25: `kareus plan` replaced ./kareus-out unannounced)
+    assert f"replaced the earlier output in {out} (llama3.2-3b on 2 × 8 " in " ".join(captured.err.split())
     assert sorted(p.name for p in (out / "plans").iterdir()) == [
         "megatron-00.json", "perseus-00.json", "perseus-01.json", "perseus-02.json"]
     assert not [p for p in work.iterdir() if p.name.startswith(".again")]
@@ -223,3 +227,44 @@ def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_ru
     assert cli_main.main(["plan", "--out", str(ramped), "--max-ramp", str(limit), *QUICK]) == 0
     rdoc = json.loads((ramped / "frontier.json").read_text())
     assert all(p["ramp_w_per_s"] <= limit * (1 + 1e-9) for m in rdoc["methods"].values() for p in m["points"])
+
+
+def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
+    """A small model's plans read in ms and J, not '(kJ) 0.00' in every row (issue 25)."""
+    from kareus_megatron.cli.plan import _quantity
+    from kareus_megatron.plotting.units import energy_unit, time_unit
+
+    small = ["--model", str(Path(__file__).parents[2] / "examples" / "small-gpt.yaml"), "--gpu", "a40", "--pp", "2",
+             "--tp", "1", "--mbs", "8", "--seq", "256", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
+             "--precision", "fp32", "--recompute", "none"]
+    assert cli_main.main(["plan", "--out", str(tmp_path / "small"), *small, *QUICK]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert any("(ms)" in r and "(J)" in r for r in rows)
+    megatron = next(r for r in rows if r and r[0] == "megatron")
+    assert all(float(cell) >= 1.0 for cell in megatron[2:6])  # 5.222 ms, 2.26 J: no 0.00 cells
+    assert _quantity(0.005222, time_unit) == "5.222 ms" and _quantity(2.2, energy_unit) == "2.2 J"
+    assert _quantity(7.108, time_unit) == "7.108 s" and _quantity(1.3134e6, energy_unit) == "1.313 MJ"
+
+
+def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
+    """powercap's fastest plan 0.17 ms slower than Perseus's 7 s one is at iso-time (ISO_REL_TOL); one 10 ms slower
+    has no iso-time plan, and the 'n/a' comes with the reason and the margin (issue 25)."""
+    from kareus_megatron.cli.plan import _na_notes
+    from kareus_megatron.plan.frontier import frontier_document
+
+    def doc(t_fast):
+        return frontier_document({}, {
+            "megatron": [{"time_s": 7.0, "energy_j": 9000.0}],
+            "perseus": [{"time_s": 7.0, "energy_j": 8000.0}, {"time_s": 8.0, "energy_j": 7000.0}],
+            "powercap": [{"time_s": t_fast, "energy_j": 7900.0}, {"time_s": 9.0, "energy_j": 7100.0}],
+        })
+
+    assert doc(7.00017)["reductions"]["powercap"]["iso_time_energy"] == pytest.approx(100 / 8000)
+    slow = doc(7.01)
+    assert slow["reductions"]["powercap"]["iso_time_energy"] is None
+    assert _na_notes(slow) == [
+        "note: powercap iso-time energy n/a: its fastest plan is 10 ms (0.14%) slower than Perseus's fastest, "
+        "so it has no plan at that time.",
+        "note: powercap iso-energy time n/a: its least-energy plan uses 100 J (1.4%) more than Perseus's, so it has "
+        "no plan at that energy.",
+    ]

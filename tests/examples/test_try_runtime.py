@@ -56,6 +56,21 @@ def test_try_runtime_pp2_perseus_replaces_an_old_try_out(tmp_path: Path) -> None
     assert not (out / "plan" / "stale.json").exists()
     assert "layer spec: local" in r.stdout
     _assert_power(out, "perseus-00")
+    _assert_like_with_like(out, "perseus-00")
+
+
+def _assert_like_with_like(out: Path, name: str) -> None:
+    """Issue 25: the simulated GPU runs each instruction TIME_SCALE × its predicted time, the log records the scale,
+    and the report compares like with like: every stage's time and energy within 25% of the scaled prediction."""
+    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(out / "run"), "--plan",
+                        str(out / "plan" / "plans" / f"{name}.json"), "--format", "json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert doc["simulated"] is True and doc["time_scale"] == 500  # the Makefile's TIME_SCALE default
+    assert any("time_scale 500" in n for n in doc["notes"])
+    for st in doc["stages"]:
+        for what in ("time_s", "energy_j"):
+            assert st[f"measured_{what}"] == pytest.approx(st[f"predicted_{what}"], rel=0.25), (st, what)
 
 
 def _assert_power(out: Path, name: str) -> None:
@@ -75,7 +90,10 @@ def _assert_power(out: Path, name: str) -> None:
     assert 0 < measured["min_power_w"] <= measured["mean_power_w"] <= measured["peak_power_w"]
     # the simulated GPUs draw the preset's blocked power at least and never above their board limit (a40: 300 W)
     assert measured["peak_power_w"] <= 2 * 300 + 1e-6 and measured["min_power_w"] >= 2 * 70 - 1e-6
-    assert predicted == json.loads(plan.read_text())["predicted"]["power"]
+    planned = json.loads(plan.read_text())["predicted"]["power"]
+    # the waveform the plan predicts, stretched by the simulated GPU's time scale: the same powers
+    for key in ("peak_power_w", "min_power_w", "mean_power_w", "swing_w"):
+        assert predicted[key] == pytest.approx(planned[key], rel=1e-3), key
     assert (out / "run.power.png").read_bytes()[:4] == b"\x89PNG"
 
 

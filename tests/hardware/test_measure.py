@@ -96,3 +96,15 @@ def test_read_only_guard_refuses_clock_calls_and_full_guard_counts_them():
 def test_lock_grid_keeps_both_ends():
     assert lock_grid(list(range(210, 1411, 15)), 5) == [1410, 1110, 810, 510, 210]
     assert lock_grid([1410, 1395], 8) == [1410, 1395]
+
+
+def test_one_reading_within_the_stable_span_is_not_stable(monkeypatch):
+    """A host stalled past the whole span takes one reading in it: the span's start (the reading before) counts."""
+    import kareus_megatron.hardware.measure as measure
+
+    clock = iter([0.0, 0.0, 0.0, 0.05, 0.05, 0.05, 1.0, 1.0, 1.0, 1.05, 1.05, 1.05, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0])
+    monkeypatch.setattr(measure.time, "monotonic", lambda: next(clock, 9.0))
+    hot = SteppingCounter(0.01, temps=[30.0, 40.0, 50.0, 60.0, 70.0])
+    got = warm_up(hot, lambda: None, lambda: None,  # type: ignore[arg-type]
+                  WindowPolicy(warmup_max_s=2.5, warmup_stable_s=0.02, stable_c=1.0))
+    assert got["stable"] is False, got["trace"]

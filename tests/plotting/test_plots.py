@@ -107,6 +107,16 @@ def test_legend_names_start_with_the_cli_names():
     assert set(METHOD_STYLE) == set(PLAN_METHODS)
 
 
+def test_a_frontier_drawn_under_an_equal_one_says_so_in_the_legend():
+    """Perseus's frontier equal to Kareus's (no 2-nanobatch plan pays) is covered by it: its legend entry says so."""
+    methods = {MEGATRON: MEASURED[MEGATRON], PERSEUS: PARETO[PERSEUS], KAREUS: PARETO[PERSEUS]}
+    texts = [t.get_text() for t in plot_frontier(_doc(methods), _ax()).get_legend().get_texts()]
+    assert texts[1] == "perseus: 4 runs (same frontier as kareus (joint), drawn under it)", texts
+    assert "same frontier" not in texts[0] + texts[2]
+    texts = [t.get_text() for t in plot_frontier(_doc(MEASURED), _ax()).get_legend().get_texts()]
+    assert not any("same frontier" in t for t in texts)  # different frontiers: nothing said
+
+
 def _colorbar_norm(ax):
     cax = [a for a in ax.figure.axes if a is not ax][0]
     from matplotlib.collections import QuadMesh
@@ -127,6 +137,21 @@ def test_timeline_colours_span_the_plans_own_clocks():
     assert ax.get_xlabel() == "time in iteration (ms)"
     ax = plot_timeline(bars, _ax(), clock_range_mhz=(1000, 1500))
     assert (_colorbar_norm(ax).vmin, _colorbar_norm(ax).vmax) == (1000, 1500)
+
+
+def test_colour_bar_labels_never_crowd():
+    """Close clocks (1200/1215/1230 next to 1980) are not all labelled: the colour bar's labels overlapped."""
+    from kareus_megatron.plotting.timeline import spaced_ticks
+
+    clocks = [1200, 1215, 1230, 1410, 1965, 1980]
+    bars = [Bar(rank=0, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
+            for k, c in enumerate(clocks)]
+    ax = plot_timeline(bars, _ax())
+    cax = [a for a in ax.figure.axes if a is not ax][0]
+    ticks = sorted(float(t) for t in cax.get_yticks())
+    assert ticks == [1200, 1410, 1980]
+    assert min(b - a for a, b in zip(ticks, ticks[1:])) >= 0.08 * (1980 - 1200)
+    assert spaced_ticks([1410]) == [1410] and spaced_ticks([1200, 1300, 1410]) == [1200, 1300, 1410]
 
 
 def test_plan_command_draws_the_timeline_on_the_chosen_plans_clocks(tmp_path, monkeypatch):

@@ -158,3 +158,40 @@ def test_kareus_plan_records_the_blocked_power_it_predicted_with(tmp_path):
     doc = json.loads((tmp_path / "out" / "frontier.json").read_text())
     files = sorted((tmp_path / "out" / "plans").glob("*.json"))
     assert files and {load_plan(f).p_blocked_w for f in files} == {doc["config"]["p_blocked_w"]}
+
+
+@pytest.mark.parametrize("where", ["plot", "beside"])
+def test_an_unwritable_plot_location_is_one_line_before_any_table(tmp_path, capsys, where):
+    """`--plot /proc/x.png` (or a log whose directory refuses the default plot) names the flag and prints no table."""
+    save_plan(tiny_plan(p_blocked_w=80.0), tmp_path / "plan.json")
+    log = write_log(tmp_path / "run.jsonl", ROWS)
+    argv = ["report", str(log), "--plan", str(tmp_path / "plan.json")]
+    if where == "plot":
+        code = cli_main.main([*argv, "--plot", "/proc/kareus-x.png"])
+    else:
+        (tmp_path / "run.png").mkdir()  # the default plot path is taken by a directory
+        code = cli_main.main(argv)
+    captured = capsys.readouterr()
+    assert "iteration time" not in captured.out, captured.out
+    assert code == 2 and len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+    needle = "--plot '/proc/kareus-x.png'" if where == "plot" else "--plot (default: beside LOG; or --no-plot)"
+    assert needle in captured.err
+
+
+def test_a_simulated_truths_time_scale_scales_the_prediction(tmp_path):
+    """Issue 25: a run under a truth of time_scale S (recorded in the header) is compared with S × the prediction."""
+    from kareus_megatron.report.against_plan import truth_time_scale
+
+    plan = tiny_plan(p_blocked_w=80.0)
+    log = write_log(tmp_path / "run.jsonl", ROWS)
+    head, *rest = log.read_text().splitlines()
+    header = {**json.loads(head), "truth": {"path": "t.json", "sha256": "0" * 64, "time_scale": 10}}
+    log.write_text("\n".join([json.dumps(header), *rest]) + "\n")
+    cmp = compare(summarize(read_run_log(log)), plan)
+    plain = compare(summarize(read_run_log(write_log(tmp_path / "plain.jsonl", ROWS))), plan)
+    assert cmp.time_scale == 10 and plain.time_scale == 1.0
+    for scaled, base in zip(cmp.rows, plain.rows):
+        assert scaled.measured == base.measured and scaled.predicted == pytest.approx(10 * base.predicted)
+    assert any("time_scale 10" in n for n in cmp.notes)
+    assert [truth_time_scale(h) for h in ({}, {"truth": {"time_scale": 0}}, {"truth": {"time_scale": True}},
+                                          {"truth": "x"}, {"truth": {"time_scale": 2.5}})] == [1.0, 1.0, 1.0, 1.0, 2.5]

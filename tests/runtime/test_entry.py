@@ -62,10 +62,13 @@ VENDOR = ROOT.parent / "shared" / "vendor"
 PATCHED = ("megatron/training/arguments.py", "megatron/training/training.py")
 
 
+GUIDE = ROOT / "docs" / "guides" / "megatron-lm.md"  # the user guide that gives the `git apply` lines
+
+
 def _readme_apply_commands() -> dict[str, str]:
-    """Megatron-LM tag -> the `git apply` line the README gives for it."""
+    """Megatron-LM tag -> the `git apply` line the Megatron-LM guide gives for it."""
     out = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in GUIDE.read_text().splitlines():
         m = re.search(r"git apply (\S+/patches/megatron-lm/(core_v[0-9.]+)/\S+\.patch)", line)
         if m:
             out[m.group(2)] = m.group(1)
@@ -87,11 +90,11 @@ def _snapshot_files(tag: str, dest: Path) -> Path:
 @pytest.mark.parametrize("series", [s for s in supported_series("megatron-core") if s.megatron_lm_tag],
                          ids=lambda s: s.megatron_lm_tag)
 def test_each_shipped_patch_applies_strictly_to_its_release(series, tmp_path):
-    """`git apply --check` (no fuzz, full context) on the unmodified release, then the README's own command."""
+    """`git apply --check` (no fuzz, full context) on the unmodified release, then the guide's own command."""
     tag = series.megatron_lm_tag
     patch = ROOT / "patches" / "megatron-lm" / tag / "0001-kareus-plan-flag.patch"
     readme = _readme_apply_commands()
-    assert tag in readme, f"the README gives no `git apply` line for {tag}"
+    assert tag in readme, f"{GUIDE.relative_to(ROOT)} gives no `git apply` line for {tag}"
     assert readme[tag].replace("/path/to/kareus-megatron", str(ROOT)) == str(patch)
     tree = _snapshot_files(tag, tmp_path)
     subprocess.run(["git", "apply", "--check", str(patch)], cwd=tree, check=True)

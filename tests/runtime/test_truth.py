@@ -231,7 +231,8 @@ def test_two_rank_run_obeys_the_truth(tmp_path):
         truth.bind(plan, rank)
         lines = [json.loads(line) for line in (tmp_path / "run" / f"rank-0000{rank}.jsonl").read_text().splitlines()]
         header, its = lines[0], [x for x in lines[1:] if x.get("kind") == "iteration"]
-        assert header["truth"] == {"path": str(truth_path), "sha256": truth_file.sha256}
+        assert header["truth"] == {"path": str(truth_path), "sha256": truth_file.sha256,
+                                   "time_scale": truth_file.params.get("time_scale", 1.0)}
         assert [x["iteration"] for x in its] == list(range(ITERATIONS))
         for it in its[1:]:
             rows = truth.rows(it["iteration"])

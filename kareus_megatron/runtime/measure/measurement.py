@@ -73,7 +73,7 @@ ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still bei
 FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
 # The keys an iteration line has of its own (a tag may not take one); report/measurements.py reads the rest as tags.
 RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                         "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank"})
+                         "sm_clock_mhz", "clock_stale", "clock_errors", "instructions", "rank", "pp_rank", "power"})
 EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
 

@@ -13,7 +13,7 @@ on the UNMODIFIED script. What the shim changes, none of it in the example's fil
 - DeepSpeed's JIT builds are skipped: its shm comm op (``build_shm_op``, ~55 s) and FusedAdam, which
   ds_config's ``"Adam"`` selects (~60 s): torch's Adam/AdamW stands in (``deepspeed.ops.adam.FusedAdam``);
 - ``torch.cuda.set_device`` is a no-op (train.py calls it after ``init_distributed``);
-- after the script: barrier and ``destroy_process_group`` (gloo; see README "DeepSpeed pipelines"),
+- after the script: barrier and ``destroy_process_group`` (gloo; see docs/guides/deepspeed.md),
   then the process ends with the launcher's exit status.
 """
 
