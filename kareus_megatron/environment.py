@@ -47,6 +47,9 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "runtime/overlap/engine.py"),
     EnvVar("KAREUS_DEBUG", "any non-empty value", "unset", "Tracebacks instead of the one-line errors (as "
            "`--debug` / `--kareus-debug`).", "cli/main.py, runtime/frameworks/entry.py"),
+    EnvVar("KAREUS_ERROR_DIR", "a directory", "unset", "Each rank appends its one-line error to "
+           "`rank-RANK.err` there, so `kareus torchrun` / `kareus launch` print the first failing rank's line "
+           "last (they set it; set it yourself under another launcher).", "errors.py, jobs/torchrun.py"),
     EnvVar("KAREUS_LAUNCH_DIR", "a directory", "launch/ of this checkout", "Where `kareus launch` finds the drop-in "
            "entry points (set in the container image).", "jobs/commands.py"),
     EnvVar("KAREUS_SIMULATED_TRUTH", "a truth or calibration JSON file", "unset", "The simulated GPU obeys these "

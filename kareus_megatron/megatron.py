@@ -2,7 +2,9 @@
 
     import kareus_megatron.megatron as kareus
     session = kareus.install("plan.json", log_path="kareus-run")   # a directory: rank-NNNNN.jsonl
-    ...  # build the model, call get_forward_backward_func()(...) as usual
+    spec = kareus.transformer_layer_spec(config)   # the partitioned layer if the plan runs 2 nanobatches
+    ...  # build the model with GPTModel(config, transformer_layer_spec=spec, ...), call
+    ...  # get_forward_backward_func()(...) as usual
     session.close()   # on every rank: writes the last iteration, resets clocks
 
 ``install("auto", workload="plan-dir", log_path="kareus-run", objective="iso-time")`` runs the closed loop
@@ -14,13 +16,15 @@ KAREUS_GPU_BACKEND, KAREUS_GPU and KAREUS_CLOCK_LOG unless given.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
 from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
 
-__all__ = ["current_session", "install", "megatron_lm_hook", "uninstall"]  # megatron_lm_hook: the native patches' hook
+# megatron_lm_hook: the native patches' hook
+__all__ = ["current_session", "install", "megatron_lm_hook", "transformer_layer_spec", "uninstall"]
 
 _slot = MEGATRON_SESSIONS
 
@@ -55,6 +59,22 @@ def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[
     return _slot.install(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
                          log_path=log_path, on_error=on_error, controller=controller,
                          log_mode=log_mode)
+
+
+def transformer_layer_spec(config: Any, plan: Plan | None = None, vp_stage: int | None = None,
+                           pp_rank: int | None = None) -> Any:
+    """The layer spec for ``GPTModel`` that runs the installed plan (or `plan`): kareus's partitioned layer when
+    it runs 2-nanobatch instructions (or ``install("auto")`` may switch to such plans), megatron-core's local
+    layer otherwise, from `config` (megatron_spec.transformer_layer_spec; rank 0 says which in one line)."""
+    from kareus_megatron.megatron_spec import transformer_layer_spec as spec_for
+
+    session = _slot.session
+    if plan is None:
+        if session is None or session.plan is None:
+            raise ConfigError("transformer_layer_spec() needs a plan: call install() first or pass plan=")
+        plan = session.plan
+    auto = session is not None and getattr(session, "auto", None) is not None and plan is session.plan
+    return spec_for(config, plan, vp_stage=vp_stage, pp_rank=pp_rank, auto=auto)
 
 
 def uninstall() -> None:

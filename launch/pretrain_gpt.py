@@ -7,7 +7,10 @@
 Takes Megatron-LM's own arguments unchanged plus: --kareus-plan PATH (plan file or `kareus plan`
 output directory), --kareus-point POINT (iso-time, the default; NN, METHOD-NN, fastest, min-energy,
 METHOD-fastest, METHOD-min-energy), --kareus-log DIR, --kareus-on-error fail|warn, --kareus-debug, and
---megatron-lm-dir DIR (or MEGATRON_LM_DIR). It installs the kareus patch, then runs DIR/pretrain_gpt.py
+--megatron-lm-dir DIR (or MEGATRON_LM_DIR). When the plan runs 2-nanobatch instructions it adds
+``--spec kareus_megatron.megatron_spec NAME`` (kareus's partitioned layer, runtime/frameworks/layer_choice.py)
+unless a --spec is given, and rank 0 says in one line which layer the model is built with and why. It installs
+the kareus patch, then runs DIR/pretrain_gpt.py
 as ``__main__`` with the remaining arguments, so Megatron-LM's own code (and its megatron.core) does the
 training. ``--help`` lists the kareus flags without needing Megatron-LM.
 """
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.runtime.frameworks.entry import (
+    choose_megatron_layer,
     debug_requested,
     help_requested,
     kareus_parser,
@@ -31,6 +35,7 @@ from kareus_megatron.runtime.frameworks.entry import (
     run_script_in_session,
     start_session,
 )
+from kareus_megatron.runtime.frameworks.layer_choice import megatron_layer_flags
 
 PROG = "pretrain_gpt.py (kareus)"
 
@@ -67,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse_cuda_graph_flags(rest)  # before Megatron-LM starts: a plan cannot run under CUDA graphs
         script = megatron_lm_script(ns.megatron_lm_dir)
         sys.path.insert(0, os.path.dirname(script))  # Megatron-LM's megatron/ package wins from here on
+        choice = choose_megatron_layer(ns, megatron_layer_flags(rest))
+        if choice.spec is not None and not choice.given:  # the partitioned layer, as Megatron-LM's own --spec
+            rest = [*rest, "--spec", *choice.spec]
         session = start_session(ns)
         return run_script_in_session(session, [script, *rest], lambda: runpy.run_path(script, run_name="__main__"))
 

@@ -25,6 +25,7 @@ VENDOR = ROOT.parent / "shared" / "vendor"
 WRAPPER = HERE / "run_on_cpu.py"
 DROP_IN = ROOT / "launch" / "pretrain_gpt.py"
 MODEL_YAML = HERE / "tiny-mlm.yaml"
+SLOW_LINKS = HERE / "slow-links.calib.json"  # collectives slow enough that kareus plans 2 nanobatches
 TAGS = ("core_v0.16.1", "core_v0.19.0")
 GPU = "a100-sxm4-40gb"
 ITERS = 3
@@ -54,6 +55,7 @@ class Config:
     point: str = "perseus-05"  # 1 nanobatch, clocks that differ from instruction to instruction
     pp: int = 2
     extra_env: dict[str, str] = field(default_factory=dict)
+    world: int = 2  # ranks (torchrun processes)
 
 
 CONFIGS = {
@@ -67,13 +69,25 @@ CONFIGS = {
     # P2PCommunicator guard fails the run should batched p2p ever be chosen here.
     "vp2": Config("vp2", ("--tp", "1", "--pp", "2", "--vp", "2"),
                   ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")),
+    # 2-nanobatch points (test_mlm_overlap.py): kareus's plans under SLOW_LINKS run every TP/SP instruction as
+    # 2 nanobatches; for CP=2 no kareus point does at this size, so the nanobatch_perseus point runs there.
+    "tp2-nb": Config("tp2-nb", ("--tp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
+                     ("--tensor-model-parallel-size", "2"), point="kareus-00", pp=1),
+    "tp2sp-nb": Config("tp2sp-nb", ("--tp", "2", "--pp", "1", "--sp", "--calibration", str(SLOW_LINKS)),
+                       ("--tensor-model-parallel-size", "2", "--sequence-parallel"), point="kareus-00", pp=1),
+    "cp2-nb": Config("cp2-nb", ("--tp", "1", "--cp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
+                     ("--context-parallel-size", "2"), point="nanobatch_perseus-00", pp=1),
+    "pp2tp2-nb": Config("pp2tp2-nb", ("--tp", "2", "--pp", "2", "--calibration", str(SLOW_LINKS)),
+                        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+                        point="kareus-00", world=4),
 }
 
 
 def plan_command(config: Config, out: Path, microbatches: int = MICROBATCHES) -> list[str]:
     """`kareus plan` arguments (without the program name) for `config`."""
     return ["plan", "--model", str(MODEL_YAML), "--gpu", GPU, *config.plan_flags, "--mbs", str(MBS),
-            "--seq", str(SEQ), "--microbatches", str(microbatches), "--nodes", "1", "--gpus-per-node", "2",
+            "--seq", str(SEQ), "--microbatches", str(microbatches), "--nodes", "1",
+            "--gpus-per-node", str(config.world),
             "--precision", "fp32", "--recompute", "none", "--out", str(out)]
 
 
@@ -100,11 +114,11 @@ def mlm_command(tree: Path, native: bool, config: Config, plan: Path, log: Path,
             "--global-batch-size", str(global_batch), *extra]
 
 
-def run_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """torchrun --standalone, 2 processes; each rank's output goes to cwd/torchrun-logs.
+def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """torchrun --standalone, `nproc` processes; each rank's output goes to cwd/torchrun-logs.
 
     On timeout torchrun gets SIGTERM first, so that it stops its workers (each in its own session)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--log-dir", str(cwd / "torchrun-logs"), "--redirects", "3", *args]
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -12,7 +12,8 @@ from kareus_megatron.cli import main as cli_main
 from kareus_megatron.plan.io import save_plan
 from kareus_megatron.report.clock_changes import LATE_SHARE_LIMIT, clock_changes
 from kareus_megatron.report.runlog import read_run_log
-from kareus_megatron.runtime.measure.measurement import IterationMeter, open_rank_log
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,7 @@ def write_run(d, per_iteration, iterations=6, ranks=2):
 
 
 def report(capsys, tmp_path, log, fmt="text"):
-    save_plan(tiny_plan(), tmp_path / "plan.json")
+    save_plan(tiny_plan(tp=1), tmp_path / "plan.json")
     assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json"), "--no-plot",
                           "--format", fmt]) == 0
     return capsys.readouterr().out

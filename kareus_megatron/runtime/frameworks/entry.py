@@ -24,6 +24,7 @@ from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv, cuda_graph_problem
+from kareus_megatron.runtime.frameworks.layer_choice import LayerChoice, choose_layer
 from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 
 
@@ -136,6 +137,24 @@ def apply_required_environment(plan: Plan) -> dict[str, str]:
             sys.stderr.write(f"kareus: keeping {name}={have} as set; {MAX_CONNECTIONS_WHY} unless FSDP or "
                              "MoE overlap is on, so Megatron-LM may refuse it\n")
     return done
+
+
+def choose_megatron_layer(ns: Any, megatron_args: Any) -> LayerChoice:
+    """The layer Megatron-LM builds for the plan the --kareus-* flags `ns` name (with --kareus-plan auto, the
+    workload), from Megatron-LM's flags `megatron_args` (layer_choice.py); rank 0 prints its one line."""
+    auto = ns.kareus_plan == AUTO
+    if auto:
+        if not getattr(ns, "kareus_workload", None):
+            raise ConfigError("--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
+                              "plan) that says what to re-plan")
+        plan, _ = load_point_plan(ns.kareus_workload, getattr(ns, "kareus_point", None), flag="--kareus-point",
+                                  path_flag="--kareus-workload")
+    else:
+        plan, _ = resolve_plan(ns.kareus_plan, getattr(ns, "kareus_point", None))
+    choice = choose_layer(plan, megatron_args, auto=auto)
+    if os.environ.get("RANK", "0") == "0":
+        print(choice.line, flush=True)
+    return choice
 
 
 def debug_requested(argv: Sequence[str]) -> bool:
@@ -262,7 +281,7 @@ def install_from_megatron_args(args: Any) -> Any:
                                      local_rank=local_rank if isinstance(local_rank, int) else None)
 
 
-def megatron_lm_hook(args: Any) -> Any:
+def megatron_lm_hook(args: Any, cfg_container: Any = None) -> Any:
     """For patches/megatron-lm: install when --kareus-plan is set; a kareus error exits 2 with one line.
 
     The session closes on every rank when Megatron-LM's ``train()`` returns (or exits through
@@ -270,6 +289,10 @@ def megatron_lm_hook(args: Any) -> Any:
     an exception out of ``train()`` aborts it (no collective: the other ranks may be elsewhere). A kareus
     error inside ``train()`` (the plan checked against the live run at the first step) is one line on
     stderr and exit status 2, as at install.
+
+    Before the model is built, the layer is chosen from the plan (``choose_megatron_layer``): ``args.spec``
+    names it, and so does ``cfg_container.model.transformer_layer_spec`` where Megatron-LM (core_v0.19.0)
+    read ``--spec`` into its model config before ``pretrain()``.
     """
     if not getattr(args, "kareus_plan", None):
         return None
@@ -279,6 +302,9 @@ def megatron_lm_hook(args: Any) -> Any:
         problem = cuda_graph_problem(args)  # Megatron-LM's checked arguments: graphs would skip every hook
         if problem:
             raise ConfigError(problem)
+        choice = choose_megatron_layer(args, args)
+        if choice.spec is not None and not choice.given:
+            _use_spec(args, cfg_container, choice.spec)
         code_or_session.append(install_from_megatron_args(args))
         return 0
 
@@ -287,6 +313,16 @@ def megatron_lm_hook(args: Any) -> Any:
     session = code_or_session[0]
     _close_after_train(session, bool(getattr(args, "kareus_debug", False)))
     return session
+
+
+def _use_spec(args: Any, cfg_container: Any, spec: tuple[str, str]) -> None:
+    """Make Megatron-LM build its model with the layer spec `spec` (MODULE, NAME), as ``--spec`` would."""
+    args.spec = list(spec)
+    model_cfg = getattr(cfg_container, "model", None)
+    if model_cfg is not None and hasattr(model_cfg, "transformer_layer_spec"):
+        from megatron.core.transformer.spec_utils import import_module
+
+        model_cfg.transformer_layer_spec = import_module(spec)
 
 
 def _close_after_train(session: Any, debug: bool = False) -> None:

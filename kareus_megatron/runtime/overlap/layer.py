@@ -239,8 +239,10 @@ def check_model_for_plan(model: Any, plan: Any) -> int:
             raise PlanMismatchError(f"the overlap engine cannot run this model's partitioned layers: {problem}")
     if count == 0 and any(i.nanobatches > 1 for st in plan.stages for i in st.instructions):
         raise PlanMismatchError(
-            "the plan runs instructions with 2 nanobatches but the model has no partitioned layers; build it "
-            "with kareus_megatron.runtime.overlap.get_partitioned_gpt_layer_spec() or use a 1-nanobatch plan."
+            "the plan runs instructions with 2 nanobatches but the model has no partitioned layers; build it with "
+            "kareus's partitioned layer (Megatron-LM: drop your --spec, or pass --spec kareus_megatron.megatron_spec "
+            "partitioned_layer_spec; megatron-core: kareus_megatron.megatron.transformer_layer_spec(config)) or run "
+            "a 1-nanobatch plan point (e.g. perseus-fastest)."
         )
     cross = bool(getattr(plan, "cross_layer", False))
     if link_layers(model, enabled=cross) == 0 and cross and count > 1:

@@ -1,0 +1,204 @@
+"""Megatron-LM's own pretrain_gpt.py runs plan points whose instructions run 2 nanobatches, with no --spec.
+
+The entry point (drop-in launch/pretrain_gpt.py or the patched tree's --kareus-plan) builds the model with
+kareus's partitioned layer from the plan (runtime/frameworks/layer_choice.py) and says so at rank 0. Each run
+(torchrun, gloo, --mock-data, 3 iterations, dropout 0) is checked against a baseline run of the same tree, seed
+and layout (Megatron-LM's pretrain_gpt.py without kareus, except for CP: see _baseline_command; one per tree
+and layout, shared by the session):
+exit 0, the same losses, the plan's clocks on every rank for every iteration, a complete run log, and an
+overlap trace (KAREUS_OVERLAP_TRACE) whose partnered collectives carry the plan's comm SMs and launch slot.
+Cases x releases x entry points: each layout on both releases, the entry point alternating (drop-in on one
+release, the native patch on the other); PP=2 x TP=2 (4 ranks) on one release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from mlm_runs import (
+    CONFIGS,
+    HERE,
+    ITERS,
+    MBS,
+    MICROBATCHES,
+    MLM_RUN_ARGS,
+    WRAPPER,
+    child_env,
+    megatron_losses,
+    mlm_command,
+    rank_output,
+    run_torchrun,
+)
+
+from kareus_megatron.jobs.commands import model_args
+from kareus_megatron.plan.points import load_point_plan
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.runtime.overlap.trace import overlap_violations
+
+NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234")
+TE = ("--transformer-impl", "transformer_engine")  # Megatron-LM's default; TE is not installed here
+# (tag, config, entry point): every layout on both releases, the entry point alternating between them. One run
+# keeps Megatron-LM's default --transformer-impl (docs/layer_choice.md: local modules, said in the line).
+CASES = [
+    ("core_v0.16.1", "tp2-nb", "drop-in"), ("core_v0.19.0", "tp2-nb", "patched+te"),
+    ("core_v0.16.1", "tp2sp-nb", "patched"), ("core_v0.19.0", "tp2sp-nb", "drop-in"),
+    ("core_v0.16.1", "cp2-nb", "drop-in"), ("core_v0.19.0", "cp2-nb", "patched"),
+    ("core_v0.19.0", "pp2tp2-nb", "drop-in"),
+]
+TIMES: dict[str, float] = {}  # run wall times (s), printed at the end of the session (-s) for the README table
+
+
+def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
+    """What a run of `config` is compared with: Megatron-LM's own pretrain_gpt.py with no kareus flags and the
+    same model and run flags (with SP, megatron's local layer with SP-capable torch norms: mlm_stock_specs).
+
+    Megatron-LM's local attention refuses context parallelism (only TE's runs it), so a CP=2 layout is compared
+    with the same CP=2 job at a 1-nanobatch point (perseus-00) on kareus's partitioned layer, named with
+    Megatron-LM's own ``--spec kareus_megatron.megatron_spec partitioned_layer_spec``."""
+    if "--context-parallel-size" in config.mlm_flags:
+        one_nb = dataclasses.replace(config, point="perseus-00")
+        return mlm_command(tree, False, one_nb, plans, cwd / "run", extra=(
+            *NO_DROPOUT, "--spec", "kareus_megatron.megatron_spec", "partitioned_layer_spec"))
+    plan, _ = load_point_plan(str(plans), config.point)
+    spec = ("--spec", "mlm_stock_specs", "local_sp_block_spec") if "--sequence-parallel" in config.mlm_flags else ()
+    return [str(WRAPPER), str(tree), str(tree / "pretrain_gpt.py"), *config.mlm_flags, *model_args(plan.model),
+            *MLM_RUN_ARGS, "--global-batch-size", str(MBS * MICROBATCHES), *NO_DROPOUT, *spec]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = child_env(**{"CUDA_DEVICE_MAX_CONNECTIONS": "1", **extra})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)  # mlm_stock_specs
+    return env
+
+
+@pytest.fixture(scope="session")
+def baseline_losses(megatron_lm_tree, plan_dir, tmp_path_factory):
+    """baseline_losses(tag, config_name) -> Megatron-LM's losses of the baseline run (once per session)."""
+    cache: dict[tuple[str, str], list[float]] = {}
+
+    def losses(tag: str, name: str) -> list[float]:
+        if (tag, name) not in cache:
+            config = CONFIGS[name]
+            cwd = tmp_path_factory.mktemp(f"baseline-{tag}-{name}")
+            t0 = time.perf_counter()
+            cmd = _baseline_command(megatron_lm_tree(tag), config, plan_dir(name), cwd)
+            r = run_torchrun(cmd, cwd, _env(), nproc=config.world)
+            TIMES[f"baseline {tag} {name}"] = time.perf_counter() - t0
+            assert r.returncode == 0, f"baseline run failed:\n{r.stderr[-3000:]}\n{rank_output(cwd, 0)}"
+            cache[tag, name] = megatron_losses(cwd)
+            assert len(cache[tag, name]) == ITERS, cache[tag, name]
+        return cache[tag, name]
+
+    return losses
+
+
+def _stdout(cwd: Path, rank: int) -> str:
+    """Rank `rank`'s whole stdout in a torchrun run under cwd."""
+    files = sorted(cwd.glob(f"torchrun-logs/*/attempt_*/{rank}/stdout.log"))
+    return "".join(f.read_text(errors="replace") for f in files)
+
+
+def _clock_sequences(path: Path, world: int) -> list[list[int]]:
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [[x["mhz"] for x in recs if x["gpu"] == g and x["event"] in ("set", "skip")] for g in range(world)]
+
+
+@pytest.mark.parametrize("tag,config_name,path", CASES, ids=[f"{t[6:]}-{c}-{p}" for t, c, p in CASES])
+def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, baseline_losses,
+                                               tmp_path):
+    config = CONFIGS[config_name]
+    native = path.startswith("patched")
+    te = path.endswith("+te")
+    plans = plan_dir(config_name)
+    plan, _ = load_point_plan(str(plans), config.point)
+    two_nb = {(s.pp_rank, k) for s in plan.stages for k, i in enumerate(s.instructions) if i.nanobatches == 2}
+    assert two_nb, f"{config.point} of {config_name} runs no instruction with 2 nanobatches"
+    expected = baseline_losses(tag, config_name)
+    tree = megatron_lm_tree(tag, patched=native)
+    traces = tmp_path / "traces"
+    env = _env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), KAREUS_OVERLAP_TRACE=str(traces))
+    cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT + (TE if te else ()))
+    assert "--spec" not in cmd
+    t0 = time.perf_counter()
+    r = run_torchrun(cmd, tmp_path, env, nproc=config.world)
+    TIMES[f"{tag} {config_name} {path}"] = time.perf_counter() - t0
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}\n{rank_output(tmp_path, 1)}"
+
+    said = [ln for ln in _stdout(tmp_path, 0).splitlines() if ln.startswith("kareus: model built with")]
+    assert len(said) == 1 and "kareus's partitioned layer" in said[0] and "2 nanobatches" in said[0], said
+    assert ("--transformer-impl transformer_engine: built on megatron-core's local modules" in said[0]) == te, said
+    assert all("kareus: model built" not in _stdout(tmp_path, r) for r in range(1, config.world))
+    assert megatron_losses(tmp_path) == pytest.approx(expected, rel=2e-4), (megatron_losses(tmp_path), expected)
+
+    ranks_per_stage = config.world // config.pp  # Megatron's rank order: TP and CP inside a pipeline stage
+    got = _clock_sequences(tmp_path / "clocks.jsonl", config.world)
+    for rank in range(config.world):
+        assert got[rank] == plan.clock_sequence(rank // ranks_per_stage) * ITERS, f"rank {rank}"
+    run = read_run_log(tmp_path / "run")
+    assert run.header["world"] == config.world and not run.partial and not run.truncated
+    assert [x["iteration"] for x in run.iterations] == list(range(ITERS))
+    for x in run.iterations:
+        assert {s["pp_rank"] for s in x["stages"]} == set(range(config.pp)), x
+
+    for rank in range(config.world):
+        pp_rank = rank // ranks_per_stage
+        doc = json.loads((traces / f"overlap_trace.rank{rank}.json").read_text())
+        events = doc["events"]
+        assert not doc["truncated"] and overlap_violations(events) == []
+        partnered = [e for e in events if e["kind"] == "issue" and e.get("partition")]
+        assert {(pp_rank, e["instr"]) for e in partnered} == {k for k in two_nb if k[0] == pp_rank}, f"rank {rank}"
+        for e in partnered:
+            knobs = plan.stages[pp_rank].instructions[e["instr"]].partitions[e["partition"]]
+            assert (e["comm_sms"], e["slot"]) == (knobs.comm_sms, knobs.launch_slot), (rank, e)
+
+
+# What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
+# parser keeps the last value of a repeated flag.
+CPU_FLAGS = ("--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
+             "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+             "--no-persist-layer-norm --clip-grad 0").split()
+
+
+def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, plan_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    """The torchrun line `kareus launch comparison` writes for a 2-nanobatch kareus point, executed: its
+    script and arguments unchanged behind run_on_cpu.py, plus the CPU flags (gloo, no fusions)."""
+    import shlex
+    import shutil
+
+    from kareus_megatron.cli.main import main
+
+    config = CONFIGS["tp2-nb"]
+    shutil.copytree(plan_dir("tp2-nb"), tmp_path / "plan")
+    monkeypatch.chdir(tmp_path)  # the command names the plan as the user gave it: plan/plans/NAME.json
+    capsys.readouterr()
+    assert main(["launch", "comparison", "--plan-dir", "plan", "--methods", "kareus", "--point", config.point,
+                 "--launcher", "torchrun", "--nodes", "1", "--gpus-per-node", "2", "--train-iters", str(ITERS),
+                 "--log-dir", "runs", "--dry-run"]) == 0
+    lines = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ ") and "torchrun" in ln]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])
+    env_assign = [a for a in argv[:argv.index("torchrun")] if "=" in a]
+    script_at = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+    tree = megatron_lm_tree("core_v0.16.1")
+    env = _env(MEGATRON_LM_DIR=str(tree), KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+               **dict(a.split("=", 1) for a in env_assign))
+    t0 = time.perf_counter()
+    r = run_torchrun([str(WRAPPER), str(tree), *argv[script_at:], *CPU_FLAGS], tmp_path, env)
+    TIMES["core_v0.16.1 kareus launch comparison command"] = time.perf_counter() - t0
+    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}"
+    assert "kareus: model built with kareus's partitioned layer" in _stdout(tmp_path, 0)
+    assert len(megatron_losses(tmp_path)) == ITERS
+    run = read_run_log(tmp_path / "runs" / config.point / "measurement")
+    assert [x["iteration"] for x in run.iterations] == list(range(ITERS)) and not run.partial
+
+
+def test_print_times():
+    """Not a check: the wall time of each run above (pytest -s), for tests/megatron_lm/README.md."""
+    for name, s in sorted(TIMES.items()):
+        print(f"{name}: {s:.1f} s")
