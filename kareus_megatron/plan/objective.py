@@ -3,7 +3,8 @@
 Objectives (time = predicted iteration time, s; energy = predicted iteration energy, J, the whole job):
 
 - ``iso-time`` (default): the least energy at the max-clock plan's time (the ``megatron`` point of the same
-  frontier, i.e. the same calibrated model), so training is no slower than without kareus;
+  frontier, i.e. the same calibrated model; within plan/points.py's ISO_REL_TOL, 0.1%), so training is no
+  slower than without kareus;
 - ``min-energy``: the least energy at any time;
 - ``max-time=S``: the least energy with time <= S seconds;
 - ``energy=J``: the fastest plan with energy <= J joules.
@@ -20,12 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.plan.points import ISO_REL_TOL, FrontierPoint
 
 ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY = "iso-time", "min-energy", "max-time", "energy"
 OBJECTIVES = (ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY)
 SYNTAX = "iso-time, min-energy, max-time=S (seconds) or energy=J (joules)"
-TIME_SLACK = 1e-9  # relative: a point at the bound's time (to rounding) meets it
+TIME_SLACK = 1e-9  # relative: a point at max-time=S (to rounding) meets it; iso-time allows ISO_REL_TOL
 
 
 class ObjectiveError(ConfigError):
@@ -77,11 +78,11 @@ def select_point(points: Sequence[FrontierPoint], objective: Objective,
         if kind == ISO_TIME:
             if reference_time_s is None:
                 raise ValueError("iso-time needs the max-clock plan's time")
-            bound = reference_time_s
+            bound, slack = reference_time_s, ISO_REL_TOL
         else:
             assert objective.bound is not None
-            bound = objective.bound
-        ok = [p for p in points if p.time_s <= bound * (1 + TIME_SLACK)]
+            bound, slack = objective.bound, TIME_SLACK
+        ok = [p for p in points if p.time_s <= bound * (1 + slack)]
         if not ok:
             fastest = min(p.time_s for p in points)
             raise ObjectiveError(f"objective {objective}: no plan is as fast as {bound:.6g} s per iteration; the "

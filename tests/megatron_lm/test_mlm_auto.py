@@ -34,7 +34,8 @@ def test_pretrain_gpt_closes_the_loop(tag, native, megatron_lm_tree, plan_dir, t
     assert [x["iteration"] for x in log.iterations] == list(range(ITERATIONS)) and not log.partial
     events = run_events(log)
     switches = [e for e in events if e["event"] == "switch"]
-    assert sorted(e["rank"] for e in switches) == [0, 1]  # both ranks, at the same iteration
+    said = [(e["event"], e.get("reason", "")) for e in events if e["event"] not in ("phase",)]
+    assert sorted(e["rank"] for e in switches) == [0, 1], said  # both ranks, at the same iteration
     assert len({e["iteration"] for e in switches}) == 1
     versions = {x["iteration"]: {r["plan_version"] for r in x["ranks"]} for x in log.iterations}
     assert all(len(v) == 1 for v in versions.values())  # no iteration where the ranks ran different plans

@@ -34,7 +34,7 @@ from typing import Any
 from kareus_megatron.errors import KareusError
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.objective import ISO_TIME, MAX_TIME, MIN_ENERGY, ObjectiveError, select_point
-from kareus_megatron.plan.points import select_frontier_points
+from kareus_megatron.plan.points import ISO_REL_TOL, select_frontier_points
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.plan.workload import plan_cli_args, write_model_file
 from kareus_megatron.vocab import KAREUS, MEGATRON
@@ -286,7 +286,7 @@ class AutoWorker(threading.Thread):
                          points=2 if objective.kind in (ISO_TIME, MIN_ENERGY, MAX_TIME) else DENSE_POINTS)
         mega = select_frontier_points(out, "all", method=MEGATRON, allow_all=True)[0]
         if objective.kind == ISO_TIME:
-            out = self._plan(version, calib, "calibrated, iso-time", max_time_s=mega.time_s)
+            out = self._plan(version, calib, "calibrated, iso-time", max_time_s=mega.time_s * (1 + ISO_REL_TOL))
         points = select_frontier_points(out, "all", method=self._method(), allow_all=True)
         chosen = select_point(points, objective, reference_time_s=mega.time_s)
         fmax = self.ctl.clocks[0]
