@@ -254,9 +254,8 @@ class RuntimeSession(SignalHandling):
         if plan is not None and self.framework_patch is megatron_patch:
             self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
         if self.meter is not None:  # comm_groups: the SM-limited communicators' costs (overlap/comm_groups.py)
-            m = getattr(live, "num_microbatches", getattr(live, "micro_batches", None))  # the job, for kareus report
-            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups, num_microbatches=m,
-                                 micro_batch_size=getattr(live, "micro_batch_size", None))
+            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups,  # the job, for report
+                                 num_microbatches=live.num_microbatches, micro_batch_size=live.micro_batch_size)
             if plan is not None and live.pp_rank < len(plan.stages):  # what the per-instruction columns name
                 self.meter.set_plan(plan.stages[live.pp_rank].instructions)
             if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one

@@ -89,6 +89,11 @@ class LiveEngine:
         """The pipeline rank (the stage id), as the runtime session names it."""
         return self.stage_id
 
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per iteration, as megatron_patch.LiveRun names them."""
+        return self.micro_batches
+
     def layout(self) -> dict[str, int | None]:
         """Parallel sizes for the run log's header (None: not known)."""
         return {"pp": self.stages, "tp": None, "cp": None, "dp": self.dp}
