@@ -8,9 +8,11 @@ Perseus frontier and each point's time = iteration time (s), energy = GPU energy
 - max_throughput_time_vs_megatron   = (T_megatron(fastest) - T_method(fastest)) / T_megatron(fastest)
 - max_throughput_energy_vs_megatron = (E_megatron(fastest) - E_method(fastest)) / E_megatron(fastest)
 
-"Within" allows plan/points.py's ISO_REL_TOL (0.1%): a plan 5 ms slower than Perseus's fastest 7 s plan is at
-the same time for the model, whose resolution is coarser. When a method has no point within the reference's time (or
-energy), that reduction is ``None`` in memory and ``null`` in the file (`kareus plan` says why).
+"Within" (<=) allows vocab.py's ISO_REL_TOL (0.1%): a plan 5 ms slower than Perseus's fastest 7 s plan is at
+the same time for the model, whose resolution is coarser. E_P(fastest) is likewise Perseus's least energy within
+that time, and T_P(min-energy) its least time within that energy, so Perseus's own reductions are 0. When a
+method has no point within the reference's time (or energy), that reduction is ``None`` in memory and ``null``
+in the file (`kareus plan` says why).
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kareus_megatron.errors import PlanError
-from kareus_megatron.plan.points import ISO_REL_TOL
 from kareus_megatron.plan.schema import FRONTIER_FORMAT
-from kareus_megatron.vocab import MEGATRON, METHODS, PERSEUS, REFERENCE_METHODS
+from kareus_megatron.vocab import ISO_REL_TOL, MEGATRON, METHODS, PERSEUS, REFERENCE_METHODS
 
 Point = tuple[float, float]  # (time_s, energy_j)
 
@@ -40,8 +41,11 @@ def reductions(frontiers: Mapping[str, Sequence[Point]]) -> dict[str, dict[str, 
     for ref in REFERENCE_METHODS:
         if not frontiers.get(ref):
             raise PlanError(f"reductions need a non-empty {ref!r} frontier")
-    tp_fast, ep_fast = _fastest(frontiers[PERSEUS])
-    tp_minE, ep_minE = _min_energy(frontiers[PERSEUS])
+    tp_fast, _ = _fastest(frontiers[PERSEUS])
+    _, ep_minE = _min_energy(frontiers[PERSEUS])
+    # Perseus's own plans at those references (within ISO_REL_TOL too), so Perseus against itself is 0
+    ep_fast = min(e for t, e in frontiers[PERSEUS] if t <= tp_fast * (1 + ISO_REL_TOL))
+    tp_minE = min(t for t, e in frontiers[PERSEUS] if e <= ep_minE * (1 + ISO_REL_TOL))
     tm, em = _fastest(frontiers[MEGATRON])
     out: dict[str, dict[str, float | None]] = {}
     for name, pts in frontiers.items():

@@ -3,7 +3,7 @@
 Objectives (time = predicted iteration time, s; energy = predicted iteration energy, J, the whole job):
 
 - ``iso-time`` (default): the least energy at the max-clock plan's time (the ``megatron`` point of the same
-  frontier, i.e. the same calibrated model; within plan/points.py's ISO_REL_TOL, 0.1%), so training is no
+  frontier, i.e. the same calibrated model; within vocab.py's ISO_REL_TOL, 0.1%), so training is no
   slower than without kareus;
 - ``min-energy``: the least energy at any time;
 - ``max-time=S``: the least energy with time <= S seconds;
@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.plan.points import ISO_REL_TOL, FrontierPoint
+from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.vocab import ISO_REL_TOL
 
 ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY = "iso-time", "min-energy", "max-time", "energy"
 OBJECTIVES = (ISO_TIME, MIN_ENERGY, MAX_TIME, ENERGY)

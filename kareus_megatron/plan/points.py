@@ -33,18 +33,12 @@ from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.files import read_input_text
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.schema import FRONTIER_FORMAT, Plan
-from kareus_megatron.vocab import DEFAULT_METHOD, MEGATRON, PLAN_METHODS
+from kareus_megatron.vocab import DEFAULT_METHOD, ISO_REL_TOL, MEGATRON, PLAN_METHODS
 
 FRONTIER_FILE = "frontier.json"
 FASTEST, MIN_ENERGY, ALL, ISO_TIME = "fastest", "min-energy", "all", "iso-time"
 _WORDS = (FASTEST, MIN_ENERGY, ALL, ISO_TIME)
 DEFAULT_POINT = ISO_TIME  # the one default of --kareus-point, kareus launch run, kareus plan's suggestion
-# Relative: a time (or energy) within 0.1% of the reference counts as the same -- iso-time's "no slower than
-# Megatron" here, in the frontier's reductions (plan/frontier.py) and in --kareus-objective iso-time
-# (plan/objective.py). Engineering choice (docs/sources.md#iso-tolerance): above the clock-change lag the planner
-# costs into a plan (0.017% in tests/megatron_lm/test_mlm_auto.py's calibrated job), below the spread of measured
-# iterations (1% between two identical runs in benchmarks/runtime_overhead.py).
-ISO_REL_TOL = 1e-3
 
 
 def plan_relpath(method: str, index: int) -> str:

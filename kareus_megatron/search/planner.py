@@ -27,6 +27,7 @@ import numpy as np
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
 from kareus_megatron.search.schedules import InstrKey, instruction_order, overlap_blocker
 from kareus_megatron.vocab import (
+    ISO_REL_TOL,
     KAREUS,
     MEGATRON,
     METHODS,
@@ -125,7 +126,7 @@ def reduction_indices(time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: floa
     lowest-energy point with T <= ref_time_s and of the fastest point with E <= ref_energy_j, where they exist.
     """
     out = []
-    tol = 1e-9
+    tol = ISO_REL_TOL  # as plan/frontier.py's reductions, so the chosen points reproduce them
     ok_t = np.flatnonzero(time_s <= ref_time_s * (1 + tol))
     if ok_t.size:
         out.append(int(ok_t[np.argmin(energy_j[ok_t])]))

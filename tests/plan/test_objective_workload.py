@@ -61,7 +61,8 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
     """The calibrated job of tests/megatron_lm/test_mlm_auto.py under load: the least-energy plan is 0.017% slower
     than the max-clock plan (clock-change lag) and saves 7.7%. iso-time takes it, in the closed loop's objective
     and in --kareus-point iso-time alike; one 0.2% slower is another time; max-time=S stays exact."""
-    from kareus_megatron.plan.points import ISO_REL_TOL, iso_time_index
+    from kareus_megatron.plan.points import iso_time_index
+    from kareus_megatron.vocab import ISO_REL_TOL
 
     mega = 1.0166450081633176
     pts = [FrontierPoint(method="perseus", index=0, plan_path=Path("p0"), time_s=1.0168138211904123, energy_j=161.1),

@@ -34,10 +34,10 @@ from typing import Any
 from kareus_megatron.errors import KareusError
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.objective import ISO_TIME, MAX_TIME, MIN_ENERGY, ObjectiveError, select_point
-from kareus_megatron.plan.points import ISO_REL_TOL, select_frontier_points
+from kareus_megatron.plan.points import select_frontier_points
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.plan.workload import plan_cli_args, write_model_file
-from kareus_megatron.vocab import KAREUS, MEGATRON
+from kareus_megatron.vocab import ISO_REL_TOL, KAREUS, MEGATRON
 
 POLL_S = 0.5
 CHECK_S = 1.0  # how often a running plan is compared with its prediction (s), at least
