@@ -27,7 +27,7 @@ from paper_configs import CONFIGS, LABEL, PaperConfig, _render, workload
 from kareus_megatron.plan.build import build_plan
 from kareus_megatron.search.plan_power import PowerBound
 from kareus_megatron.search.planner import PlanningResult, plan_methods, reduction_indices
-from kareus_megatron.vocab import KAREUS, MEGATRON, METHODS, PERSEUS
+from kareus_megatron.vocab import ISO_REL_TOL, KAREUS, MEGATRON, METHODS, PERSEUS
 
 POINTS = ("fastest", "iso-time", "least-energy")
 
@@ -36,7 +36,7 @@ def _points(result: PlanningResult, method: str) -> dict[str, int]:
     """Frontier index of the method's fastest, iso-time (vs Perseus's fastest) and least-energy plan."""
     mf, ref = result.methods[method], result.methods[PERSEUS]
     iso = reduction_indices(mf.time_s, mf.energy_j, float(ref.time_s[0]), float(ref.energy_j.min()))
-    first = iso[0] if iso and mf.time_s[iso[0]] <= ref.time_s[0] * (1 + 1e-9) else 0
+    first = iso[0] if iso and mf.time_s[iso[0]] <= ref.time_s[0] * (1 + ISO_REL_TOL) else 0
     return {"fastest": 0, "iso-time": first, "least-energy": int(mf.energy_j.argmin())}
 
 
