@@ -33,7 +33,7 @@ install-test: $(VENV)/.test
 demo: $(VENV)/.core
 	$(BIN)/kareus plan
 
-# ruff (lint) and mypy (the layers below the runtime) are configured in pyproject.toml.
+# ruff (lint) and mypy (the whole package) are configured in pyproject.toml.
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/mypy

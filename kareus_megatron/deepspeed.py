@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
@@ -128,11 +129,12 @@ def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) 
 def install_from_env(**kwargs: Any) -> DeepSpeedSession | None:
     """Install from KAREUS_PLAN / KAREUS_LOG / KAREUS_LOG_MODE / KAREUS_ON_ERROR; None when neither
     KAREUS_PLAN nor KAREUS_LOG is set."""
-    plan, log_path = os.environ.get("KAREUS_PLAN") or None, os.environ.get("KAREUS_LOG") or None
+    env = kareus_settings()
+    plan, log_path = env.plan or None, env.log or None
     if plan is None and log_path is None:
         return None
-    return install(plan, log_path=log_path, on_error=os.environ.get("KAREUS_ON_ERROR", "fail"),  # type: ignore[arg-type]
-                   log_mode=os.environ.get("KAREUS_LOG_MODE", "new"), **kwargs)  # type: ignore[arg-type]
+    return install(plan, log_path=log_path, on_error=env.on_error or "fail",  # type: ignore[arg-type]
+                   log_mode=env.log_mode or "new", **kwargs)
 
 
 PROG = "python -m kareus_megatron.deepspeed"

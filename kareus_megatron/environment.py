@@ -1,12 +1,15 @@
-"""Every ``KAREUS_*`` environment variable kareus reads, in one table (the docs' reference page is built from it).
+"""Every ``KAREUS_*`` environment variable kareus reads: one table (the docs' reference page is built from it)
+and one reader, ``kareus_settings()``, whose fields the modules named in ``read_by`` use.
 
-Each variable is still read by the module that owns it (named in ``read_by``); tests/test_environment.py keeps
-this table and the package's spellings equal, so none goes undocumented.
+tests/test_environment.py keeps the table, the settings' fields and the package's spellings equal, and no
+module but this one reads a ``KAREUS_*`` variable from the environment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "`--debug` / `--kareus-debug`).", "cli/main.py, runtime/frameworks/entry.py"),
     EnvVar("KAREUS_ERROR_DIR", "a directory", "unset", "Each rank appends its one-line error to "
            "`rank-RANK.err` there, so `kareus torchrun` / `kareus launch` print the first failing rank's line "
-           "last (they set it; set it yourself under another launcher).", "errors.py, jobs/torchrun.py"),
+           "last (they set it; set it yourself under another launcher).", "errors.py"),
     EnvVar("KAREUS_LAUNCH_DIR", "a directory", "launch/ of this checkout", "Where `kareus launch` finds the drop-in "
            "entry points (set in the container image).", "jobs/commands.py"),
     EnvVar("KAREUS_SIMULATED_TRUTH", "a truth or calibration JSON file", "unset", "The simulated GPU obeys these "
@@ -62,6 +65,49 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("KAREUS_SIMULATED_LOG", "a file path", "unset", "The simulated GPU appends every clock change to this "
            "JSONL file.", "hardware/device/sim.py"),
 )
+
+
+@dataclass(frozen=True)
+class KareusSettings:
+    """The ``KAREUS_*`` variables as this process sees them now: each field is its variable without the
+    ``KAREUS_`` prefix, lower case, stripped ("" when unset). Values are parsed and checked where they are
+    used (a bad one is a ConfigError naming the variable there)."""
+
+    gpu_backend: str
+    gpu_read_only: str
+    gpu: str
+    clock_log: str
+    clock_coalesce_ms: str
+    plan: str
+    log: str
+    log_mode: str
+    on_error: str
+    log_instructions: str
+    overlap_trace: str
+    debug: str
+    error_dir: str
+    launch_dir: str
+    simulated_truth: str
+    simulated_latency_ms: str
+    simulated_no_permission: str
+    simulated_log: str
+
+    @staticmethod
+    def field_of(name: str) -> str:
+        """The field of variable `name` (``KAREUS_GPU_BACKEND`` -> ``gpu_backend``)."""
+        return name.removeprefix("KAREUS_").lower()
+
+    @staticmethod
+    def flag(value: str) -> bool:
+        """A yes/no variable's value: set to anything but "" or "0"."""
+        return value not in ("", "0")
+
+
+def kareus_settings(environ: Mapping[str, str] | None = None) -> KareusSettings:
+    """Read every ``KAREUS_*`` variable of `environ` (os.environ when None) now: a launcher or a self-check may
+    set one between two reads, so callers read when they act rather than caching at import."""
+    env = os.environ if environ is None else environ
+    return KareusSettings(**{f.name: env.get("KAREUS_" + f.name.upper(), "").strip() for f in fields(KareusSettings)})
 
 
 def environment_table() -> str:

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
+
 
 class KareusError(Exception):
     """Base class; the CLI prints it as one line and exits with status 2."""
@@ -78,7 +80,7 @@ def print_error(prog: str, e: BaseException | str) -> int:
 
 def record_rank_error(line: str) -> None:
     """Append `line` (time s, rank) to DIR/rank-RANK.err where KAREUS_ERROR_DIR names DIR; never raises."""
-    d = os.environ.get(ERROR_DIR_ENV)
+    d = kareus_settings().error_dir
     if not d:
         return
     rank = os.environ.get("RANK", "0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kareus_megatron.environment import ENVIRONMENT, environment_table
+from kareus_megatron.environment import ENVIRONMENT, KareusSettings, environment_table, kareus_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"\bKAREUS_[A-Z][A-Z_]*[A-Z]\b")
@@ -22,7 +22,27 @@ def test_every_variable_the_code_reads_is_documented_and_none_is_stale():
     assert _spelled() == listed
     for v in ENVIRONMENT:
         assert v.meaning.endswith(".") and v.read_by
+        field = KareusSettings.field_of(v.name)
         for owner in v.read_by.split(", "):
-            assert v.name in (ROOT / "kareus_megatron" / owner).read_text(), (v.name, owner)
+            assert f".{field}" in (ROOT / "kareus_megatron" / owner).read_text(), (v.name, owner)
     table = environment_table()
     assert all(f"| `{v.name}` |" in table for v in ENVIRONMENT)
+
+
+def test_the_settings_object_has_one_field_per_variable_and_reads_them_all():
+    names = [v.name for v in ENVIRONMENT]
+    assert sorted(KareusSettings.__dataclass_fields__) == sorted(KareusSettings.field_of(n) for n in names)
+    env = {n: f" value of {n} " for n in names} | {"OTHER": "x"}
+    got = kareus_settings(env)
+    assert all(getattr(got, KareusSettings.field_of(n)) == f"value of {n}" for n in names)
+    assert kareus_settings({}) == KareusSettings(**{f: "" for f in KareusSettings.__dataclass_fields__})
+    assert [KareusSettings.flag(v) for v in ("", "0", "1", "yes")] == [False, False, True, True]
+
+
+READ = re.compile(r"(?:environ\.get|getenv)\(\s*[\"']KAREUS_|environ\[\s*[\"']KAREUS_[A-Z_]+[\"']\s*\](?!\s*=)")
+
+
+def test_no_module_but_environment_py_reads_a_kareus_variable():
+    readers = [str(f.relative_to(ROOT)) for f in (ROOT / "kareus_megatron").rglob("*.py")
+               if f.name != "environment.py" and READ.search(f.read_text())]
+    assert readers == []

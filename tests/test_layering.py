@@ -38,7 +38,7 @@ PACKAGE_ROOT = "__init__"  # the layer of kareus_megatron/__init__.py itself
 BOTTOM = ("errors", "vocab", "jsonl", "files", "versions", "environment")
 LAYERS: dict[str, frozenset[str]] = {
     PACKAGE_ROOT: frozenset(),  # the version string only: every import of the package runs it
-    "errors": frozenset(),
+    "errors": frozenset({"environment"}),  # KAREUS_ERROR_DIR
     "vocab": frozenset(),
     "jsonl": frozenset(),
     "files": frozenset({"errors"}),

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
+
 MAX_GPU_INDEX = 1024  # GPU indices accepted: 0 .. MAX_GPU_INDEX - 1
 HELP = "show the GPU driver, NVML, supported SM clocks, clock permissions and framework versions"
 
@@ -53,7 +55,7 @@ def environment(gpu_index: int = 0, check_permission: bool = False, try_lock: bo
     from kareus_megatron.versions import is_supported, supported_series
 
     versions = _versions()
-    backend = os.environ.get("KAREUS_GPU_BACKEND") or None
+    backend = kareus_settings().gpu_backend or None
     report: dict[str, Any] = {
         "versions": versions,
         "megatron_core_supported": bool(versions["megatron-core"])
@@ -70,9 +72,9 @@ def environment(gpu_index: int = 0, check_permission: bool = False, try_lock: bo
         from kareus_megatron.hardware.device.sim import latency_from_env
 
         report["simulated"] = {
-            "gpu": os.environ.get("KAREUS_GPU") or "(the plan's GPU)",
+            "gpu": kareus_settings().gpu or "(the plan's GPU)",
             "latency_ms": latency_from_env() * 1000.0,
-            "log": os.environ.get("KAREUS_SIMULATED_LOG") or None,
+            "log": kareus_settings().simulated_log or None,
         }
     return report
 

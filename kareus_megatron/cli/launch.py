@@ -33,7 +33,7 @@ HELP = "run a plan directory's frontier points on a cluster (torchrun or Slurm),
 
 class _LaunchParser(OneLineParser):
     """A `kareus launch` subcommand: one-line usage errors; arguments after '--' go to the training command."""
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         args = list(sys.argv[1:] if args is None else args)
         own, extra = (args[: args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
         ns, rest = super().parse_known_args(own, namespace)

@@ -16,6 +16,7 @@ import sys
 
 from kareus_megatron import __version__
 from kareus_megatron.cli.parsing import OneLineParser
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import KareusError, describe_os_error, print_error
 
 # Subcommand name -> module under kareus_megatron.cli. Modules are imported only when listed here.
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from kareus_megatron.cli import torchrun  # torchrun's own flags: not for argparse to read
 
         ns = argparse.Namespace(command="torchrun", torchrun_args=argv[1:], _run=torchrun.run)
-        return run_command(ns, "kareus torchrun", bool(os.environ.get("KAREUS_DEBUG")))
+        return run_command(ns, "kareus torchrun", bool(kareus_settings().debug))
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    debug = args.debug or bool(os.environ.get("KAREUS_DEBUG"))
+    debug = args.debug or bool(kareus_settings().debug)
     return run_command(args, f"kareus {args.command}", debug)
 
 

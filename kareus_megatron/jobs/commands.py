@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
 from kareus_megatron.plan.environment import required_environment
 from kareus_megatron.plan.io import load_plan
@@ -39,7 +40,7 @@ LAUNCHERS = ("torchrun", "slurm")
 
 def default_launch_dir() -> Path:
     """launch/ of this checkout, or $KAREUS_LAUNCH_DIR (set in the container image)."""
-    env = os.environ.get("KAREUS_LAUNCH_DIR")
+    env = kareus_settings().launch_dir
     return Path(env) if env else Path(__file__).resolve().parents[2] / "launch"
 
 

@@ -13,10 +13,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kareus_megatron.plotting.frontier import METHOD_STYLE, save_png
 from kareus_megatron.plotting.units import time_unit
 
-PowerCurves = Mapping[str, tuple[Sequence[float], Sequence[float]]]
+Series = Sequence[float] | np.ndarray  # values, a list or a numpy array
+PowerCurves = Mapping[str, tuple[Series, Series]]  # label -> (t_s, power_w)
 _POWER_UNITS = ((1e-6, "MW"), (1e-3, "kW"), (1.0, "W"))
 
 

@@ -21,8 +21,9 @@ import time
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ClockControlError, ConfigError
 from kareus_megatron.hardware.device.base import SimulationHooks
 from kareus_megatron.plan.io import plan_sha256
@@ -81,7 +82,7 @@ class RuntimeSession(SignalHandling):
         self._old_handlers: dict[int, Any] = {}
         self.on_error = on_error
         self.controller = controller
-        self.clock_log = clock_log if clock_log is not None else os.environ.get("KAREUS_CLOCK_LOG")
+        self.clock_log = clock_log if clock_log is not None else (kareus_settings().clock_log or None)
         self.framework_patch = framework_patch
         self.client: ClockClient | None = None
         self.device: Any = None  # measurement-only: the device, read on the training thread
@@ -96,13 +97,13 @@ class RuntimeSession(SignalHandling):
         self.closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> RuntimeSession:
+    def start(self) -> Self:
         """Start the clock controller (measure only: open the device), check permission, install the patch."""
         from kareus_megatron.hardware.device import backend_from_env
 
         self.framework_patch.check_version()
         backend = backend_from_env(self.backend)
-        gpu = self.gpu or os.environ.get("KAREUS_GPU") or (
+        gpu = self.gpu or kareus_settings().gpu or (
             self.plan.gpu if backend == "simulated" and self.plan is not None else None)
         index, uuid = gpu_target(self.local_rank, backend)
         self.truth = session_truth(backend, self.plan)  # refused in one line before anything starts

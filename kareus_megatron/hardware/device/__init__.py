@@ -12,9 +12,9 @@ object on explicitly and treats every device as a plain ``GPUDevice`` otherwise.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
 from kareus_megatron.hardware.device.base import (
     BACKENDS,
@@ -34,7 +34,7 @@ __all__ = ["BACKENDS", "READ_ONLY_ENV", "GPUDevice", "SimulationHooks", "backend
 
 def backend_from_env(backend: str | None = None) -> str:
     """The backend to use: `backend`, else KAREUS_GPU_BACKEND, else nvml when available."""
-    name = backend or os.environ.get("KAREUS_GPU_BACKEND") or ""
+    name = backend or kareus_settings().gpu_backend or ""
     if name:
         if name not in BACKENDS:
             raise ConfigError(f"KAREUS_GPU_BACKEND={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
@@ -52,7 +52,7 @@ def backend_from_env(backend: str | None = None) -> str:
 def dry_run_backend() -> str:
     """The backend of a command's ``--dry-run`` (tiny CPU kernels): simulated, unless KAREUS_GPU_BACKEND=nvml
     asks for the real NVML device's reads beside CPU kernels (how the read-only tests drive the NVML paths)."""
-    return "nvml" if os.environ.get("KAREUS_GPU_BACKEND") == "nvml" else "simulated"
+    return "nvml" if kareus_settings().gpu_backend == "nvml" else "simulated"
 
 
 def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, read_only: bool | None = None,
@@ -66,7 +66,7 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, rea
         from kareus_megatron.hardware.device.sim import SimulatedGPU
         from kareus_megatron.hardware.gpus import gpu_spec
 
-        return SimulatedGPU(gpu_spec(gpu or os.environ.get("KAREUS_GPU") or DEFAULT_SIMULATED_GPU), index,
+        return SimulatedGPU(gpu_spec(gpu or kareus_settings().gpu or DEFAULT_SIMULATED_GPU), index,
                             read_only=ro)
     from kareus_megatron.hardware.device.nvml import NVMLGPU, nvml_available
 
@@ -75,7 +75,7 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, rea
             "KAREUS_GPU_BACKEND=nvml but NVML could not be initialised (is the NVIDIA driver loaded?). "
             "To run without a GPU, set KAREUS_GPU_BACKEND=simulated."
         )
-    return NVMLGPU(index, gpu=gpu or os.environ.get("KAREUS_GPU") or None, uuid=uuid, read_only=ro)
+    return NVMLGPU(index, gpu=gpu or kareus_settings().gpu or None, uuid=uuid, read_only=ro)
 
 
 def open_cuda_gpu(cuda_index: int, backend: str | None = None, gpu: str | None = None,

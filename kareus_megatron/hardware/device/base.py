@@ -17,9 +17,10 @@ explicitly (``hardware.device.simulation_of``) and never probes a device for it.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kareus_megatron.environment import KareusSettings, kareus_settings
 
 if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
@@ -31,7 +32,7 @@ READ_ONLY_ENV = "KAREUS_GPU_READ_ONLY"  # 1: every device opened by open_gpu is 
 def read_only_from_env(read_only: bool | None = None) -> bool:
     """Whether a device is read-only: `read_only` asks for it, or KAREUS_GPU_READ_ONLY is set to something other
     than 0/empty. The environment always wins: a process told to be read-only is, whatever a flag says."""
-    return bool(read_only) or os.environ.get(READ_ONLY_ENV, "").strip() not in ("", "0")
+    return bool(read_only) or KareusSettings.flag(kareus_settings().gpu_read_only)
 
 
 @runtime_checkable

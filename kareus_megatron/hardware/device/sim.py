@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kareus_megatron.environment import KareusSettings, kareus_settings
 from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
 from kareus_megatron.hardware.device.base import OwnedLocks, min_power_limit_w
 from kareus_megatron.hardware.power import power_w, sustained_clock_mhz
@@ -49,7 +50,7 @@ SIM_THERMAL_TAU_S = 20.0
 
 def latency_from_env() -> float:
     """Simulated NVML call latency (s) from KAREUS_SIMULATED_LATENCY_MS (default 15 ms)."""
-    raw = os.environ.get("KAREUS_SIMULATED_LATENCY_MS")
+    raw = kareus_settings().simulated_latency_ms
     if raw is None or raw == "":
         return DEFAULT_LATENCY_MS / 1000.0
     try:
@@ -76,10 +77,10 @@ class SimulatedGPU(OwnedLocks):
         self._would_lock = False  # read-only: a recorded set not followed by a recorded reset
         self.latency_s = latency_from_env() if latency_s is None else float(latency_s)
         if deny_clock_control is None:
-            deny_clock_control = os.environ.get("KAREUS_SIMULATED_NO_PERMISSION", "") not in ("", "0")
+            deny_clock_control = KareusSettings.flag(kareus_settings().simulated_no_permission)
         self._deny = deny_clock_control
         if log_path is None:
-            log_path = os.environ.get("KAREUS_SIMULATED_LOG") or None
+            log_path = kareus_settings().simulated_log or None
         self._log = JsonlAppender(log_path) if log_path else None
         self._supported = tuple(sorted({int(c) for c in spec.sm_clocks_mhz}, reverse=True))
         self._default_mhz = int(spec.max_sm_clock_mhz)

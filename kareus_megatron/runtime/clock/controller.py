@@ -42,15 +42,23 @@ from typing import Any
 
 from kareus_megatron.errors import ClockControlError, KareusError
 from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
-from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, route_control
+from kareus_megatron.runtime.clock.decisions import HOLD_MARKS, Begin, Decisions, QueuedBegin, route_control
 from kareus_megatron.runtime.clock.power_samples import WallSampler
 from kareus_megatron.runtime.clock.timeline import SimulatedTimeLine
-from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, FrameReader
+from kareus_megatron.runtime.clock.wire import (
+    CODE_BEGIN,
+    CODE_MARK,
+    ErrorReply,
+    FrameReader,
+    MarkReply,
+    ReadyReply,
+    Reply,
+)
 from kareus_megatron.runtime.closed_loop.truth import apply_truth_power
 
 _POLL_S = 0.2
 TEMPERATURE_EVERY_S = 1.0  # a simulated GPU's sensor is read at most this often (s; its thermal lag is ~20 s)
-Reply = Callable[[dict[str, Any]], None]
+ReplyFn = Callable[[Reply], None]
 
 
 def _nothing() -> None:
@@ -60,8 +68,8 @@ def _nothing() -> None:
 class ClockController:
     """Applies clock changes to one device in order, skipping stale ones; `feed`/`submit` are thread-safe."""
 
-    def __init__(self, device: GPUDevice, reply: Reply, *, simulation: SimulationHooks | None = None,
-                 log_path: str | None = None, reply_many: Callable[[list[dict[str, Any]]], None] | None = None,
+    def __init__(self, device: GPUDevice, reply: ReplyFn, *, simulation: SimulationHooks | None = None,
+                 log_path: str | None = None, reply_many: Callable[[list[MarkReply]], None] | None = None,
                  power_limit_w: float | None = None, power: tuple[Callable[[], float], str] | None = None) -> None:
         """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML);
         `power`: NVML's board power reader and its reading (hardware.device.power_reader_of), sampled on a thread.
@@ -78,13 +86,13 @@ class ClockController:
                                              else simulation.latency_s)
         # Items for the control loop: begins as (mhz, iteration, index, kind, t), ("stale", n), control dicts.
         self._inbox: queue.Queue[list[Any]] = queue.Queue()
-        self._held: list[dict[str, Any]] = []  # answers to lazy marks not sent yet
+        self._held: list[MarkReply] = []  # answers to lazy marks not sent yet
         self._frames = FrameReader()
         self._stop = threading.Event()
         self._close_seq: Any = None
         self._power: WallSampler | None = None  # NVML: the power sampler thread
         # Chosen once: wall time (NVML), or the simulated time line.
-        self._take_records: Callable[[list[Any], list[Any], list[dict[str, Any]], list[dict[str, Any]]], bool]
+        self._take_records: Callable[[list[Any], list[Any], list[MarkReply], list[MarkReply]], bool]
         if simulation is None:
             self._take_records, self._reset_clocks, self._settle = self._take_wall, device.reset_clocks, _nothing
             self.decisions.read_temperature_c = device.temperature_c  # at every mark, beside the energy
@@ -105,7 +113,7 @@ class ClockController:
         return self.decisions.clock_control
 
     # -- start -------------------------------------------------------------------------------
-    def probe(self) -> dict[str, Any]:
+    def probe(self) -> ReadyReply | ErrorReply:
         """Check clock permission (``device.check_clock_permission``); return the ``ready`` (or ``error``)
         message."""
         sim = self.simulation
@@ -154,7 +162,7 @@ class ClockController:
         """Handle what arrived, in order: marks are answered at once, in this thread, so a clock call in
         progress never delays them; clock changes, resets and close go to the control loop in order."""
         rest: list[Any] = []
-        answers: list[dict[str, Any]] = []
+        answers: list[MarkReply] = []
         n_held = len(self._held)
         release = self._take_records(items, rest, answers, self._held)
         if self.simulation is not None and (answers or len(self._held) > n_held):
@@ -171,7 +179,7 @@ class ClockController:
         if rest:
             self._inbox.put_nowait(rest)
 
-    def _stamp_temperature(self, answers: list[dict[str, Any]]) -> None:
+    def _stamp_temperature(self, answers: list[MarkReply]) -> None:
         """A simulated GPU: put its temperature (°C; read at most every TEMPERATURE_EVERY_S) on `answers`."""
         now = time.monotonic()
         at, value = self._temperature
@@ -181,8 +189,8 @@ class ClockController:
         for answer in answers:
             answer["temperature_c"] = value
 
-    def _take_wall(self, items: list[Any], rest: list[Any], answers: list[dict[str, Any]],
-                   held: list[dict[str, Any]]) -> bool:
+    def _take_wall(self, items: list[Any], rest: list[Any], answers: list[MarkReply],
+                   held: list[MarkReply]) -> bool:
         """NVML: begins go to `rest` for the control loop (without a decision log only the last begin of
         a block, with the number it overtook); a mark is answered with the energy counter now (its
         record left the client when the GPU reached the point). Return whether held answers go out."""
@@ -261,7 +269,7 @@ class ClockController:
         for the clock the pending one asks for changes nothing: unchanged, the pending one keeps its begin time);
         a reset or close first settles the begins before it."""
         dec = self.decisions
-        pending: Begin | None = None
+        pending: QueuedBegin | None = None
         for item in batch:
             if isinstance(item, tuple):
                 if item[0] == "stale":  # begins overtaken within one block (not logged one by one)
@@ -292,7 +300,7 @@ class ClockController:
                 else:
                     return "parent-gone"
         if pending is not None:
-            self._apply(pending[:4], float(pending[4]))
+            self._apply((pending[0], pending[1], pending[2], pending[3]), float(pending[4]))
         return None
 
     def _apply(self, begin: Begin, t_begin: float) -> None:

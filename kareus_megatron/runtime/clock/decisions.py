@@ -25,7 +25,7 @@ from typing import Any
 from kareus_megatron.errors import KareusError
 from kareus_megatron.hardware.device.base import SimulationHooks
 from kareus_megatron.jsonl import JsonlAppender
-from kareus_megatron.runtime.clock.wire import KINDS
+from kareus_megatron.runtime.clock.wire import KINDS, MarkReply
 
 HOLD_MARKS = 256  # answers to lazy marks sent together at most (the client asks when it publishes)
 RELEASE_OPS = ("answer", "reset", "close", "parent_gone")  # control messages that release held answers
@@ -39,6 +39,7 @@ def route_control(msg: dict[str, Any], rest: list[Any]) -> bool:
         rest.append(msg)
     return op in RELEASE_OPS
 Begin = tuple[int, int, int, int]  # mhz, iteration, index, kind
+QueuedBegin = tuple[int, int, int, int, float]  # a Begin and its begin time (s, time.monotonic())
 Writer = Callable[..., None]  # (event, **fields)
 
 
@@ -74,7 +75,7 @@ class Decisions:
         self._file.write({"t": time.monotonic(), "pid": os.getpid(), "gpu": self._gpu, "event": event, **fields})
 
     @staticmethod
-    def context(begin: Begin) -> dict[str, Any]:
+    def context(begin: Begin | QueuedBegin) -> dict[str, Any]:
         """The log fields naming `begin`'s instruction."""
         iteration, index, kind = begin[1], begin[2], begin[3]
         return {"iteration": iteration, "index": index, "kind": KINDS[kind] if 0 <= kind < len(KINDS) else kind}
@@ -89,7 +90,7 @@ class Decisions:
             return False
         return True
 
-    def skip(self, begin: Begin, reason: str) -> None:
+    def skip(self, begin: Begin | QueuedBegin, reason: str) -> None:
         """`begin` was not applied, for `reason` (``stale`` or ``unchanged``)."""
         if not self.clock_control:
             return
@@ -141,7 +142,7 @@ class Decisions:
             self.error(f"reading the temperature: {e}")
             return None
 
-    def mark(self, seq: int, t: float, read_energy_j: Callable[..., float], *args: float) -> dict[str, Any]:
+    def mark(self, seq: int, t: float, read_energy_j: Callable[..., float], *args: float) -> MarkReply:
         """The ``mark`` reply for measurement point `seq` at `t` (s): energy (J) ``read_energy_j(*args)``,
         NaN (and an error line) when the reading fails; temperature (°C), locked clock (MHz) and the
         stale/errors counts so far (see the module doc)."""

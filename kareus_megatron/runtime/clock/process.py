@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from kareus_megatron.errors import KareusError
 from kareus_megatron.runtime.clock import sched
+from kareus_megatron.runtime.clock.wire import Reply
 
 
 def spawn(index: int, backend: str | None, gpu: str | None, log_path: str | None,
@@ -47,10 +49,10 @@ def serve(args: argparse.Namespace) -> int:
     out_lock = threading.Lock()
     out = sys.stdout.buffer
 
-    def reply(msg: dict[str, Any]) -> None:
+    def reply(msg: Reply) -> None:
         reply_many([msg])
 
-    def reply_many(msgs: list[dict[str, Any]]) -> None:
+    def reply_many(msgs: Sequence[Reply]) -> None:
         data = "".join(json.dumps(m, separators=(",", ":")) + "\n" for m in msgs).encode()
         with out_lock:
             try:

@@ -15,9 +15,10 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.runtime.clock.wire import KINDS
 
@@ -27,7 +28,7 @@ _NAN = float("nan")
 
 def coalesce_from_env(default_s: float) -> float:
     """The gathering window (s) from KAREUS_CLOCK_COALESCE_MS, else `default_s`."""
-    raw = os.environ.get("KAREUS_CLOCK_COALESCE_MS", "")
+    raw = kareus_settings().clock_coalesce_ms
     if not raw:
         return default_s
     try:
@@ -54,7 +55,7 @@ class MarkTicket:
         self.done = transport is None
         self.t: float | None = None
         self.energy_j: float | None = None if transport is not None else _NAN
-        self.info: dict[str, Any] | None = None
+        self.info: Mapping[str, Any] | None = None  # the mark reply (wire.py MarkReply)
 
     def wait(self, timeout: float | None = 10.0) -> bool:
         """Wait for the answer; True once it has arrived."""
@@ -142,11 +143,11 @@ class Transport:
         self.sending_ends = self.sending and self.want_ends
 
     # -- replies -----------------------------------------------------------------------------
-    def on_reply(self, msg: dict[str, Any]) -> None:
+    def on_reply(self, msg: Mapping[str, Any]) -> None:
         """Handle one message from the controller (any thread)."""
         op = msg.get("op")
         if op in ("ready", "error") and self.ready is None:
-            self.ready = msg
+            self.ready = dict(msg)
             self._ready_event.set()
         elif op == "mark":
             ticket = self._tickets.pop(msg["seq"], None)
@@ -173,7 +174,7 @@ class Transport:
             ev.set()
 
     def _fill(self, tickets: list[MarkTicket], answers: list[tuple[float | None, float]],
-              info: dict[str, Any] | None = None) -> None:
+              info: Mapping[str, Any] | None = None) -> None:
         with self._answered:
             for ticket, (t, energy_j) in zip(tickets, answers):
                 ticket.t, ticket.energy_j, ticket.info, ticket.done = t, energy_j, info, True

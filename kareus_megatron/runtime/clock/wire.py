@@ -21,13 +21,64 @@ from __future__ import annotations
 import json
 import math
 from array import array
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 RECORD_FIELDS = 8  # code, t (s, time.monotonic()), idle_from (s; NaN: none), a, b, c, d, e
 CODE_BEGIN, CODE_END, CODE_MARK = 1.0, 2.0, 3.0
 KINDS = ("forward", "backward")  # instruction kinds a begin record can name (d = index)
 NO_TIME = math.nan
 NO_POWER = math.nan  # a begin's e field: the simulated GPU's own power model
+
+
+# The controller's replies (JSON lines back to the client, transport.py ``on_reply``).
+class ReadyReply(TypedDict):
+    """The controller started and may lock clocks (``read_only``: it measures only)."""
+
+    op: Literal["ready"]
+    gpu: str  # the preset name (hardware/gpus.toml)
+    backend: str  # "nvml" or "simulated"
+    supported: list[int]  # the GPU's SM clocks (MHz)
+    busy_events: bool  # whether instruction ends are wanted (a simulated GPU's busy power)
+    latency_s: float | None  # a simulated clock call's duration (s); None on NVML
+    pid: int
+    power_limit_w: float | None  # the power cap the controller set (W), or None
+    read_only: bool
+
+
+class ErrorReply(TypedDict):
+    """The controller cannot lock clocks (or its simulated truth is bad): `type` and `message` say why."""
+
+    op: Literal["error"]
+    type: str
+    message: str
+    busy_events: NotRequired[bool]
+
+
+class MarkReply(TypedDict):
+    """The answer to measurement point `seq` at `t` (s): energy so far (J, NaN on a failed read)."""
+
+    op: Literal["mark"]
+    seq: int
+    t: float | None
+    energy_j: float
+    temperature_c: float | None
+    sm_clock_mhz: int | None  # the locked clock (MHz), None while unlocked
+    applied: int
+    late: int
+    stale: int
+    errors: int
+    power: NotRequired[dict[str, Any] | None]  # the power samples since the previous mark (compact)
+
+
+class AckReply(TypedDict):
+    """A reset or close is done; a close's ack carries the decision counts."""
+
+    op: Literal["ack"]
+    seq: int | None
+    counts: NotRequired[dict[str, int]]
+
+
+Reply = ReadyReply | ErrorReply | MarkReply | AckReply
 
 
 def begin_record(t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME,

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 from time import monotonic, sleep
 from typing import TYPE_CHECKING, Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import CalibrationError, ConfigError
 from kareus_megatron.files import read_input_text
 
@@ -157,7 +158,7 @@ def load_truth(path: str | os.PathLike[str]) -> TruthFile:
 
 def truth_path_from_env() -> str | None:
     """KAREUS_SIMULATED_TRUTH, or None when unset or empty."""
-    return os.environ.get(TRUTH_ENV) or None
+    return kareus_settings().simulated_truth or None
 
 
 def apply_truth_power(simulation: Any, spec: Any) -> bool:

@@ -104,8 +104,8 @@ def stub_missing_triton(version: str = "3.4.0") -> bool:
     triton, language = _InertModule("triton"), _InertModule("triton.language")
     triton.language = language  # type: ignore[attr-defined]
     triton.__version__ = version  # type: ignore[attr-defined]  # megatron-core 0.19 compares it
-    triton.__path__ = []  # type: ignore[attr-defined]
-    language.__path__ = []  # type: ignore[attr-defined]
+    triton.__path__ = []
+    language.__path__ = []
     sys.modules["triton"], sys.modules["triton.language"] = triton, language
     return True
 
@@ -121,7 +121,7 @@ def apply() -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
-    torch.cuda.current_device = lambda: torch.device("cpu")  # p2p receive buffers
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]  # p2p buffers
     torch.cuda.synchronize = lambda *a, **k: None  # after batched p2p
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # fork() is a no-op
     schedules.torch = _cpu_torch(torch)  # the device="cuda" literal for the token counter

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,9 +288,10 @@ def install(plan: Plan | None, session: Any, source: str = "the plan") -> PatchS
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     imap = PipelineEngine._INSTRUCTION_MAP
-    replacements = [(imap, schedule.ForwardPass, functools.partial(_wrap_compute, "forward")),
-                    (imap, schedule.BackwardPass, functools.partial(_wrap_compute, "backward")),
-                    (PipelineEngine, "train_batch", _wrap_train_batch)]
+    replacements: list[tuple[Any, Any, Callable[[Any], Any]]] = [
+        (imap, schedule.ForwardPass, functools.partial(_wrap_compute, "forward")),
+        (imap, schedule.BackwardPass, functools.partial(_wrap_compute, "backward")),
+        (PipelineEngine, "train_batch", _wrap_train_batch)]
     state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
     return state
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError, KareusError, print_error
 from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_environment
 from kareus_megatron.plan.points import load_point_plan
@@ -159,7 +160,7 @@ def choose_megatron_layer(ns: Any, megatron_args: Any) -> LayerChoice:
 
 def debug_requested(argv: Sequence[str]) -> bool:
     """Whether tracebacks were asked for (--kareus-debug among `argv`, or KAREUS_DEBUG set)."""
-    return "--kareus-debug" in argv or bool(os.environ.get("KAREUS_DEBUG"))
+    return "--kareus-debug" in argv or bool(kareus_settings().debug)
 
 
 @contextlib.contextmanager

@@ -118,7 +118,7 @@ def choose_layer(plan: Plan, args: Any, auto: bool = False) -> LayerChoice:
     why = partitioned_reason(plan, auto)
     user_spec = getattr(args, "spec", None)
     if why is None:
-        return LayerChoice(tuple(user_spec) if user_spec else None,  # type: ignore[arg-type]
+        return LayerChoice(tuple(user_spec) if user_spec else None,
                            "kareus: model built with Megatron-LM's own layer"
                            + (f" (--spec {' '.join(user_spec)})" if user_spec else "")
                            + ": every instruction of the plan runs 1 nanobatch", given=bool(user_spec))
@@ -126,7 +126,7 @@ def choose_layer(plan: Plan, args: Any, auto: bool = False) -> LayerChoice:
         spec = tuple(user_spec)
         if len(spec) != 2:
             raise ConfigError(f"--spec {' '.join(spec)}: give MODULE NAME, e.g. --spec {SPEC_MODULE} {SPEC_SDPA}")
-        return LayerChoice(spec, f"kareus: model built with --spec {' '.join(spec)} as given ({why})",  # type: ignore[arg-type]
+        return LayerChoice(spec, f"kareus: model built with --spec {' '.join(spec)} as given ({why})",
                            given=True)
     for dest, flag, what in _REFUSED:
         if getattr(args, dest, None):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ def _version_from_package_info(text: str) -> str | None:
     """`MAJOR.MINOR.PATCH[PRE_RELEASE]` from the constants of megatron/core/package_info.py, or None."""
     import ast
 
-    consts: dict[str, object] = {}
+    consts: dict[str, Any] = {}
     try:
         tree = ast.parse(text)
     except SyntaxError:
@@ -349,7 +350,8 @@ def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
     check_megatron_core_version()
     from megatron.core.pipeline_parallel import schedules
 
-    replacements = [(schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS]
+    replacements: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS]
     replacements += [(schedules, "forward_step", _wrap_forward), (schedules, "backward_step", _wrap_backward)]
     state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
     return state

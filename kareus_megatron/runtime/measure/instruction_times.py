@@ -25,13 +25,13 @@ for the clock client's forwarder). KAREUS_LOG_INSTRUCTIONS=0 turns the columns o
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ConfigError
 
 INSTRUCTIONS_ENV = "KAREUS_LOG_INSTRUCTIONS"
@@ -43,7 +43,7 @@ Table = tuple[tuple[int, int, str, int], ...]  # per plan index: (chunk, microba
 
 def instructions_from_env() -> bool:
     """Whether the per-instruction columns are logged: KAREUS_LOG_INSTRUCTIONS 1 (default) or 0."""
-    raw = os.environ.get(INSTRUCTIONS_ENV, "").strip()
+    raw = kareus_settings().log_instructions
     if raw in ("", "1"):
         return True
     if raw == "0":

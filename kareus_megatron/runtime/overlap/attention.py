@@ -61,7 +61,7 @@ from kareus_megatron.runtime.overlap.cp_attention import cp_attend
 CORE_ATTENTION_SDPA = "sdpa"  # SDPAttention (this module)
 CORE_ATTENTION_LOCAL = "local"  # megatron-core's DotProductAttention
 CORE_ATTENTIONS = (CORE_ATTENTION_SDPA, CORE_ATTENTION_LOCAL)
-_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)  # SDPA's enable_gqa
+_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"  # SDPA's enable_gqa
 _CAUSAL_TYPES = (AttnMaskType.causal,)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from kareus_megatron.runtime.overlap.comm_groups import (  # noqa: F401  (re-exp
 class Pending:
     """A collective in flight; ``wait()`` blocks (or orders the compute stream) until it is done."""
 
-    def __init__(self, work: object | None, future: Future | None = None) -> None:
+    def __init__(self, work: Any | None, future: Future | None = None) -> None:
         self._work = work
         self._future = future
 

@@ -12,10 +12,10 @@ the set-up.
 from __future__ import annotations
 
 import atexit
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kareus_megatron.environment import kareus_settings
 from kareus_megatron.runtime import hooks
 from kareus_megatron.runtime.overlap.comm import Communicator
 from kareus_megatron.runtime.overlap.comm_groups import SmGroupSet, build_sm_group_set, check_budget
@@ -160,8 +160,8 @@ def setup_overlap(
 
         cp_set = build_sm_group_set(cp_wanted, parallel_state.get_context_parallel_group(), "cp")
     rank = tdist.get_rank() if tdist.is_initialized() else 0
-    if trace is False and os.environ.get("KAREUS_OVERLAP_TRACE"):
-        trace = os.environ["KAREUS_OVERLAP_TRACE"]
+    if trace is False and kareus_settings().overlap_trace:
+        trace = kareus_settings().overlap_trace
     engine = OverlapEngine(
         state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer),
                            backward=backward_nanobatches(plan) if plan is not None else None),

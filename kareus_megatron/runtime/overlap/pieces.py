@@ -148,13 +148,15 @@ class Grads:
         )
         for i, g in enumerate(res[len(leaves):]):
             if g is not None:
-                self.acc[i] = g if self.acc[i] is None else self.acc[i] + g
+                acc = self.acc[i]
+                self.acc[i] = g if acc is None else acc + g
         return res[: len(leaves)]
 
     def add_dx(self, nb: int, g: torch.Tensor | None) -> None:
         """Add `g` to nanobatch `nb`'s input gradient."""
         if g is not None:
-            self.dx[nb] = g if self.dx[nb] is None else self.dx[nb] + g
+            dx = self.dx[nb]
+            self.dx[nb] = g if dx is None else dx + g
 
     def result(self) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """(d input, merged over nanobatches along the batch dimension; parameter gradients)."""

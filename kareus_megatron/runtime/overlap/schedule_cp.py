@@ -46,6 +46,7 @@ import torch
 from kareus_megatron.runtime.overlap.config import cp_engine_slots
 from kareus_megatron.runtime.overlap.pieces import _NB, Grads, _Coll, _leaf
 from kareus_megatron.runtime.overlap.schedule import LayerRun
+from kareus_megatron.runtime.overlap.steps import StepRun
 
 
 class _Captured(Exception):  # noqa: N818 - control flow, not an error
@@ -62,7 +63,7 @@ def cp_group_of(layer: Any) -> Any:
     return group
 
 
-class CPUnits:
+class CPUnits(StepRun):
     """Context parallelism's pieces of a layer run (a mixin before LayerRun or schedule_sp.SPLayerRun): the CP
     group, q/k/v capture, the K/V all-gather, core attention + proj, and their backward. ``engine_slots``
     names the units' launch slots (a planned slot outside its unit launches at the unit's first op)."""

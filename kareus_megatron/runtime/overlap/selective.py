@@ -17,6 +17,7 @@ core attention only. The MoE and MLA ones do nothing to a dense layer (and those
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,12 +54,12 @@ def recompute_core_attention(attention: Any) -> None:
     core.__class__ = _recomputed(type(core))
 
 
-def _recomputed(cls: type) -> type:
+def _recomputed(cls: type[Any]) -> type:
     """`cls` with a forward that runs under torch's non-reentrant checkpoint while training with grad."""
     if cls not in _CLASSES:
 
         def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            plain = super(sub, self).forward
+            plain = types.MethodType(cls.forward, self)  # the forward `sub` overrides, bound
             if not (self.training and torch.is_grad_enabled()):
                 return plain(*args, **kwargs)
             return checkpoint(plain, *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs)

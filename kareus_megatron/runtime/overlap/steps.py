@@ -113,13 +113,16 @@ class StepRun:
         comm = self.engine.comm
         if c.kind == "all_reduce":
             return comm.all_reduce(c.buf, c.comm_sms, group)
+        src = c.src
+        if src is None:  # only an all-reduce runs in place
+            raise RuntimeError(f"kareus: {c.name}: a {c.kind} needs a source tensor")
         if c.kind == "all_gather":
-            return comm.all_gather(c.buf, c.src, c.comm_sms, group)
+            return comm.all_gather(c.buf, src, c.comm_sms, group)
         if c.kind == "cp_all_gather":  # context parallelism's K/V (schedule_cp.py)
-            return comm.cp_all_gather(c.buf, c.src, c.comm_sms, group)
+            return comm.cp_all_gather(c.buf, src, c.comm_sms, group)
         if c.kind == "cp_reduce_scatter":
-            return comm.cp_reduce_scatter(c.buf, c.src, c.comm_sms, group)
-        return comm.reduce_scatter(c.buf, c.src, c.comm_sms, group)
+            return comm.cp_reduce_scatter(c.buf, src, c.comm_sms, group)
+        return comm.reduce_scatter(c.buf, src, c.comm_sms, group)
 
     def _start_whole(self, parts: list[_Coll], group: Any) -> Any:
         """Start the halves' collectives `parts` as one: a coalesced group over `group` (torch's coalescing manager,
