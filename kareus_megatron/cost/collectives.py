@@ -1,46 +1,7 @@
 """NCCL collective algorithms on NVSwitch nodes: bus bandwidth (bytes/s) against CTAs (SMs) and the SM clock (MHz).
 
-Terms: *bus bandwidth* is nccl-tests' busbw (message bytes × the ring bus factor / time, PERFORMANCE.md), so
-figures of different algorithms compare directly; one *CTA* runs on one SM and drives one NCCL channel. An
-algorithm's bandwidth is the smooth minimum of its large-message ceiling and of what its CTAs drive
-(CTAs × bytes per CTA per cycle × f): below the ceiling it grows with the CTAs and with the SM clock.
-
-Hopper NVSwitch nodes (H100/H200 SXM, NVLink4 450 GB/s per direction) have two algorithms for each of
-all-reduce, all-gather and reduce-scatter (docs/sources.md#hopper-collectives):
-
-- *ring* (all-reduce, all-gather, reduce-scatter, send/recv): ~370 GB/s busbw for large messages, the
-  450 GB/s line rate less ~20% protocol overhead (NVIDIA, nccl-tests#212); 36.7 GB/s per channel at most
-  (NCCL src/graph/tuning.cc, perChMaxRingLL128Bws, Hopper), so ~16 CTAs reach ~93% of the ceiling; NCCL
-  runs 32 channels when nothing limits it. Latency: the generic NVLink latency of cost/params.py.
-- *NVLS all-reduce* (NVLink SHARP): the switch reduces, each GPU sends its operand and receives the result
-  once. ~480 GB/s busbw on 8 GPUs for large messages (nccl-tests#212); "NVLS should not need more than 16
-  channels to get peak BW" (NCCL src/enqueue.cc, quoted in NVIDIA/nccl#1041) and NCCL's default is 16 NVLS
-  channels, so one CTA drives ~27.6 B/cycle (16 CTAs: 95% of the ceiling at 1980 MHz); base latency 23 µs
-  (tuning.cc baseLat, NVLS/Simple), which is why NCCL keeps small all-reduces on the ring. HBM traffic per bus
-  byte: operand read + result write = 2 message bytes over 2(n−1)/n bus bytes.
-- *NVLS all-gather / reduce-scatter* (NCCL ≥ 2.19): all-gather sends its S/n shard once and the switch
-  multicasts it, reduce-scatter sends S and the switch returns the S/n reduced slice (S. Jeaugey, NVIDIA/nccl
-  #1083). Less traffic in total than the ring's (n−1)/n·S each way, but the time is set by the larger
-  direction, S at the per-direction rate R, so busbw = R·(n−1)/n: NCCL's own model (tuning.cc: NVLS
-  allgather/reducescatter bandwidth = bwIntra·(ppn−1)/ppn) gives 324 GB/s at the ring's R = 370 GB/s on 8
-  GPUs, and 8×H100 measures ~300 GB/s NVLS all-gather against ~350 GB/s ring (NVIDIA/nccl#1506); the ceiling
-  is that 300 GB/s. NCCL runs every NVLS collective on the same nvlsChannels (16) and base latency; no
-  per-CTA figure is published for these, so one CTA drives the NVLS all-reduce's 27.6 B/cycle (an
-  assumption: "it may also require less SMs which can be a win", nccl#1506): ~8 CTAs reach 90% of the
-  lower ceiling. HBM traffic per bus byte: S/n read + S written (all-gather) or S read + S/n written
-  (reduce-scatter), over (n−1)/n·S bus bytes = (n+1)/(n−1).
-
-The NVLS ceilings and HBM ratios are those of a full 8-GPU node (NVLS groups span the node's NVSwitch);
-``algorithm_bandwidth(..., group_size=n)`` rescales the all-gather/reduce-scatter ceiling to n GPUs.
-NCCL's default channel counts per architecture are the data ``DEFAULT_CHANNELS``. NCCL picks the faster
-algorithm per call; ``collective_time_s`` of cost/kernel.py does the same, on the CTAs the knob allows. What a
-CTA limit (``NCCL_MAX_CTAS``, the comm-SM knob) does: the ring slows below ~16 CTAs, both NVLS variants below
-~8. So an unlimited large all-reduce goes NVLS (a small one stays on the ring: NVLS's 23 µs base latency),
-unlimited all-gather/reduce-scatter stay on the ring (as NCCL chooses on 8×H100), and under a limit below
-~10 CTAs all-gather/reduce-scatter move to NVLS. The comm-SM grid of search/tables.py stops where the
-slowest-saturating algorithm saturates. Ampere GPUs (and Hopper without NVSwitch) return no table and use the
-calibratable generic model (its default SMs: ``DEFAULT_CHANNELS``' Ampere ring, as cost/params.py); an
-architecture ``DEFAULT_CHANNELS`` does not list is refused with a ConfigError that names it (check_architecture).
+Design (ring and NVLS per collective, ceilings, per-CTA drive, which NCCL picks under a CTA limit):
+docs/concepts/energy-model.md#collectives-on-hopper-nvswitch-nodes; sources: docs/sources.md#hopper-collectives.
 """
 
 from __future__ import annotations

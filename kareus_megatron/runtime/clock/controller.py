@@ -1,34 +1,6 @@
 """Clock controller: applies each instruction's planned SM clock to one GPU, off the training thread.
 
-It runs in a side process per local GPU (process.py; NVML calls take 10–20 ms) or, for tests, in a
-thread of the trainer (``ClockClient.start_thread``). Its input is the wire format of wire.py (records
-for begin, end and mark; JSON lines for answer, reset, close) fed by the client's transport.
-
-With NVML (``simulation=None``) the path is a straight line in wall time: ``feed`` parses a block,
-passes its begins to the control loop (``run``), which takes everything queued, lets the latest begin
-overtake the earlier ones (``skip``, reason ``stale``), skips a clock already locked (``unchanged``)
-and otherwise calls ``device.set_sm_clock_mhz`` (``nvmlDeviceSetGpuLockedClocks``). With a simulated
-GPU, its ``SimulationHooks`` are passed in explicitly and its input goes to timeline.py instead, which
-decides at the records' own times; with KAREUS_SIMULATED_TRUTH set, ``probe`` first gives it the truth's
-power fields (runtime/closed_loop/truth.py ``apply_truth_power``; a bad truth is the ``error`` reply).
-
-Clocks are reset when the client closes or asks for it, when the controller is stopped (SIGTERM/SIGINT
-in the side process), and when the trainer is gone (stdin closes, or ``parent_alive`` turns False,
-checked every 0.2 s). A powercap plan's board power limit (W, ``power_limit_w``) is set right after the
-probe and restored on the same ways out, after the clock reset (``device.reset_power_limit``); such a
-plan locks no clock (its begins only mark a simulated GPU busy).
-Replies: ``mark`` -> ``mark`` {seq, t, energy_j, temperature_c, sm_clock_mhz, stale, errors} (decisions.py;
-NVML reads the temperature at each mark; a simulated GPU once per batch, after the whole batch is on its
-time line, at most every TEMPERATURE_EVERY_S: its sensor integrates up to the present, so a reading among
-a batch's records would move the time line past records not yet applied) (at once; a lazy one is held
-until HOLD_MARKS are due or an ``answer`` asks for them), ``reset`` {seq} -> ``ack``, ``close`` {seq} ->
-``ack`` {counts}; on start (``probe``) ``ready`` {gpu, backend, supported, busy_events, latency_s, pid,
-read_only} or ``error`` {type, message, busy_events}.
-
-The start probe is ``device.check_clock_permission()`` (a device resets only what it locked, so a reset
-alone proves nothing and no longer undoes someone else's lock). A read-only device (KAREUS_GPU_READ_ONLY=1)
-passes it without touching the GPU: every decision is made and logged as usual, the device records the
-calls and changes nothing; the ``applied`` count then counts recorded calls.
+Input (wire.py), decision path, start probe, resets and replies: docs/clock_latency.md#the-clock-controller.
 """
 
 from __future__ import annotations

@@ -1,42 +1,7 @@
 """The nanobatch schedule of one partitioned-layer call, forward and backward, and its autograd functions.
 
-Semantics (names from ``kareus_megatron.vocab``; nanobatches 0 and 1 are halves of the microbatch along
-the batch dimension). A *unit* is one nanobatch's compute segment; each unit ends in a TP all-reduce.
-
-Forward (and recompute), units in order ``attn0, attn1, mlp0, mlp1``:
-
-1. attn0 runs (input_norm, qkv, rope, attention, proj); its all-reduce C(attn,0) is then pending.
-2. attn1 runs under partition ``fwd_attn``: C(attn,0) is issued (``async_op=True``) just before attn1's op
-   named by fwd_attn's ``launch_slot``, on the communicator for its ``comm_sms``.
-3. mlp0 runs under ``fwd_mlp``: C(attn,1) is issued before the planned op; C(attn,0) is waited just
-   before mlp0's first op (pre_mlp_norm, which needs it).
-4. mlp1 runs under ``fwd_mlp``: C(mlp,0) is issued before the planned op; C(attn,1) is waited first.
-5. C(mlp,1), the layer's last collective, is issued at once (no partner segment); each nanobatch's
-   output bias-dropout-add waits for its own C(mlp,*).
-
-Backward, units ``mlp0, mlp1, attn0, attn1`` then the tail, symmetrically: the all-reduce of one
-nanobatch's input gradient of fc1 (``bwd.mlp``) is issued before the planned op of the other nanobatch's
-next unit (partition ``bwd_mlp`` for mlp1, ``bwd_attn`` for attn0/attn1); the all-reduce of the input
-gradient of qkv (``bwd.attn``) likewise; the last one overlaps nanobatch 0's tail (input_norm).
-
-With 1 nanobatch every collective is issued as soon as it is produced and waited before its consumer.
-Each piece of a unit is a separate autograd graph on detached leaf inputs, so the backward can run
-the pieces of both nanobatches in the planned order: ``PartitionedLayerFn`` is the outer autograd
-function; its backward drives the pieces with ``torch.autograd.grad``, and ``_Marker`` functions on op
-boundaries report, from inside a piece's backward, when a backward op is about to start (the launch
-slots inside a piece). Parameter gradients of all pieces are summed and returned once per call, so
-gradient hooks (megatron DDP) see one accumulation per parameter per microbatch, as with the
-standard layer. The nanobatch structure of the backward is that of its forward (the graph is built
-then): a 1-nanobatch backward after a 2-nanobatch forward runs the halves' pieces one after the other and
-each collective once over the whole microbatch, as Megatron's order; a 1-nanobatch forward whose microbatch's
-backward runs 2 nanobatches records its graph as halves the same way (steps.py: *merged* runs). The walk over
-the units, the launch slots, waits and merging are steps.py's.
-With sequence parallelism the layer runs ``schedule_sp.SPLayerRun`` instead (all-gather / reduce-scatter
-units on the same partner, launch-slot and wait machinery), with context parallelism
-``schedule_cp.CPLayerRun`` (K/V all-gather and dK/dV reduce-scatter units), with both
-``schedule_cpsp.CPSPLayerRun``. With cross-layer overlap
-(cross_layer.py) step 5's collective is left to the next layer's call, and the backward's last all-reduce
-runs beside the previous layer's first unit too (``prefetch``).
+Design (units, issue and wait points, the pieces' autograd graphs):
+docs/concepts/overlap-engine.md#one-layers-call-step-by-step.
 """
 
 from __future__ import annotations
