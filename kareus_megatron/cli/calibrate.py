@@ -21,8 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError, PlanMismatchError
 from kareus_megatron.files import check_writable_location
+from kareus_megatron.report.runlog import MEASUREMENT_FILE, read_run_log
+
+# lazy (`kareus --help` imports every command module): the fits (cost.calibrate ~290 ms, cost.microbench ~350 ms),
+# cost.calibration and plan.io (~50 ms each), the device layer (hardware.device and NVML, ~7 ms), report.measurements
+# (~2.5 ms) and rich (~18 ms).
 
 MAX_SECONDS = 10.0  # longest --seconds per window (s): the sweep must fit in 5 minutes
 HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to microbenchmarks on this GPU (--run)"
@@ -30,8 +36,6 @@ HELP = "fit the time/energy model to a Perseus-format profile (--profile) or to 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --profile/--run and -o."""
-    from kareus_megatron.cli.workload_args import add_workload_arguments
-
     add_workload_arguments(parser)
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--profile", default=None, help="measured profile CSV: stage,instruction,frequency,time,energy")
@@ -134,7 +138,6 @@ def _fitting(what: str) -> Any:
 
 
 def _from_profile(args: argparse.Namespace):
-    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.calibrate import fit_calibration
     from kareus_megatron.cost.profile import read_perseus_profile
 
@@ -182,8 +185,6 @@ NO_MEASUREMENTS = ("has no per-instruction measurements; run with a current kare
 
 def _read_log(path: str) -> Any:
     """The run log at `path`: a --kareus-log directory, a run directory holding one, or a merged file."""
-    from kareus_megatron.report.runlog import MEASUREMENT_FILE, read_run_log
-
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--from-log {path}: no such run log; give the --kareus-log directory of a run.")

@@ -13,9 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from kareus_megatron.environment import kareus_settings
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.versions import is_supported, supported_series
+
+# lazy (`kareus --help` imports every command module): the device layer (hardware.device and NVML, ~7 ms;
+# hardware.device.sim ~37 ms, for the simulated backend only).
 
 MAX_GPU_INDEX = 1024  # GPU indices accepted: 0 .. MAX_GPU_INDEX - 1
 HELP = "show the GPU driver, NVML, supported SM clocks, clock permissions and framework versions"
@@ -37,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
@@ -52,7 +56,6 @@ def environment(gpu_index: int = 0, check_permission: bool = False, try_lock: bo
     """The environment report as a dict (see module doc)."""
     from kareus_megatron.hardware.device import read_only_from_env
     from kareus_megatron.hardware.device.nvml_report import nvml_report
-    from kareus_megatron.versions import is_supported, supported_series
 
     versions = _versions()
     backend = kareus_settings().gpu_backend or None
@@ -88,11 +91,8 @@ def _clock_range(clocks: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the environment report; exit 0."""
     if not 0 <= args.gpu_index < MAX_GPU_INDEX:
-        from kareus_megatron.errors import ConfigError
-
         raise ConfigError(f"--gpu-index {args.gpu_index} must be a GPU index from 0 to {MAX_GPU_INDEX - 1}.")
     if args.try_lock:
-        from kareus_megatron.errors import ConfigError
         from kareus_megatron.hardware.device import READ_ONLY_ENV, read_only_from_env
 
         if not args.check_permission:

@@ -15,6 +15,7 @@ import os
 import sys
 
 from kareus_megatron import __version__
+from kareus_megatron.cli import torchrun
 from kareus_megatron.cli.parsing import OneLineParser
 from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import KareusError, describe_os_error, print_error
@@ -140,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["plan"]  # the main job on its built-in default
     if argv[0] == "torchrun" and argv[1:2] not in (["-h"], ["--help"]) and "torchrun" in COMMANDS:
-        from kareus_megatron.cli import torchrun  # torchrun's own flags: not for argparse to read
-
+        # torchrun's own flags: not for argparse to read
         ns = argparse.Namespace(command="torchrun", torchrun_args=argv[1:], _run=torchrun.run)
         return run_command(ns, "kareus torchrun", bool(kareus_settings().debug))
     try:

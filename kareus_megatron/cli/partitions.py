@@ -14,15 +14,17 @@ import json
 import sys
 from typing import Any
 
+from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
 from kareus_megatron.errors import ConfigError
+
+# lazy (`kareus --help` imports every command module): the cost model and the search modules (50–80 ms each) and
+# rich (~18 ms).
 
 HELP = "show each nanobatch partition's time-energy frontier and chosen overlap knobs at one SM clock"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --freq, --nanobatches, --overlap and --format."""
-    from kareus_megatron.cli.workload_args import add_workload_arguments
-
     add_workload_arguments(parser)
     parser.add_argument("--freq", type=int, default=None, help="SM clock (MHz); default: the GPU's max clock")
     parser.add_argument("--nanobatches", type=int, default=2, help="nanobatches per microbatch (1 or 2; default 2)")
@@ -33,7 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the partition frontiers and instruction summary at one clock; return the exit status."""
-    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.calibration import load_calibration
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.search import options as opt

@@ -12,14 +12,18 @@ left half-written; bad input leaves DIR untouched.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
+from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
 from kareus_megatron.plotting.units import energy_unit, time_unit
+from kareus_megatron.search.schedules import overlap_blocker
 from kareus_megatron.vocab import (
     FRAMEWORK_DEEPSPEED,
     FRAMEWORK_MEGATRON,
@@ -32,13 +36,14 @@ from kareus_megatron.vocab import (
     schedule_for,
 )
 
+# lazy (`kareus --help` imports every command module): the planner (cost, search and plan modules, 50–120 ms each),
+# numpy (~60 ms), rich (~18 ms) and plotting (matplotlib).
+
 HELP = "plan the iteration time-energy frontier of every method and write plan files (default job: see --help)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags and `kareus plan`'s own."""
-    from kareus_megatron.cli.workload_args import add_workload_arguments
-
     add_workload_arguments(parser)
     g = parser.add_argument_group("planning")
     g.add_argument("--points", type=int, default=10, help="plans written per method, spread along its frontier "
@@ -79,8 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
-    from kareus_megatron.errors import ConfigError
-
     items = [x.strip() for x in text.split(",") if x.strip()]
     if not items:
         raise ConfigError(f"{flag} {text!r} is empty; give a comma-separated list.")
@@ -100,9 +103,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     """Validate the flags, plan every method (with a progress bar) and build the outputs."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost import KernelModel, load_calibration
-    from kareus_megatron.errors import ConfigError
     from kareus_megatron.plan.build import build_outputs
     from kareus_megatron.search.planner import check_methods, plan_methods
 
@@ -137,7 +138,6 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     cal = load_calibration(args.calibration) if args.calibration else None
     kernel = KernelModel(gpu, cal)
     schedule = schedule_for(args.framework, par.vp)
-    from kareus_megatron.search.schedules import overlap_blocker
 
     no_overlap = overlap_blocker(schedule)  # e.g. DeepSpeed: no nanobatch overlap engine (yet)
     notes = []  # printed once planning succeeded (bad input: one line only)
@@ -183,8 +183,6 @@ def _timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any],
     by_name = {b.name: b for b in built}
     if args.timeline is not None:
         if args.timeline not in by_name:
-            from kareus_megatron.errors import PlanError
-
             have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
             raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
         return by_name[args.timeline]
@@ -365,8 +363,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _previous_output(out: Path) -> str | None:
     """What an existing kareus output in `out` planned (check_output_dir refused any other content); else None."""
-    import json
-
     frontier = out / "frontier.json"
     if not frontier.is_file():
         return None

@@ -6,16 +6,18 @@ import argparse
 import json
 import sys
 
+from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
 from kareus_megatron.errors import ConfigError
+from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
+
+# lazy (`kareus --help` imports every command module): the cost model (cost.kernel ~77 ms, cost.predict ~41 ms) and
+# rich (~18 ms).
 
 HELP = "predict each stage's forward/backward time (s), energy (J) and power (W) at each SM clock"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags plus --freqs and --format."""
-    from kareus_megatron.cli.workload_args import add_workload_arguments
-    from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
-
     add_workload_arguments(parser)
     parser.add_argument("--freqs", default=None,
                         help=f"comma-separated SM clocks (MHz); default: the planning grid, every "
@@ -42,7 +44,6 @@ def parse_freqs(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Print the prediction; return the exit status."""
-    from kareus_megatron.cli.workload_args import workload_from_args
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.cost.predict import predict_rows
     from kareus_megatron.cost.profile import format_perseus_csv

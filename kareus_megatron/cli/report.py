@@ -19,9 +19,25 @@ GPUs that drew least and most); ``--format json`` always lists them under "gpus"
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, ENERGY_STATISTIC, STATISTICS_TEXT
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.files import check_writable_location
+from kareus_megatron.report.clock_changes import clock_changes
+from kareus_megatron.report.runlog import (
+    DEFAULT_SKIP_ITERATIONS,
+    ENERGY_STATISTIC,
+    STATISTICS_TEXT,
+    RunLog,
+    read_run_log,
+    summarize,
+)
+
+# lazy (`kareus --help` imports every command module): report.against_plan (~146 ms), report.run_plan and report.power
+# (~54 ms each), report.auto (~2 ms) and plotting (matplotlib).
 
 HELP = "compare a run's measured iteration time and energy (--kareus-log) with its plan's prediction"
 PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table without --per-gpu
@@ -55,12 +71,8 @@ def _fmt(x: float | None, unit: str) -> str:
 
 def _plot_path(args: argparse.Namespace) -> Path | None:
     """Where the plot goes (None: no plot); ConfigError for a directory or a name without .png."""
-    from kareus_megatron.errors import ConfigError
-
     if args.no_plot or (args.format == "json" and not args.plot):
         return None
-    from kareus_megatron.files import check_writable_location
-
     if not args.plot:
         log = Path(args.log)
         out = log.with_name(log.name + ".png") if log.is_dir() else log.with_suffix(".png")
@@ -78,7 +90,6 @@ def _plot_path(args: argparse.Namespace) -> Path | None:
 
 def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
     from kareus_megatron.report.against_plan import Comparison
-    from kareus_megatron.report.runlog import RunLog
 
     assert isinstance(cmp, Comparison) and isinstance(log, RunLog)
     rows = {r.name: r for r in cmp.rows}
@@ -138,19 +149,14 @@ def _print_power(power: dict[str, dict[str, object]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the comparison table (or JSON) and write the plot; exit 0."""
-    import json
-
     from kareus_megatron.report.against_plan import blocked_power_w, compare
     from kareus_megatron.report.auto import auto_lines, auto_summary
     from kareus_megatron.report.run_plan import plan_for_run
-    from kareus_megatron.report.runlog import read_run_log, summarize
 
     log = read_run_log(args.log)
     auto = auto_summary(log) if args.plan is None else None
     if auto is not None:  # a --kareus-plan auto run without --plan: its phases, model error and saving
         if args.format == "json":
-            from dataclasses import asdict
-
             print(json.dumps(asdict(auto), indent=2, default=str))
         else:
             print("\n".join(auto_lines(auto)))
@@ -163,7 +169,6 @@ def run(args: argparse.Namespace) -> int:
     from kareus_megatron.report.power import power_section
 
     power, curves = power_section(summary, plan, cmp.time_scale)
-    from kareus_megatron.report.clock_changes import clock_changes
 
     changes = clock_changes(log, args.skip_iterations)  # None: no clock controller counts in the log
     sim = "simulated GPU: " if log.simulated else ""
@@ -190,8 +195,6 @@ def run(args: argparse.Namespace) -> int:
         if auto is not None:
             print("\n".join(auto_lines(auto)))
     if out is not None:
-        import sys
-
         from kareus_megatron.plotting.report import plot_run_report
 
         fig = plot_run_report(cmp, plan.predicted.iteration_time_s * cmp.time_scale,

@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from kareus_megatron.errors import ConfigError, ProfileError
+from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.search.schedules import instruction_order
 from kareus_megatron.vocab import FLAT_SCHEDULES as SCHEDULES
 from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SOLVE
+
+# lazy (`kareus --help` imports every command module): numpy (~60 ms), the solver (~350 ms), the plan and search
+# modules (50–120 ms each) and rich (~18 ms).
 
 # Upper bounds of the sizes (far above any real run; beyond them the DAG or the numbers blow up).
 SOLVE_MAX = {"--pp": 2**12, "--microbatches": 2**14, "--points": 2**12, "--tp": 2**12, "--cp": 2**12, "--dp": 2**20,
@@ -74,8 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def node_shape(world: int, nodes: int | None, gpus_per_node: int | None) -> tuple[int, int]:
     """(nodes, GPUs per node) of a job of `world` GPUs: as given, else nodes of GPUS_PER_NODE (one node of
     `world` when it is smaller); ConfigError when they do not multiply to `world`."""
-    from kareus_megatron.errors import ConfigError
-
     if nodes is None:
         per = gpus_per_node or GPUS_PER_NODE
         if world <= per:
@@ -95,8 +100,6 @@ def node_shape(world: int, nodes: int | None, gpus_per_node: int | None) -> tupl
 
 
 def _check_args(args: argparse.Namespace) -> list[int]:
-    from kareus_megatron.errors import ConfigError
-
     for flag, v in (("--pp", args.pp), ("--microbatches", args.microbatches), ("--points", args.points),
                     ("--tp", args.tp), ("--cp", args.cp), ("--dp", args.dp),
                     ("--mbs", args.micro_batch_size), ("--seq", args.seq_length), ("--nodes", args.nodes or 1),
@@ -112,7 +115,6 @@ def _check_args(args: argparse.Namespace) -> list[int]:
     if not (args.p2p_time >= 0 and args.p2p_time < float("inf")):
         raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
     args.nodes, args.gpus_per_node = node_shape(args.tp * args.cp * args.dp * args.pp, args.nodes, args.gpus_per_node)
-    from kareus_megatron.hardware.gpus import gpu_spec
 
     gpu_spec(args.gpu)  # an unknown preset: one line naming the known ones
     try:
@@ -127,11 +129,7 @@ def _check_args(args: argparse.Namespace) -> list[int]:
 
 def stage_options(profile: Any, pp: int) -> dict[tuple[int, str], Any]:
     """(stage, instruction) -> options (frequency MHz, time s, energy J; fastest first); ProfileError if incomplete."""
-    from types import SimpleNamespace
-
     import numpy as np
-
-    from kareus_megatron.errors import ProfileError
 
     have = set(profile.series())
     extra = sorted({s for s, _ in have if s >= pp})
@@ -167,13 +165,10 @@ def solve_profile(
     import numpy as np
 
     from kareus_megatron.cost.profile import read_perseus_profile
-    from kareus_megatron.errors import ProfileError
-    from kareus_megatron.hardware.gpus import gpu_spec
     from kareus_megatron.plan.build import solved_plan
     from kareus_megatron.plan.points import plan_relpath
     from kareus_megatron.plan.schema import FRONTIER_FORMAT, ParallelLayout
     from kareus_megatron.search.pipeline import build_dag
-    from kareus_megatron.search.schedules import instruction_order
     from kareus_megatron.search.simulate import simulate_choice
     from kareus_megatron.search.solver import solve_frontier
 

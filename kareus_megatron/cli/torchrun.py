@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kareus_megatron.errors import ConfigError
+from kareus_megatron.jobs.torchrun import run_summarised
+
 HELP = "run torchrun ARGS; a kareus error on any rank ends it with that one line, last, and exit status 2"
 
 
@@ -20,9 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run torchrun with ARGS; its exit status, or 2 with the ranks' first kareus error last on stderr."""
-    from kareus_megatron.errors import ConfigError
-    from kareus_megatron.jobs.torchrun import run_summarised
-
     if not args.torchrun_args:
         raise ConfigError("kareus torchrun needs torchrun's arguments, e.g. kareus torchrun --nproc-per-node 8 "
                           "train.py ...")

@@ -20,6 +20,9 @@ from typing import Any
 from kareus_megatron.errors import ConfigError, DeviceUnavailableError
 from kareus_megatron.files import check_writable_location
 
+# lazy (`kareus --help` imports every command module): cost.gpu_validate (~380 ms), the device layer (hardware.device
+# and NVML, ~7 ms), rich (~18 ms) and plotting (matplotlib).
+
 HELP = "check NVML, clocks, the energy counter and the model's kernels on this GPU (full, read-only or --dry-run)"
 MAX_WINDOW_S = 10.0  # longest --seconds: the kit must fit in 8 minutes
 RUNTIME_CHECKS = ("megatron_patch", "event_alignment", "partitioned_layer")  # runtime/selfcheck/checks.py's CHECKS
