@@ -75,7 +75,7 @@ def test_default_run_writes_every_output(default_run, capsys):
             assert power is not None and power.model_dump() == {k: p[k] for k in METRIC_NAMES}
             assert "power_floor_w" not in p  # no bound, no floor
     assert leftovers(work) == []
-    assert all(v > 0 for v in doc["reductions"]["kareus"].values())
+    assert all(v > 0 for k, v in doc["reductions"]["kareus"].items() if not k.endswith("_band"))
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask, "the output directory is as private as a temp dir"
@@ -92,7 +92,7 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
                           "--timeline", "perseus-01"]) == 0
     captured = capsys.readouterr()
     text = captured.out
-    assert "perseus-01" in text and "iso-time energy" in text
+    assert "perseus-01" in text and "iso-time" in text  # the header may wrap: the cells carry bands
     # never silently: the earlier output's job is named (issue 25: `kareus plan` replaced ./kareus-out unannounced)
     assert f"replaced the earlier output in {out} (llama3.2-3b on 2 × 8 " in " ".join(captured.err.split())
     assert sorted(p.name for p in (out / "plans").iterdir()) == [
@@ -233,7 +233,7 @@ def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_ru
 
 def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
     """A small model's plans read in ms and J, not '(kJ) 0.00' in every row (issue 25)."""
-    from kareus_megatron.cli.plan import _quantity
+    from kareus_megatron.cli.plan_summary import quantity as _quantity
     from kareus_megatron.plotting.units import energy_unit, time_unit
 
     small = ["--model", str(Path(__file__).parents[2] / "examples" / "small-gpt.yaml"), "--gpu", "a40", "--pp", "2",
@@ -251,7 +251,7 @@ def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
 def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
     """powercap's fastest plan 0.17 ms slower than Perseus's 7 s one is at iso-time (ISO_REL_TOL); one 10 ms slower
     has no iso-time plan, and the 'n/a' comes with the reason and the margin (issue 25)."""
-    from kareus_megatron.cli.plan import _na_notes
+    from kareus_megatron.cli.plan_summary import na_notes as _na_notes
     from kareus_megatron.plan.frontier import frontier_document
 
     def doc(t_fast):
