@@ -9,7 +9,7 @@ import pytest
 
 from kareus_megatron.cost import KernelModel
 from kareus_megatron.cost.calibration import Calibration
-from kareus_megatron.cost.uncertainty import PARAM_CLASS, PRESET_LOG_SD, kernel_draws, parameter_prior
+from kareus_megatron.cost.uncertainty import PARAM_CLASS, PRESET_LOG_SD, kernel_draw, kernel_draws, parameter_prior
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.build import build_outputs
@@ -55,7 +55,9 @@ def test_draws_are_seeded_and_spread_as_stated(planned):
     assert not np.array_equal(cdw, [k.gpu.compute_dynamic_w for k in c.kernels])
     sd = np.std(np.log(cdw / kernel.gpu.compute_dynamic_w))
     assert sd == pytest.approx(PRESET_LOG_SD["power"], rel=0.3)
-    assert max(k.params.gemm_efficiency for k in a.kernels) <= 1.0  # efficiencies are clipped at 1
+    up = kernel_draw(kernel, ["gemm_efficiency", "compute_dynamic_w"], np.array([0.5, 0.5]))
+    assert up.params.gemm_efficiency == 1.0  # an efficiency stays at most 1
+    assert up.gpu.compute_dynamic_w == pytest.approx(kernel.gpu.compute_dynamic_w * np.exp(0.5))
     with pytest.raises(ConfigError, match="--band-samples 1"):
         kernel_draws(kernel, 1)
 
