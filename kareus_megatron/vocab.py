@@ -226,3 +226,4 @@ ISO_REL_TOL: Final = 1e-3
 # A prediction band is the [5th, 95th] percentile of a predicted quantity over the cost model's parameter draws
 # (cost/uncertainty.py draws them; search/bands.py re-evaluates the plans; plan/frontier.py takes the percentiles).
 BAND_PERCENTILES: Final[tuple[float, float]] = (5.0, 95.0)
+BAND_DRAWS: Final = 32  # parameter draws per kareus plan run (--band-samples' default)

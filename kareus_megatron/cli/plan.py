@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.cli.plan_summary import print_summary, quantity
-from kareus_megatron.cost.uncertainty import DEFAULT_DRAWS
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
 from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.vocab import (
+    BAND_DRAWS,
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
@@ -73,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
                    "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
                    "0: changes take effect at once; docs/clock_latency.md)")
-    g.add_argument("--band-samples", type=int, default=DEFAULT_DRAWS, metavar="N",
+    g.add_argument("--band-samples", type=int, default=BAND_DRAWS, metavar="N",
                    help="draws of the cost model's parameters for the prediction bands (5th-95th percentile of every "
-                   f"point's time and energy and of every reduction; default {DEFAULT_DRAWS}; 0: no bands)")
+                   f"point's time and energy and of every reduction; default {BAND_DRAWS}; 0: no bands)")
     g.add_argument("--objective", default=None, metavar="OBJ",
                    help="what the suggested plan (drawn in timeline.png) meets: iso-time (default), min-energy, "
                    "max-time=S or energy=J, as --kareus-objective")
@@ -132,7 +131,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
             )
     if args.band_samples < 0 or args.band_samples == 1:
         raise ConfigError(f"--band-samples {args.band_samples}: use 0 (no bands) or at least 2 draws "
-                          f"(default {DEFAULT_DRAWS}).")
+                          f"(default {BAND_DRAWS}).")
     if args.robust and args.band_samples == 0:
         raise ConfigError("--robust picks by the bands, but --band-samples 0 turns them off; drop one of them.")
     if args.timeline is not None and (args.robust or args.objective is not None):
@@ -232,6 +231,7 @@ def _timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any],
 
 def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
     """Write every output into a temporary directory next to `out`, then swap it into place."""
+    from kareus_megatron.cli.plan_summary import quantity
     from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
     from kareus_megatron.plotting.frontier import method_label, save_frontier_png
     from kareus_megatron.plotting.timeline import Bar, save_timeline_png, trace_events
@@ -284,6 +284,8 @@ def power_curves(result: Any, built: list[Any], chosen: Any) -> dict[str, tuple[
 
 def run(args: argparse.Namespace) -> int:
     """Plan, write the outputs atomically and print the summary table; 0 on success."""
+    from kareus_megatron.cli.plan_summary import print_summary
+
     t0 = time.perf_counter()
     result, doc, built = _plan(args)
     chosen = _timeline_choice(args, result, doc, built)

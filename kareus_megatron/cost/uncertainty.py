@@ -23,9 +23,9 @@ import numpy as np
 from kareus_megatron.cost.kernel import KernelModel
 from kareus_megatron.cost.params import GPU_PARAM_NAMES, with_gpu_params
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.vocab import BAND_PERCENTILES
+from kareus_megatron.vocab import BAND_DRAWS, BAND_PERCENTILES
 
-DEFAULT_DRAWS: Final = 32  # parameter draws per planning run (kareus plan --band-samples)
+DEFAULT_DRAWS: Final = BAND_DRAWS  # parameter draws per planning run (kareus plan --band-samples)
 DEFAULT_SEED: Final = 0
 
 # sd of log(value) of every parameter of a class, presets only (docs/sources.md#prediction-bands)
