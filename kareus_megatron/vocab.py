@@ -222,3 +222,8 @@ POWER_READING_AVERAGE_1S: Final = "nvml_average_1s"  # nvmlDeviceGetPowerUsage: 
 # tests/megatron_lm/test_mlm_auto.py's calibrated job), below the spread of measured iterations (up to 1%
 # between two identical runs in benchmarks/runtime_overhead.py).
 ISO_REL_TOL: Final = 1e-3
+
+# A prediction band is the [5th, 95th] percentile of a predicted quantity over the cost model's parameter draws
+# (cost/uncertainty.py draws them; search/bands.py re-evaluates the plans; plan/frontier.py takes the percentiles).
+BAND_PERCENTILES: Final[tuple[float, float]] = (5.0, 95.0)
+BAND_DRAWS: Final = 32  # parameter draws per kareus plan run (--band-samples' default)

@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,13 @@ from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID
 from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.search.schedules import overlap_blocker
 from kareus_megatron.vocab import (
-    FRAMEWORK_DEEPSPEED,
+    BAND_DRAWS,
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
     MEGATRON,
     METHODS,
     NANOBATCH_PERSEUS,
-    PERSEUS,
     schedule_for,
 )
 
@@ -79,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
                    "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
                    "0: changes take effect at once; docs/clock_latency.md)")
+    g.add_argument("--band-samples", type=int, default=BAND_DRAWS, metavar="N",
+                   help="draws of the cost model's parameters for the prediction bands (5th-95th percentile of every "
+                   f"point's time and energy and of every reduction; default {BAND_DRAWS}; 0: no bands)")
+    g.add_argument("--objective", default=None, metavar="OBJ",
+                   help="what the suggested plan (drawn in timeline.png) meets: iso-time (default), min-energy, "
+                   "max-time=S or energy=J, as --kareus-objective")
+    g.add_argument("--robust", action="store_true",
+                   help="the suggested plan meets --objective across the band (its 95th percentile), not at the point "
+                   "estimate")
     g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
                    "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
 
@@ -123,6 +130,18 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
                 f"--timeline {args.timeline!r} is not a plan this run writes; use METHOD-NN with METHOD one of "
                 f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
             )
+    if args.band_samples < 0 or args.band_samples == 1:
+        raise ConfigError(f"--band-samples {args.band_samples}: use 0 (no bands) or at least 2 draws "
+                          f"(default {BAND_DRAWS}).")
+    if args.robust and args.band_samples == 0:
+        raise ConfigError("--robust picks by the bands, but --band-samples 0 turns them off; drop one of them.")
+    if args.timeline is not None and (args.robust or args.objective is not None):
+        flag = "--robust" if args.robust else "--objective"
+        raise ConfigError(f"--timeline names the plan to draw, so {flag} has nothing to pick; drop one of them.")
+    if args.objective is not None:
+        from kareus_megatron.plan.objective import parse_objective
+
+        parse_objective(args.objective, flag="--objective")
     from kareus_megatron.search.plan_power import PowerBound
 
     bound = PowerBound(max_swing=args.max_swing, max_ramp_w_per_s=args.max_ramp)
@@ -166,8 +185,14 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
             max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
             progress=report, cross_layer=args.cross_layer, bound=bound, clock_latency=latency,
         )
+        draws = None
+        if args.band_samples:
+            bar.update(task, description="prediction bands")
+            from kareus_megatron.cost.uncertainty import kernel_draws
+
+            draws = kernel_draws(kernel, args.band_samples)
         bar.update(task, description="building plans")
-        doc, built = build_outputs(result, memory=memory)
+        doc, built = build_outputs(result, memory=memory, draws=draws)
     if args.cross_layer and par.cp > 1:
         notes.append("note: --cross-layer with --cp is a model only: the overlap engine runs cross-layer overlap "
                      "without context parallelism and refuses these plans.")
@@ -186,15 +211,25 @@ def _timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any],
             have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
             raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
         return by_name[args.timeline]
-    from kareus_megatron.plan.points import iso_time_index, reference_time_s
+    from kareus_megatron.plan.objective import ISO_TIME, parse_objective, select_point
+    from kareus_megatron.plan.points import frontier_point, iso_time_index, reference_time_s
 
     method = KAREUS if KAREUS in result.methods else list(result.methods)[-1]
-    pts = doc["methods"][method]["points"]  # the iso-time point, as --kareus-point's default picks it
-    return by_name[f"{method}-{iso_time_index(pts, reference_time_s(doc, pts)):02d}"]
+    pts = doc["methods"][method]["points"]  # the iso-time point by default, as --kareus-point's default picks it
+    ref = reference_time_s(doc, pts)
+    if args.objective is None and not args.robust:  # none as fast as Megatron: the fastest, as --kareus-point
+        return by_name[f"{method}-{iso_time_index(pts, ref):02d}"]
+    objective = parse_objective(args.objective or ISO_TIME, flag="--objective")
+    points = [frontier_point(method, i, args.out, p) for i, p in enumerate(pts)]
+    if args.robust and objective.kind == ISO_TIME:  # the reference's band: Megatron's plan moves with the parameters
+        ref = float(doc["methods"][MEGATRON]["points"][0]["time_s_band"][1])
+    chosen = select_point(points, objective, reference_time_s=ref, robust=args.robust)
+    return by_name[f"{method}-{chosen.index:02d}"]
 
 
 def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
     """Write every output into a temporary directory next to `out`, then swap it into place."""
+    from kareus_megatron.cli.plan_summary import quantity
     from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
     from kareus_megatron.plotting.frontier import method_label, save_frontier_png
     from kareus_megatron.plotting.timeline import Bar, save_timeline_png, trace_events
@@ -223,8 +258,8 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
         p = chosen.plan.predicted
         save_timeline_png(
             tmp / "timeline.png", bars,
-            title=f"{chosen.name} ({method_label(chosen.method)}): {_quantity(p.iteration_time_s, time_unit)}, "
-            f"{_quantity(p.iteration_energy_j, energy_unit)} per iteration; hatched = 2 nanobatches",
+            title=f"{chosen.name} ({method_label(chosen.method)}): {quantity(p.iteration_time_s, time_unit)}, "
+            f"{quantity(p.iteration_energy_j, energy_unit)} per iteration; hatched = 2 nanobatches",
         )
 
 
@@ -245,101 +280,10 @@ def power_curves(result: Any, built: list[Any], chosen: Any) -> dict[str, tuple[
     return out
 
 
-def _fmt_pct(x: float | None) -> str:
-    """A fraction as a percentage with one decimal; rounding noise (|x| < 0.05%) prints as 0.0%."""
-    return "n/a" if x is None else f"{100 * x + 0.0:.1f}%" if abs(x) >= 5e-4 else "0.0%"
-
-
-def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
-    """Predicted power swing of the fastest and the least-energy plan, as % of each one's peak."""
-    def pct(p: dict[str, Any]) -> str:
-        return f"{100 * p['swing_w'] / p['peak_power_w']:.0f}" if p.get("peak_power_w") else "n/a"
-
-    return pct(fast) if fast is slow else f"{pct(fast)} / {pct(slow)}"
-
-
-def _quantity(value: float, unit_of: Callable[[Iterable[float | None]], tuple[float, str]]) -> str:
-    """`value` (s or J) in the unit plotting/units.py picks for it, e.g. '5.223 ms', '2.2 J', '1.313 MJ'."""
-    factor, unit = unit_of([value])
-    return f"{value * factor:.4g} {unit}"
-
-
-def _na_notes(doc: dict[str, Any]) -> list[str]:
-    """Why a reduction reads n/a: the method has no plan as fast as (or as frugal as) Perseus's, by how much."""
-    perseus = doc["methods"][PERSEUS]["points"]
-    t_ref, e_ref = perseus[0]["time_s"], min(p["energy_j"] for p in perseus)
-    notes = []
-    for name, entry in doc["methods"].items():
-        if name == MEGATRON:  # the one-plan baseline: its iso-energy n/a is by construction
-            continue
-        pts, r = entry["points"], doc["reductions"][name]
-        if r["iso_time_energy"] is None:
-            dt = pts[0]["time_s"] - t_ref
-            notes.append(f"note: {name} iso-time energy n/a: its fastest plan is {_quantity(dt, time_unit)} "
-                         f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time.")
-        if r["iso_energy_time"] is None:
-            de = min(p["energy_j"] for p in pts) - e_ref
-            notes.append(f"note: {name} iso-energy time n/a: its least-energy plan uses {_quantity(de, energy_unit)} "
-                         f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy.")
-    return notes
-
-
-def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float,
-                  suggested: bool = True) -> None:
-    """Print the per-method frontier ends, the reductions, and where the outputs went."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    cfg = doc["config"]
-    console = Console()
-    console.print(f"[bold]{cfg['model']}[/] on {cfg['nodes']} × {cfg['gpus_per_node']} {cfg['gpu']}")
-    console.print(
-        f"TP={cfg['tp']} CP={cfg['cp']} PP={cfg['pp']} VP={cfg['vp']} DP={cfg['dp']}, MBS {cfg['micro_batch_size']}, "
-        f"seq {cfg['seq_length']}, {cfg['num_microbatches']} microbatches, {cfg['schedule']}"
-    )
-    ends = Table(title="frontier ends (model predictions; energy = all GPUs per iteration)", box=box.SIMPLE)
-    ends.add_column("method", no_wrap=True)
-    ends_pts = [p for entry in doc["methods"].values() for p in (entry["points"][0], entry["points"][-1])]
-    tf, tu = time_unit(p["time_s"] for p in ends_pts)  # ms for a small model's plans, else s
-    ef, eu = energy_unit(p["energy_j"] for p in ends_pts)  # J, kJ or MJ: never a column of 0.00
-    for col in ("plans", f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})", "swing (% peak)"):
-        ends.add_column(col, justify="right")
-    red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)",
-                box=box.SIMPLE)
-    red.add_column("method", no_wrap=True)
-    for col in ("iso-time energy", "iso-energy time", "fastest time", "fastest energy"):
-        red.add_column(col, justify="right")
-    for name, entry in doc["methods"].items():
-        pts = entry["points"]
-        r = doc["reductions"][name]
-        fast, slow = pts[0], pts[-1]
-        ends.add_row(name, str(len(pts)), f"{fast['time_s'] * tf:.3f}", f"{fast['energy_j'] * ef:.2f}",
-                     f"{slow['time_s'] * tf:.3f}", f"{slow['energy_j'] * ef:.2f}", _swing_cell(fast, slow))
-        red.add_row(name, _fmt_pct(r["iso_time_energy"]), _fmt_pct(r["iso_energy_time"]),
-                    _fmt_pct(r["max_throughput_time_vs_megatron"]), _fmt_pct(r["max_throughput_energy_vs_megatron"]))
-    console.print(ends)
-    console.print(red)
-    for line in _na_notes(doc):
-        console.print(line, highlight=False, soft_wrap=True)
-    console.print(
-        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
-        f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
-    )
-    runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
-    console.print(
-        f"run a plan: torchrun ... -m {runner} --kareus-plan {out} --kareus-point {chosen.name} "
-        "-- your_training_script.py ...", highlight=False, soft_wrap=True,
-    )
-    console.print(
-        f"{chosen.name} is the iso-time plan (Megatron's speed, least predicted energy), which --kareus-point "
-        "picks by default" if suggested else f"{chosen.name}: the plan named by --timeline",
-        highlight=False, soft_wrap=True,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     """Plan, write the outputs atomically and print the summary table; 0 on success."""
+    from kareus_megatron.cli.plan_summary import print_summary
+
     t0 = time.perf_counter()
     result, doc, built = _plan(args)
     chosen = _timeline_choice(args, result, doc, built)
@@ -353,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
                 )
     previous = _previous_output(out)
     _write(out, doc, built, result, chosen)
-    print_summary(doc, out, built, chosen, time.perf_counter() - t0, suggested=args.timeline is None)
+    print_summary(doc, out, built, chosen, time.perf_counter() - t0, suggested=args.timeline is None,
+                  objective=args.objective or "iso-time", robust=args.robust)
     sys.stdout.flush()
     if previous is not None:
         _progress_console().print(f"note: replaced the earlier output in {out} ({previous}); give --out another "

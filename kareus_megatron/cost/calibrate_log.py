@@ -118,6 +118,15 @@ def _solve(d: FitData, gpu: GPUSpec, base: KernelParams, free: Sequence[FreePara
     return x, np.sqrt(np.clip(np.diag(cov_x), 0.0, None) * inflate), cov_x, inflate, 2.0 * float(res.cost)
 
 
+def _correlation(cov: np.ndarray) -> np.ndarray:
+    """Correlation matrix of a covariance (a parameter with zero variance: uncorrelated)."""
+    sd = np.sqrt(np.clip(np.diag(cov), 0.0, None))
+    safe = np.where(sd > 0, sd, 1.0)
+    corr = np.clip(cov / np.outer(safe, safe), -1.0, 1.0)
+    np.fill_diagonal(corr, 1.0)
+    return corr
+
+
 def _chi2_95(k: int) -> float:
     """95% quantile of the chi-square distribution with k degrees of freedom (Wilson–Hilferty)."""
     a = 2.0 / (9.0 * k)
@@ -188,6 +197,8 @@ def fit_from_logs(runs: Sequence[LogRun], gpu: GPUSpec, *, prior: Calibration | 
         "parameters": {n: {"value": float(v), "prior": float(p), "prior_sd": float(s), "sd": float(e),
                            "identified": bool(ok), "status": "identified" if ok else "prior" if r else "constrained"}
                        for n, v, p, s, e, ok, r in zip(names, values, prior_x, sig, sd, ident, reset)},
+        # the posterior's correlations (cost/uncertainty.py draws the prediction bands with them)
+        "correlation": {"names": names, "matrix": _correlation(cov).tolist()},
         "columns": {col: {"before": before[col], "after": after[col]} for col in before},
         "runs": [r.label for r in runs],
         "samples": int(sum(len(r.samples) for r in runs)),

@@ -14,11 +14,14 @@ the blocked power (W, one GPU) the prediction used.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.plan.frontier import frontier_document, reductions
+import numpy as np
+
+from kareus_megatron.cost.uncertainty import KernelDraws
+from kareus_megatron.plan.frontier import band, decision_indices, frontier_document, reduction_bands, reductions
 from kareus_megatron.plan.schema import (
     PLAN_FORMAT,
     Instruction,
@@ -125,12 +128,14 @@ def assemble_plan(
     power: dict[str, float] | None = None,
     power_floor_w: float | None = None,
     clock_latency: Any = None,
+    bands: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Plan:
     """A plan of `method`: each rank's instructions in order, the predicted iteration time (s) and energy
     (J, all GPUs), the GPU and blocked power (W, one GPU) the prediction used, and for ``powercap`` the
     power limit (W) of every GPU; `power`: the predicted waveform's metrics (cost/waveform.py) and
     `power_floor_w` the floor (W, one GPU) blocked GPUs are held at to meet a power bound; `clock_latency`
-    the search.segments.ClockLatency the prediction assumed (None: clock changes at once)."""
+    the search.segments.ClockLatency the prediction assumed (None: clock changes at once); `bands` the
+    [low, high] of time (s) and energy (J) over the parameter draws (None: none)."""
     return Plan(
         format=PLAN_FORMAT,
         method=method,
@@ -143,7 +148,10 @@ def assemble_plan(
         parallel=parallel,
         power_floor_w=None if power_floor_w is None else float(power_floor_w),
         predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j),
-                            power=None if power is None else PowerPrediction(**power)),
+                            power=None if power is None else PowerPrediction(**power),
+                            iteration_time_s_band=None if bands is None else (float(bands[0][0]), float(bands[0][1])),
+                            iteration_energy_j_band=None if bands is None else (float(bands[1][0]),
+                                                                                float(bands[1][1]))),
         stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
         cross_layer=True if cross_layer else None,  # written only when set: other plans stay as they were
         clock_latency_s=None if clock_latency is None else float(clock_latency.latency_s),
@@ -181,9 +189,11 @@ def plan_power_metrics(result: PlanningResult, timed: list[TimedInstruction], ti
 
 
 def build_plan(
-    result: PlanningResult, method: MethodName, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None
+    result: PlanningResult, method: MethodName, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None,
+    bands: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[Plan, list[TimedInstruction]]:
-    """The Plan of frontier plan `index` of `method`, and its simulated timeline."""
+    """The Plan of frontier plan `index` of `method`, and its simulated timeline; `bands`: its [low, high] time (s)
+    and energy (J) over the parameter draws."""
     sim, timed = simulate_plan(result, method, index)
     opts = result.methods[method].options
     knobs = {} if _knobs is None else _knobs  # (stage, chunk, kind, option) -> partition knobs, shared
@@ -216,22 +226,29 @@ def build_plan(
                          calibration_sha256=result.calibration_sha256,
                          power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
                          cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r),
-                         clock_latency=lag)
+                         clock_latency=lag, bands=bands)
     return plan, timed
 
 
 def build_outputs(
-    result: PlanningResult, memory: dict[str, Any] | None = None
+    result: PlanningResult, memory: dict[str, Any] | None = None, draws: KernelDraws | None = None
 ) -> tuple[dict[str, Any], list[BuiltPlan]]:
     """The frontier document and every chosen plan (fastest first within each method); `memory` goes
-    into the document's ``config`` (see config_dict)."""
+    into the document's ``config`` (see config_dict); `draws`: cost models with drawn parameters
+    (cost/uncertainty.py kernel_draws): every point, plan and reduction then carries its band."""
+    full: dict[str, tuple[np.ndarray, np.ndarray]] = {m: (mf.time_s, mf.energy_j) for m, mf in result.methods.items()}
+    sampled = _sample(result, full, draws) if draws else None
     built: list[BuiltPlan] = []
     points: dict[str, list[dict[str, Any]]] = {}
     for method, mf in result.methods.items():
         points[method] = []
         knobs: dict[Any, dict[str, PartitionKnobs]] = {}
         for nn, idx in enumerate(mf.chosen):
-            plan, timed = build_plan(result, method, idx, knobs)
+            bands = None
+            if sampled is not None:
+                t_draws, e_draws = sampled[method].column(idx)
+                bands = (band(t_draws).tolist(), band(e_draws).tolist())
+            plan, timed = build_plan(result, method, idx, knobs, bands)
             bp = BuiltPlan(name=f"{method}-{nn:02d}", method=method, frontier_index=idx, plan=plan, timeline=timed)
             built.append(bp)
             point = {
@@ -239,14 +256,26 @@ def build_outputs(
                 "energy_j": plan.predicted.iteration_energy_j,
                 "plan": bp.relpath,
             }
+            if bands is not None:
+                point["time_s_band"], point["energy_j_band"] = bands
             if plan.predicted.power is not None:
                 point.update(plan.predicted.power.model_dump())
             if plan.power_floor_w is not None:
                 point["power_floor_w"] = plan.power_floor_w
             points[method].append(point)
     doc = frontier_document(config_dict(result, memory), points)
-    full: dict[str, list[tuple[float, float]]] = {
-        m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()
-    }
-    doc["reductions"] = reductions(full)
+    doc["reductions"] = reductions({m: list(zip(t.tolist(), e.tolist())) for m, (t, e) in full.items()})
+    if sampled is not None and draws is not None:
+        for name, extra in reduction_bands(full, lambda m, i: sampled[m].column(i)).items():
+            doc["reductions"][name].update(extra)
+        doc["bands"] = draws.record()
     return doc, built
+
+
+def _sample(result: PlanningResult, full: dict[str, Any], draws: KernelDraws) -> Mapping[Any, Any]:
+    """Every chosen plan and every plan a reduction reads, re-evaluated under each draw (search/bands.py)."""
+    from kareus_megatron.search.bands import sample_plans
+
+    need = decision_indices(full)
+    indices: dict[Any, Sequence[int]] = {m: sorted(set(mf.chosen) | need[m]) for m, mf in result.methods.items()}
+    return sample_plans(result, draws.kernels, indices)

@@ -13,17 +13,24 @@ the same time for the model, whose resolution is coarser. E_P(fastest) is likewi
 that time, and T_P(min-energy) its least time within that energy, so Perseus's own reductions are 0. When a
 method has no point within the reference's time (or energy), that reduction is ``None`` in memory and ``null``
 in the file (`kareus plan` says why).
+
+Bands (kareus plan, search/bands.py): each point's ``time_s_band`` / ``energy_j_band`` is the [5th, 95th]
+percentile of its predicted time (s) / energy (J) over the parameter draws (cost/uncertainty.py), and each
+reduction's ``<key>_band`` that of the reduction computed draw by draw with the same plans (paired: both sides
+under the same parameters). A reduction whose band holds 0 is *not distinguishable* from no difference.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from kareus_megatron.errors import PlanError
 from kareus_megatron.plan.schema import FRONTIER_FORMAT
-from kareus_megatron.vocab import ISO_REL_TOL, MEGATRON, METHODS, PERSEUS, REFERENCE_METHODS
+from kareus_megatron.vocab import BAND_PERCENTILES, ISO_REL_TOL, MEGATRON, METHODS, PERSEUS, REFERENCE_METHODS
 
 Point = tuple[float, float]  # (time_s, energy_j)
 
@@ -79,3 +86,68 @@ def frontier_document(
         doc_methods[name] = {"points": [dict(p) for p in pts_sorted]}
     red = reductions({n: [(p["time_s"], p["energy_j"]) for p in m["points"]] for n, m in doc_methods.items()})
     return {"format": FRONTIER_FORMAT, "config": dict(config), "methods": doc_methods, "reductions": red}
+
+
+REDUCTION_KEYS = ("iso_time_energy", "iso_energy_time", "max_throughput_time_vs_megatron",
+                  "max_throughput_energy_vs_megatron")
+Draws = Callable[[str, int], tuple[np.ndarray, np.ndarray]]  # (method, frontier index) -> (time s, energy J) per draw
+
+
+def band(values: np.ndarray, axis: int = 0) -> np.ndarray:
+    """[5th, 95th] percentile (vocab.BAND_PERCENTILES) of `values` along `axis`, the draws: shape (2, ...)."""
+    return np.percentile(np.asarray(values, dtype=float), BAND_PERCENTILES, axis=axis)
+
+
+def iso_indices(time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: float,
+                ref_energy_j: float) -> tuple[int | None, int | None]:
+    """(least-energy point with T <= ref_time_s, fastest point with E <= ref_energy_j), within ISO_REL_TOL; None
+    where there is none. The points reductions() reads, on a time-sorted frontier."""
+    t, e = np.asarray(time_s, float), np.asarray(energy_j, float)
+    ok_t = np.flatnonzero(t <= ref_time_s * (1 + ISO_REL_TOL))
+    ok_e = np.flatnonzero(e <= ref_energy_j * (1 + ISO_REL_TOL))
+    return (int(ok_t[np.argmin(e[ok_t])]) if ok_t.size else None,
+            int(ok_e[np.argmin(t[ok_e])]) if ok_e.size else None)
+
+
+def decision_indices(frontiers: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, set[int]]:
+    """Per method, the frontier indices (time-sorted (time s, energy J) arrays) that decide its reductions."""
+    tp, ep = frontiers[PERSEUS]
+    ref_t, ref_e = float(tp[0]), float(np.min(ep))
+    return {name: {0, *(i for i in iso_indices(t, e, ref_t, ref_e) if i is not None)}
+            for name, (t, e) in frontiers.items()}
+
+
+def reduction_bands(frontiers: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                    draws: Draws) -> dict[str, dict[str, list[float] | None]]:
+    """Every reduction's [5th, 95th] percentile over the draws, the plans fixed at those reductions() picks.
+
+    `frontiers[name]`: the whole time-sorted frontier (time s, energy J); `draws(name, index)` that plan's time
+    and energy under every draw (the same draws for every method). None where the reduction is None.
+    """
+    tp, ep = frontiers[PERSEUS]
+    ref_t, ref_e = float(tp[0]), float(np.min(ep))
+    p_t, p_e = iso_indices(tp, ep, ref_t, ref_e)
+    assert p_t is not None and p_e is not None  # Perseus meets its own references
+    ep_fast = draws(PERSEUS, p_t)[1]
+    tp_min_e = draws(PERSEUS, p_e)[0]
+    tm, em = draws(MEGATRON, 0)
+    out: dict[str, dict[str, list[float] | None]] = {}
+    for name, (t, e) in frontiers.items():
+        i_t, i_e = iso_indices(t, e, ref_t, ref_e)
+        t_fast, e_fast = draws(name, 0)
+        per_draw = {
+            "iso_time_energy": None if i_t is None else (ep_fast - draws(name, i_t)[1]) / ep_fast,
+            "iso_energy_time": None if i_e is None else (tp_min_e - draws(name, i_e)[0]) / tp_min_e,
+            "max_throughput_time_vs_megatron": (tm - t_fast) / tm,
+            "max_throughput_energy_vs_megatron": (em - e_fast) / em,
+        }
+        out[name] = {f"{k}_band": None if v is None else [float(x) for x in band(v)] for k, v in per_draw.items()}
+    return out
+
+
+def distinguishable(value_band: Sequence[float] | None) -> bool | None:
+    """False when a reduction's band holds 0 (the advantage is inside the model's error); None without a band."""
+    if value_band is None:
+        return None
+    lo, hi = value_band
+    return not lo <= 0.0 <= hi

@@ -58,6 +58,9 @@ def plan_sha256(plan: Plan) -> str:
             data.pop(key, None)
     if (data.get("predicted") or {}).get("power", 0) is None:  # likewise the predicted power metrics
         del data["predicted"]["power"]
+    for key in ("iteration_time_s_band", "iteration_energy_j_band"):  # and the prediction bands
+        if (data.get("predicted") or {}).get(key, 0) is None:
+            del data["predicted"][key]
     model = data.get("model") or {}
     for key in MODEL_RECORD_FIELDS:  # likewise the model architecture fields
         if model.get(key, 0) is None:

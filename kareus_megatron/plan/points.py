@@ -63,6 +63,8 @@ class FrontierPoint:
     plan_path: Path
     time_s: float
     energy_j: float
+    time_s_band: tuple[float, float] | None = None  # [5th, 95th] percentile (s); None: a file without bands
+    energy_j_band: tuple[float, float] | None = None  # (J)
 
     @property
     def run_name(self) -> str:
@@ -128,7 +130,26 @@ def read_frontier(plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
                     and isinstance(p.get("plan", ""), str)):
                 raise PlanError(f"{path}: point {i:02d} of {name} needs finite time_s and energy_j >= 0 "
                                 "(and 'plan' a path, when given)")
+            for key in ("time_s_band", "energy_j_band"):
+                b = p.get(key)
+                if b is not None and not (isinstance(b, list) and len(b) == 2 and all(_number(x) for x in b)
+                                          and b[0] <= b[1]):
+                    raise PlanError(f"{path}: point {i:02d} of {name}: {key} must be [low, high], finite, "
+                                    "0 <= low <= high; regenerate it with kareus plan")
     return doc
+
+
+def _band(point: dict[str, Any], key: str) -> tuple[float, float] | None:
+    b = point.get(key)
+    return None if b is None else (float(b[0]), float(b[1]))
+
+
+def frontier_point(method: str, index: int, plan_dir: str | os.PathLike[str], point: dict[str, Any]) -> FrontierPoint:
+    """The FrontierPoint of `point`, entry `index` of `method` in DIR/frontier.json (bands where it has them)."""
+    return FrontierPoint(method=method, index=index, plan_path=Path(plan_dir) / (point.get("plan") or
+                                                                                plan_relpath(method, index)),
+                         time_s=float(point["time_s"]), energy_j=float(point["energy_j"]),
+                         time_s_band=_band(point, "time_s_band"), energy_j_band=_band(point, "energy_j_band"))
 
 
 def reference_time_s(doc: dict[str, Any], points: list[dict[str, Any]]) -> float:
@@ -190,9 +211,7 @@ def select_frontier_points(
     else:
         raise ConfigError(f"{flag} {text}: point {spec.which:02d} does not exist; {name} has points "
                           f"00..{len(pts) - 1:02d} in {frontier}")
-    return [FrontierPoint(method=name, index=i,
-                          plan_path=Path(plan_dir) / (pts[i].get("plan") or plan_relpath(name, i)),
-                          time_s=float(pts[i]["time_s"]), energy_j=float(pts[i]["energy_j"])) for i in chosen]
+    return [frontier_point(name, i, plan_dir, pts[i]) for i in chosen]
 
 
 def resolve_point(plan_dir: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None,

@@ -171,13 +171,29 @@ class PowerPrediction(_Frozen):
     band_fraction: float = Field(ge=0, allow_inf_nan=False)
 
 
+Band = tuple[float, float]  # [5th, 95th] percentile over the cost model's parameter draws (plan/frontier.py)
+
+
 class Predicted(_Frozen):
-    """Predicted iteration time (s) and GPU energy (J, summed over every GPU of the job), and its power
-    waveform's metrics (None: plans written before they were predicted)."""
+    """Predicted iteration time (s) and GPU energy (J, summed over every GPU of the job), its power waveform's
+    metrics (None: plans written before they were predicted) and the bands of time and energy (None: plans
+    written before bands, or planned without them, kareus plan --band-samples 0; omitted from the file)."""
 
     iteration_time_s: float = Field(gt=0)
     iteration_energy_j: float = Field(gt=0)
     power: PowerPrediction | None = None
+    iteration_time_s_band: Band | None = Field(
+        default=None, description="[low, high] iteration time (s): 5th and 95th percentile over the parameter draws")
+    iteration_energy_j_band: Band | None = Field(
+        default=None, description="[low, high] iteration energy (J): 5th and 95th percentile over the parameter draws")
+
+    @model_validator(mode="after")
+    def _check(self) -> Predicted:
+        for name in ("iteration_time_s_band", "iteration_energy_j_band"):
+            b = getattr(self, name)
+            if b is not None and not (0 <= b[0] <= b[1] and b[1] < float("inf")):
+                raise ValueError(f"{name} {list(b)} must be [low, high] with 0 <= low <= high, finite")
+        return self
 
 
 class Plan(_Frozen):

@@ -99,11 +99,13 @@ class LayerTables:
     """Phase tables of one (GPU, model, layout, cost model, clock grid, schedule): shared by methods.
 
     `schedule` names the pipeline schedule the plan runs on; without an overlap engine for it
-    (``overlap_blocker``) the tables hold 1 nanobatch only and ``overlap_error`` says why.
+    (``overlap_blocker``) the tables hold 1 nanobatch only and ``overlap_error`` says why. `phases`: the layer
+    phases to tabulate (default all three; search/bands.py asks only for those the instructions run).
     """
 
     def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
-                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False):
+                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False,
+                 phases: Sequence[str] = ("forward", "backward", "recompute")):
         self.gpu, self.model, self.par, self.kernel, self.schedule = gpu, model, par, kernel, schedule
         self.cross_layer = cross_layer
         self.clocks_mhz = np.asarray(clocks_mhz, dtype=np.int64)
@@ -116,12 +118,12 @@ class LayerTables:
             if blocked is not None:
                 raise InfeasibleConfigError(f"{blocked}; plan it with 1 nanobatch")
             check_nanobatches(par, nb)
-            for ph in ("forward", "backward", "recompute"):
+            for ph in phases:
                 self.phases[ph] = phase_table(self.adapter, model, par, ph, self.clocks_mhz, nb, cross_layer)
         except InfeasibleConfigError as e:
             self.overlap_error = e
             nb = 1
-            for ph in ("forward", "backward", "recompute"):
+            for ph in phases:
                 self.phases[ph] = phase_table(self.adapter, model, par, ph, self.clocks_mhz, 1)
         self.nanobatches = nb
         self._extras: dict[tuple[int, int, str], tuple[np.ndarray, np.ndarray]] = {}

@@ -76,12 +76,21 @@ def cap_grid_w(kernel: KernelModel, model: Any, par: Any, n: int = DEFAULT_CAPS)
     return np.unique(np.rint(np.linspace(lo, hi, n)))
 
 
-def _costs(kernel: KernelModel, model: Any, par: Any, fmax: float) -> dict[OptionKey, tuple[float, float]]:
-    """(time s, energy J) of every instruction on one GPU at a requested fmax (MHz), 1 nanobatch."""
-    adapter = OverlapCost(kernel, precision=par.precision)
-    clocks = np.array([fmax])
-    per_phase = {ph: adapter.alone(layer_ops(model, par, ph, 1), clocks) for ph in ("forward", "backward", "recompute")}
-    out: dict[OptionKey, tuple[float, float]] = {}
+def _costs(kernel: KernelModel, model: Any, par: Any,
+           caps_w: np.ndarray) -> dict[OptionKey, tuple[np.ndarray, np.ndarray]]:
+    """(time s, energy J) per cap of every instruction on one GPU requested at the max clock, 1 nanobatch.
+
+    Every cap at once: the cost model's board limit is the array of caps (W), one per element of the clock axis;
+    the power model is elementwise (hardware/power.py), so each element is that cap's cost.
+    """
+    caps = np.asarray(caps_w, dtype=float)
+    limits: dict[str, Any] = {"power_limit_w": caps}  # a GPUSpec field is a float; here it broadcasts
+    capped = KernelModel.from_params(replace(kernel.gpu, **limits), kernel.params)
+    adapter = OverlapCost(capped, precision=par.precision)
+    clocks = np.full(caps.shape, float(kernel.gpu.max_sm_clock_mhz))
+    phases = {ph for kind in ("forward", "backward") for ph in instruction_phases(par, kind)}
+    per_phase = {ph: adapter.alone(layer_ops(model, par, ph, 1), clocks) for ph in sorted(phases)}
+    out: dict[OptionKey, tuple[np.ndarray, np.ndarray]] = {}
     for stage in range(par.pp):
         for chunk in range(par.vp):
             layers = par.chunk_layers(stage, chunk)
@@ -91,7 +100,7 @@ def _costs(kernel: KernelModel, model: Any, par: Any, fmax: float) -> dict[Optio
                 for ph in instruction_phases(par, kind):
                     t = t + layers * per_phase[ph][0]
                     e = e + layers * per_phase[ph][1]
-                out[(stage, chunk, kind)] = (float(t[0]), float(e[0]))
+                out[(stage, chunk, kind)] = (np.asarray(t, float), np.asarray(e, float))
     return out
 
 
@@ -104,15 +113,13 @@ def powercap_options(
     instruction belongs to the same cap, and a plan runs all of them at one k.
     """
     fmax = int(kernel.gpu.max_sm_clock_mhz)
-    per_cap = [_costs(capped_kernel(kernel, c), model, par, float(fmax)) for c in caps_w]
-    n = len(per_cap)
+    n = len(caps_w)
     return {
         key: InstructionOptions(
-            time_s=np.array([pc[key][0] for pc in per_cap]), energy_j=np.array([pc[key][1] for pc in per_cap]),
-            clock_mhz=np.full(n, fmax, dtype=np.int64), nanobatches=np.ones(n, dtype=np.int64),
+            time_s=t, energy_j=e, clock_mhz=np.full(n, fmax, dtype=np.int64), nanobatches=np.ones(n, dtype=np.int64),
             partitions=[{} for _ in range(n)],
         )
-        for key in per_cap[0]
+        for key, (t, e) in _costs(kernel, model, par, caps_w).items()
     }
 
 

@@ -34,12 +34,14 @@ EXPECTED = {
         '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--tp', '--vp'
     ],
     "plan": [
-        '--calibration', '--clock-latency-ms', '--cp', '--cross-layer', '--debug', '--distributed-optimizer',
+        '--band-samples', '--calibration', '--clock-latency-ms', '--cp', '--cross-layer', '--debug',
+        '--distributed-optimizer',
         '--dp', '--first-stage-layers', '--framework', '--freqs', '--gpu',
         '--gpus-per-node',
         '--last-stage-layers', '--max-ramp', '--max-swing', '--max-time', '--mbs', '--methods', '--microbatches',
-        '--model', '--no-memory-check', '--nodes', '--out',
-        '--points', '--pp', '--precision', '--recompute', '--seq', '--sequence-parallel', '--sp', '--timeline', '--tp',
+        '--model', '--no-memory-check', '--nodes', '--objective', '--out',
+        '--points', '--pp', '--precision', '--recompute', '--robust', '--seq', '--sequence-parallel', '--sp',
+        '--timeline', '--tp',
         '--vp'
     ],
     "solve": [

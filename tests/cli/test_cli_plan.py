@@ -75,7 +75,7 @@ def test_default_run_writes_every_output(default_run, capsys):
             assert power is not None and power.model_dump() == {k: p[k] for k in METRIC_NAMES}
             assert "power_floor_w" not in p  # no bound, no floor
     assert leftovers(work) == []
-    assert all(v > 0 for v in doc["reductions"]["kareus"].values())
+    assert all(v > 0 for k, v in doc["reductions"]["kareus"].items() if not k.endswith("_band"))
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask, "the output directory is as private as a temp dir"
@@ -92,7 +92,7 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
                           "--timeline", "perseus-01"]) == 0
     captured = capsys.readouterr()
     text = captured.out
-    assert "perseus-01" in text and "iso-time energy" in text
+    assert "perseus-01" in text and "iso-time" in text  # the header may wrap: the cells carry bands
     # never silently: the earlier output's job is named (issue 25: `kareus plan` replaced ./kareus-out unannounced)
     assert f"replaced the earlier output in {out} (llama3.2-3b on 2 × 8 " in " ".join(captured.err.split())
     assert sorted(p.name for p in (out / "plans").iterdir()) == [
@@ -120,6 +120,12 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
         (["--max-ramp", "1", *QUICK], "least ramp reachable"),
         (["--clock-latency-ms", "-1", *QUICK], "--clock-latency-ms -1"),
         (["--clock-latency-ms", "nan", *QUICK], "--clock-latency-ms nan"),
+        (["--band-samples", "1", *QUICK], "--band-samples 1"),
+        (["--band-samples", "-3", *QUICK], "--band-samples -3"),
+        (["--robust", "--band-samples", "0", *QUICK], "--robust"),
+        (["--robust", "--timeline", "perseus-01", *QUICK], "--timeline"),
+        (["--objective", "fast", *QUICK], "--objective 'fast'"),
+        (["--objective", "energy=1", "--robust", *QUICK], "least 95th-percentile energy"),
     ],
 )
 def test_bad_input_exits_2_and_leaves_out_untouched(default_run, capsys, argv, needle):
@@ -233,7 +239,7 @@ def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_ru
 
 def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
     """A small model's plans read in ms and J, not '(kJ) 0.00' in every row (issue 25)."""
-    from kareus_megatron.cli.plan import _quantity
+    from kareus_megatron.cli.plan_summary import quantity as _quantity
     from kareus_megatron.plotting.units import energy_unit, time_unit
 
     small = ["--model", str(Path(__file__).parents[2] / "examples" / "small-gpt.yaml"), "--gpu", "a40", "--pp", "2",
@@ -251,7 +257,7 @@ def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
 def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
     """powercap's fastest plan 0.17 ms slower than Perseus's 7 s one is at iso-time (ISO_REL_TOL); one 10 ms slower
     has no iso-time plan, and the 'n/a' comes with the reason and the margin (issue 25)."""
-    from kareus_megatron.cli.plan import _na_notes
+    from kareus_megatron.cli.plan_summary import na_notes as _na_notes
     from kareus_megatron.plan.frontier import frontier_document
 
     def doc(t_fast):
@@ -307,3 +313,42 @@ def test_one_default_point_everywhere(default_run, capsys, monkeypatch):
     capsys.readouterr()
     assert cli_main.main(["launch", "run", "--plan-dir", str(out), "--dry-run"]) == 0
     assert f"--kareus-plan {out}/plans/{suggested}.json " in capsys.readouterr().out
+
+
+def test_points_plans_and_reductions_carry_bands(default_run):
+    """Issue 24 item 5: every frontier point and plan has its 5-95% time and energy band, every reduction its band,
+    and the file says how the bands were drawn."""
+    _, work = default_run
+    doc = json.loads((work / "kareus-out" / "frontier.json").read_text())
+    assert doc["bands"]["draws"] == 32 and doc["bands"]["percentiles"] == [5.0, 95.0]
+    assert doc["bands"]["parameters"]["compute_dynamic_w"]["source"] == "prior: power"
+    for entry in doc["methods"].values():
+        for p in entry["points"]:
+            for key in ("time_s", "energy_j"):
+                lo, hi = p[f"{key}_band"]
+                assert 0 < lo < hi
+            plan = load_plan(work / "kareus-out" / p["plan"]).predicted
+            assert list(plan.iteration_time_s_band) == p["time_s_band"]
+            assert list(plan.iteration_energy_j_band) == p["energy_j_band"]
+    for name, red in doc["reductions"].items():
+        for key in ("iso_time_energy", "iso_energy_time", "max_throughput_time_vs_megatron"):
+            assert (red[f"{key}_band"] is None) == (red[key] is None), (name, key)
+    lo, hi = doc["reductions"]["kareus"]["iso_time_energy_band"]
+    assert 0 < lo < doc["reductions"]["kareus"]["iso_time_energy"] < hi  # a clear win: the band excludes 0
+    assert doc["reductions"]["perseus"]["iso_time_energy_band"] == [0.0, 0.0]  # paired: Perseus against itself
+
+
+def test_robust_suggests_a_plan_that_meets_iso_time_across_the_band(tmp_path, capsys):
+    """--robust: the suggested plan's 95th-percentile time is within Megatron's; without bands nothing changes."""
+    out = tmp_path / "o"
+    assert cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "6", "--robust"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    doc = json.loads((out / "frontier.json").read_text())
+    mega_hi = doc["methods"]["megatron"]["points"][0]["time_s_band"][1]
+    name = next(w for w in text.split() if w.startswith("perseus-") and w[-2:].isdigit())
+    chosen = doc["methods"]["perseus"]["points"][int(name[-2:])]
+    assert chosen["time_s_band"][1] <= mega_hi * 1.001
+    assert "across the band" in text
+    assert cli_main.main(["plan", "--out", str(tmp_path / "nb"), *QUICK, "--band-samples", "0"]) == 0
+    plain = json.loads((tmp_path / "nb" / "frontier.json").read_text())
+    assert "bands" not in plain and "time_s_band" not in plain["methods"]["perseus"]["points"][0]

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -73,6 +74,25 @@ def test_identified_parameters_are_recovered_within_5_percent(case):
         assert params[n]["status"] == "prior" and params[n]["value"] == params[n]["prior"], params[n]
     print(f"{name}: fit took {fit_s:.1f} s; identified {identified}")
     assert fit_s < 60
+
+
+def test_the_fit_records_its_posterior_correlations_for_the_prediction_bands(case):
+    """Issue 24 item 5: the posterior's correlations are in the file, and the bands' draws use them."""
+    from kareus_megatron.cost.uncertainty import parameter_prior
+
+    _, plan_dir, cal, _ = case
+    rec = cal.fit["correlation"]
+    assert rec["names"] == list(cal.fit["parameters"])
+    corr = np.array(rec["matrix"])
+    assert np.allclose(corr, corr.T)
+    assert np.allclose(np.diag(corr), 1.0)
+    assert np.abs(corr[~np.eye(len(corr), dtype=bool)]).max() > 0.1  # the fit's parameters are not independent
+    gpu = plan_workload(load_plan(plan_dir / "plans" / "megatron-00.json"))[0]
+    prior = parameter_prior(KernelModel(gpu, cal))
+    a, b = (prior.names.index(n) for n in ("gemm_efficiency", "time_scale"))
+    i, j = (rec["names"].index(n) for n in ("gemm_efficiency", "time_scale"))
+    assert prior.correlation[a, b] == pytest.approx(corr[i, j])
+    assert prior.calibrated
 
 
 def test_plans_predicted_under_the_fit_match_the_truth_within_3_percent(case):

@@ -1,0 +1,176 @@
+"""`kareus plan`'s printed summary: the frontier ends, the prediction bands, the reductions and where the outputs went.
+
+Bands (frontier.json ``*_band``): the [5th, 95th] percentile over the cost model's parameter draws
+(plan/frontier.py); a reduction whose band holds 0 prints "not distinguishable" (n.d.).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from kareus_megatron.plan.frontier import REDUCTION_KEYS, distinguishable
+from kareus_megatron.plotting.units import energy_unit, time_unit
+from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, MEGATRON, PERSEUS
+
+ND = "n.d."  # not distinguishable: the reduction's band holds 0
+
+
+def _fmt_pct(x: float | None) -> str:
+    """A fraction as a percentage with one decimal; rounding noise (|x| < 0.05%) prints as 0.0%."""
+    return "n/a" if x is None else f"{100 * x + 0.0:.1f}%" if abs(x) >= 5e-4 else "0.0%"
+
+
+def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
+    """Predicted power swing of the fastest and the least-energy plan, as % of each one's peak."""
+    def pct(p: dict[str, Any]) -> str:
+        return f"{100 * p['swing_w'] / p['peak_power_w']:.0f}" if p.get("peak_power_w") else "n/a"
+
+    return pct(fast) if fast is slow else f"{pct(fast)} / {pct(slow)}"
+
+
+def _reduction_cell(r: dict[str, Any], key: str) -> str:
+    """A reduction with its band: '20.2% [18.1, 22.0]', and ' n.d.' when the band holds 0 (a nonzero band)."""
+    value, b = r[key], r.get(f"{key}_band")
+    if value is None or b is None:
+        return _fmt_pct(value)
+    cell = f"{_fmt_pct(value)} [{100 * b[0] + 0.0:.1f},{100 * b[1] + 0.0:.1f}]"
+    return cell + f" {ND}" if _not_distinguishable(b) else cell
+
+
+def _not_distinguishable(b: list[float] | None) -> bool:
+    """The band holds 0 and is not rounding noise around it (the same plan on both sides: |band| < 0.05%)."""
+    return b is not None and distinguishable(b) is False and max(abs(b[0]), abs(b[1])) >= 5e-4
+
+
+def _band_cell(point: dict[str, Any], key: str, factor: float) -> str:
+    """A point's band of `key` (time_s or energy_j) in the table's unit: '4.01-4.25'; '-' without one."""
+    b = point.get(f"{key}_band")
+    return "-" if b is None else f"{b[0] * factor:.3g}-{b[1] * factor:.3g}"
+
+
+def _bands_table(doc: dict[str, Any], tf: float, tu: str, ef: float, eu: str) -> Any:
+    """The table of the frontier ends' bands (None when the document has none)."""
+    from rich import box
+    from rich.table import Table
+
+    record = doc.get("bands")
+    if not record:
+        return None
+    lo, hi = record["percentiles"]
+    table = Table(title=f"bands: {lo:g}th-{hi:g}th percentile over {record['draws']} draws of the model's parameters",
+                  box=box.SIMPLE)
+    table.add_column("method", no_wrap=True)
+    for col in (f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})"):
+        table.add_column(col, justify="right")
+    for name, entry in doc["methods"].items():
+        fast, slow = entry["points"][0], entry["points"][-1]
+        table.add_row(name, _band_cell(fast, "time_s", tf), _band_cell(fast, "energy_j", ef),
+                      _band_cell(slow, "time_s", tf), _band_cell(slow, "energy_j", ef))
+    return table
+
+
+def quantity(value: float, unit_of: Callable[[Iterable[float | None]], tuple[float, str]]) -> str:
+    """`value` (s or J) in the unit plotting/units.py picks for it, e.g. '5.223 ms', '2.2 J', '1.313 MJ'."""
+    factor, unit = unit_of([value])
+    return f"{value * factor:.4g} {unit}"
+
+
+def na_notes(doc: dict[str, Any]) -> list[str]:
+    """Why a reduction reads n/a: the method has no plan as fast as (or as frugal as) Perseus's, by how much."""
+    perseus = doc["methods"][PERSEUS]["points"]
+    t_ref, e_ref = perseus[0]["time_s"], min(p["energy_j"] for p in perseus)
+    notes = []
+    for name, entry in doc["methods"].items():
+        if name == MEGATRON:  # the one-plan baseline: its iso-energy n/a is by construction
+            continue
+        pts, r = entry["points"], doc["reductions"][name]
+        if r["iso_time_energy"] is None:
+            dt = pts[0]["time_s"] - t_ref
+            notes.append(f"note: {name} iso-time energy n/a: its fastest plan is {quantity(dt, time_unit)} "
+                         f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time.")
+        if r["iso_energy_time"] is None:
+            de = min(p["energy_j"] for p in pts) - e_ref
+            notes.append(f"note: {name} iso-energy time n/a: its least-energy plan uses {quantity(de, energy_unit)} "
+                         f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy.")
+    return notes
+
+
+def not_distinguishable_notes(doc: dict[str, Any]) -> list[str]:
+    """One line per method whose advantage over a baseline is inside the band (n.d.), naming the reductions."""
+    names = {"iso_time_energy": "iso-time energy", "iso_energy_time": "iso-energy time",
+             "max_throughput_time_vs_megatron": "fastest time", "max_throughput_energy_vs_megatron": "fastest energy"}
+    notes = []
+    for name, r in doc["reductions"].items():
+        nd = [names[k] for k in REDUCTION_KEYS
+              if _not_distinguishable(r.get(f"{k}_band"))]
+        if nd:
+            notes.append(f"note: {name}: {', '.join(nd)} not distinguishable ({ND}): the band of the difference, "
+                         "draw by draw, holds 0 -- within the model's error.")
+    return notes
+
+
+def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float,
+                  suggested: bool = True, objective: str = "iso-time", robust: bool = False) -> None:
+    """Print the per-method frontier ends, the reductions, and where the outputs went."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = doc["config"]
+    console = Console()
+    console.print(f"[bold]{cfg['model']}[/] on {cfg['nodes']} × {cfg['gpus_per_node']} {cfg['gpu']}")
+    console.print(
+        f"TP={cfg['tp']} CP={cfg['cp']} PP={cfg['pp']} VP={cfg['vp']} DP={cfg['dp']}, MBS {cfg['micro_batch_size']}, "
+        f"seq {cfg['seq_length']}, {cfg['num_microbatches']} microbatches, {cfg['schedule']}"
+    )
+    ends = Table(title="frontier ends (model predictions; energy = all GPUs per iteration)", box=box.SIMPLE)
+    ends.add_column("method", no_wrap=True)
+    ends_pts = [p for entry in doc["methods"].values() for p in (entry["points"][0], entry["points"][-1])]
+    tf, tu = time_unit(p["time_s"] for p in ends_pts)  # ms for a small model's plans, else s
+    ef, eu = energy_unit(p["energy_j"] for p in ends_pts)  # J, kJ or MJ: never a column of 0.00
+    for col in ("plans", f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})", "swing (% peak)"):
+        ends.add_column(col, justify="right")
+    red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)"
+                + (" [band]" if doc.get("bands") else ""), box=box.SIMPLE)
+    red.add_column("method", no_wrap=True)
+    for col in ("iso-time energy", "iso-energy time", "fastest time", "fastest energy"):
+        red.add_column(col, justify="right")
+    for name, entry in doc["methods"].items():
+        pts = entry["points"]
+        r = doc["reductions"][name]
+        fast, slow = pts[0], pts[-1]
+        ends.add_row(name, str(len(pts)), f"{fast['time_s'] * tf:.3f}", f"{fast['energy_j'] * ef:.2f}",
+                     f"{slow['time_s'] * tf:.3f}", f"{slow['energy_j'] * ef:.2f}", _swing_cell(fast, slow))
+        red.add_row(name, *(_reduction_cell(r, key) for key in REDUCTION_KEYS))
+    console.print(ends)
+    bands = _bands_table(doc, tf, tu, ef, eu)
+    if bands is not None:
+        console.print(bands)
+    console.print(red)
+    for line in not_distinguishable_notes(doc):
+        console.print(line, highlight=False, soft_wrap=True)
+    for line in na_notes(doc):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(
+        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
+        f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
+    )
+    runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
+    console.print(
+        f"run a plan: torchrun ... -m {runner} --kareus-plan {out} --kareus-point {chosen.name} "
+        "-- your_training_script.py ...", highlight=False, soft_wrap=True,
+    )
+    console.print(_suggestion(chosen.name, suggested, objective, robust), highlight=False, soft_wrap=True)
+
+
+def _suggestion(name: str, suggested: bool, objective: str, robust: bool) -> str:
+    """The line that says why `name` is the plan drawn and suggested."""
+    if not suggested:
+        return f"{name}: the plan named by --timeline"
+    across = " across the band (95th percentiles, --robust)" if robust else ""
+    if objective == "iso-time":
+        return (f"{name} is the iso-time plan (Megatron's speed{across}, least predicted energy)"
+                + ("" if robust else ", which --kareus-point picks by default"))
+    return f"{name} meets --objective {objective}{across}"
