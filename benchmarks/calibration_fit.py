@@ -3,11 +3,12 @@
 Fits the model to the GPT-3 175B stage profile (TP=8, PP=8, assumed seq 2048, MBS 1, no recompute),
 then prints, for GPT-3 (fit) and BLOOM 176B (same calibration, unchanged) and for the presets alone:
 time-ratio t(f)/t(1410) MAPE (%), power E/t MAPE (%), and the energy-minimising clock error (MHz) of
-every series. The "datasheet-derived" rows use no measured profile at all: the A100's power fields come
+every series. The "datasheet-derived" rows use one measured number, the base-clock rule's fraction (read off
+the A100 fit, hardware/derive.py base_draw_fraction): the A100's power fields come
 from hardware/derive.py (datasheet facts; the measured blocked power as idle power), the kernel model is
 the default with comm_compute_activity = 1 (the default's value is fitted). `--write` stores the
 calibration in kareus_megatron/data/; `--bake` also prints the
-power-model values fitted with the default kernel model (the ones written into hardware/gpus.toml;
+power-model values fitted with the default kernel model (the ones written into hardware/dies.toml, GA100;
 memory_dynamic_w is held at 125 W: the compute-bound GPT-3 profile does not identify it, a free fit moves
 it to 43 W at the same error).
 
@@ -100,8 +101,9 @@ def main() -> None:
     print(row("BLOOM 176B, GPT-3 calibration", series_metrics(km_cal, b_series)))
     print(row("GPT-3 175B, presets only", series_metrics(km_pre, g_series)))
     print(row("BLOOM 176B, presets only", series_metrics(km_pre, b_series)))
-    # no fitted number at all: the derived power fields, the default kernel efficiencies, and a comm SM drawing
-    # like one busy compute SM (comm_compute_activity = 1 instead of the value fitted with the presets)
+    # the derived power fields (one measured number: the base-clock rule's fraction), the default kernel
+    # efficiencies, and a comm SM drawing like one busy compute SM (comm_compute_activity = 1 instead of the
+    # value fitted with the presets)
     km_der = KernelModel.from_params(derived_spec("a100-sxm4-80gb"), KernelParams(comm_compute_activity=1.0))
     print(row("GPT-3 175B, datasheet-derived", series_metrics(km_der, g_series)))
     print(row("BLOOM 176B, datasheet-derived", series_metrics(km_der, b_series)))

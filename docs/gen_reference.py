@@ -24,6 +24,7 @@ from kareus_megatron.plan.io import SCHEMA_PATH  # noqa: E402
 from kareus_megatron.plan.schema import PLAN_FORMAT  # noqa: E402
 
 GPUS_TOML = ROOT / "kareus_megatron" / "hardware" / "gpus.toml"
+DIES_TOML = ROOT / "kareus_megatron" / "hardware" / "dies.toml"
 HELP_WIDTH = "100"  # columns argparse wraps help text at, so the pages do not depend on the terminal
 
 
@@ -155,13 +156,18 @@ def presets_page() -> str:
             key, _, rest = line.partition("=")
             comment = rest.split("#", 1)[1].strip() if "#" in rest else ""
             sources[current][key.strip()] = comment
+    from kareus_megatron.hardware.gpus import resolve_die
+
     names = list(presets)
+    for n in names:  # the fields each preset takes from its die (hardware/dies.toml), with the die's sources
+        presets[n], sources[n] = resolve_die(n, presets[n], sources[n])
+    header += ["", *(line[2:].rstrip() for line in DIES_TOML.read_text().splitlines() if line.startswith("#"))]
     lines = [
         "# GPU presets",
         "",
-        "Generated from `kareus_megatron/hardware/gpus.toml` at every `make docs`; every number with the",
-        "source its line gives (abbreviations below, full citations in [Sources](../sources.md)). `--gpu NAME`",
-        "picks a preset on every command.",
+        "Generated from `kareus_megatron/hardware/gpus.toml` and `dies.toml` (the power curves every board of a",
+        "die shares) at every `make docs`; every number with the source its line gives (abbreviations below, full",
+        "citations in [Sources](../sources.md)). `--gpu NAME` picks a preset on every command.",
         "",
         "| preset | SMs | max SM clock (MHz) | bf16 dense (TFLOP/s) | HBM (GB/s) | memory (GB) | power limit (W) |"
         " blocked power (W) |",

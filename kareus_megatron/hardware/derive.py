@@ -1,9 +1,10 @@
-"""Power-model parameters (W, MHz, dimensionless) derived from datasheet facts alone; no profile is fitted.
+"""Power-model parameters (W, MHz, dimensionless) derived from datasheet facts and one measured die.
 
-Facts (keys of a gpus.toml table; every GPU's datasheet or its driver has them): ``tdp_w`` (the standard
-board power the base clock is rated at), ``sm_clock_base_mhz`` and ``sm_clock_max_mhz`` (base and boost
-clock), ``idle_power_w`` (board power at the max clock with no kernel running; the measured blocked power
-where one exists), ``memory_type`` and ``hbm_gb_per_s``, ``process_node``, ``architecture``, ``sm_count``.
+Facts (keys of a gpus.toml table with its die's from hardware/dies.toml; every GPU's datasheet or its
+driver has them): ``tdp_w`` (the standard board power the base clock is rated at), ``sm_clock_base_mhz``
+and ``sm_clock_max_mhz`` (base and boost clock), ``idle_power_w`` (board power at the max clock with no
+kernel running; the measured blocked power where one exists), ``memory_type`` and ``hbm_gb_per_s``,
+``process_node``, ``architecture``, ``sm_count``.
 The mapping, argued in docs/sources.md#derived-power:
 
 - *Voltage curve* (``voltage_floor``, ``voltage_knee_mhz``): GPU Boost raises clock and voltage together
@@ -15,9 +16,16 @@ The mapping, argued in docs/sources.md#derived-power:
   of it is a property of the node (_NODES).
 - *Memory* (``memory_dynamic_w``): bandwidth × energy per bit of the memory type, DRAM access and I/O plus
   the on-die transport from the memory controller to the SMs (_MEMORY_PJ_PER_BIT).
-- *Compute* (``compute_dynamic_w``): NVIDIA rates the base clock as the clock sustained within TDP under the
-  heaviest workload; that workload (compute activity 1, memory activity _DESIGN_MEMORY_ACTIVITY) at the base
-  clock draws exactly ``tdp_w``, which fixes the compute coefficient.
+- *Compute* (``compute_dynamic_w``): full compute activity (no memory traffic) at the base clock draws
+  ``base_draw_fraction()`` × ``tdp_w``, which fixes the compute coefficient. The fraction is measured, not
+  assumed: it is what the GA100 die's curves, fitted to the measured Perseus A100 profile, draw at the
+  A100-SXM4's base clock (1095 MHz) over its 400 W TDP, 0.816 (docs/sources.md#base-clock-rule).
+  The rule it replaces, "the heaviest load (compute and memory activity 1) at the base clock draws exactly the
+  TDP", is contradicted by that profile: the GA100 curves put that load at 1.13 × TDP at 1095 MHz, and a
+  measured GPT-3 175B stage draws about 292 W there on a 400 W-TDP (500 W-limit) board.
+
+Boards of one die share its curves (hardware/dies.toml): ``derived_die_fields`` derives them once, from the
+die's reference board.
 
 ``derive_power_params`` returns the fields of hardware/power.py; ``derived_spec`` gives a preset with them.
 """
@@ -29,7 +37,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.hardware.gpus import GPUSpec, preset_table
+from kareus_megatron.hardware import power as _power
+from kareus_megatron.hardware.gpus import DIE_FIELDS, GPUSpec, die_table, gpu_spec, preset_table
 
 # Process node -> (alpha-power-law exponent α, threshold voltage / V at the max clock, leakage share of the idle
 # power at the max clock). α ≈ 1.3 for velocity-saturated short-channel CMOS (Sakurai & Newton 1990, measured
@@ -47,8 +56,8 @@ _NODES: dict[str, tuple[float, float, float]] = {
 # Micron TN-ED-04) plus ~2 pJ/bit of on-die transport memory controller -> L2 -> SM (Dally, "GPU computing to
 # exascale and beyond", SC10: ~1 pJ/bit/mm-class wires over a few mm).
 _MEMORY_PJ_PER_BIT: dict[str, float] = {"HBM2": 5.9, "HBM2e": 5.9, "HBM3": 5.3, "HBM3e": 4.9, "GDDR6": 9.5}
-# Memory activity of the design workload the base clock is rated on (NVIDIA's worst-case compute + memory load).
-_DESIGN_MEMORY_ACTIVITY = 1.0
+# The measured die whose curves (at its reference board's base clock and TDP) set base_draw_fraction().
+MEASURED_DIE = "ga100"
 _FACT_KEYS = ("tdp_w", "sm_clock_base_mhz", "sm_clock_max_mhz", "idle_power_w", "memory_type", "hbm_gb_per_s",
               "process_node", "architecture", "sm_count")
 
@@ -93,11 +102,25 @@ def derive_power_params(facts: Mapping[str, Any]) -> dict[str, float]:
     idle_dyn = idle - static
     memory = float(facts["hbm_gb_per_s"]) * 1e9 * 8 * _MEMORY_PJ_PER_BIT[mem] * 1e-12
     scale = (base / fmax) * floor * floor  # (f/f_max)·v² at the base clock
-    compute = (float(facts["tdp_w"]) - static - memory * _DESIGN_MEMORY_ACTIVITY) / scale - idle_dyn
+    compute = (base_draw_fraction() * float(facts["tdp_w"]) - static) / scale - idle_dyn
     if compute <= 0:
-        raise ConfigError(f"TDP {facts['tdp_w']} W leaves no compute power after static and memory power.")
+        raise ConfigError(f"TDP {facts['tdp_w']} W leaves no compute power after the static and idle power.")
     return {"static_power_w": static, "idle_dynamic_w": idle_dyn, "compute_dynamic_w": compute,
             "memory_dynamic_w": memory, "voltage_floor": floor, "voltage_knee_mhz": base}
+
+
+def base_draw_fraction() -> float:
+    """Board power (W) of full compute activity, no memory traffic, at the base clock over the TDP (W), on the
+    measured die (MEASURED_DIE: its curves at its reference board's base clock and TDP); dimensionless."""
+    board = preset_table(str(die_table(MEASURED_DIE)["reference_preset"]))
+    spec = gpu_spec(str(die_table(MEASURED_DIE)["reference_preset"]))
+    return float(_power.raw_power_w(spec, float(board["sm_clock_base_mhz"]), 1.0, 0.0)) / float(board["tdp_w"])
+
+
+def derived_die_fields(die: str) -> dict[str, float]:
+    """The power-model fields of `die` (hardware/dies.toml) derived from its reference board's datasheet facts."""
+    d = derive_power_params(preset_table(str(die_table(die)["reference_preset"])))
+    return {k: v for k, v in d.items() if k in DIE_FIELDS}
 
 
 def derived_spec(name: str) -> GPUSpec:

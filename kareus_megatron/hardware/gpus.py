@@ -2,7 +2,8 @@
 
 Terms: *SM clock* is the graphics clock a pipeline instruction is locked to (MHz); *peak* throughputs
 are dense tensor-core FLOP/s at the maximum SM clock on all SMs; bandwidths are bytes/s per direction
-per GPU. Power-model parameters are documented in hardware/power.py and in gpus.toml.
+per GPU. Power-model parameters are documented in hardware/power.py, gpus.toml and dies.toml (the curves a
+preset shares with the other boards of its die).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class GPUSpec:
     nvlink_bytes_per_s: float  # intra-node link, per direction
     internode_bytes_per_s: float  # network bandwidth per GPU, per direction
     power_limit_w: float
+    die: str = ""  # hardware/dies.toml table whose curves this board shares ("": the preset carries its own)
     # NVML's minimum enforceable power limit (W; nvidia-smi -q -d POWER "Min Power Limit"); None: not in the
     # preset, hardware/device/base.min_power_limit_w falls back to a quarter of power_limit_w
     min_power_limit_w: float | None = None
@@ -162,8 +164,58 @@ def _clock_latency_s(name: str, t: Mapping[str, Any]) -> float:
     return ms / 1000.0
 
 
+# The fields a die (hardware/dies.toml) sets for every board of it; a preset naming the die may not repeat them.
+DIE_FIELDS = ("architecture", "process_node", "idle_power_w", "p_blocked_w", "static_power_w", "idle_dynamic_w",
+              "compute_dynamic_w", "voltage_floor", "voltage_knee_mhz")
+
+
+@functools.lru_cache(maxsize=1)
+def _dies() -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    text = resources.files("kareus_megatron.hardware").joinpath("dies.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text), _sources(text)
+
+
+def die_names() -> list[str]:
+    """Names of the dies of hardware/dies.toml, sorted."""
+    return sorted(_dies()[0])
+
+
+def die_table(die: str) -> dict[str, Any]:
+    """The raw dies.toml table of `die` (a copy); ConfigError naming the known dies otherwise."""
+    dies = _dies()[0]
+    if die not in dies:
+        raise ConfigError(f"unknown die {die!r}; known: {', '.join(sorted(dies))} (hardware/dies.toml). Add a die "
+                          "table there, or give the preset its own power fields instead of `die`.")
+    return dict(dies[die])
+
+
+def resolve_die(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """(table, sources) of preset `name` with its die's fields filled in (no `die` key: unchanged).
+
+    A preset that repeats a die field is refused: boards of one die differ only where their datasheets do.
+    """
+    table, src = dict(t), dict(sources or {})
+    if "die" not in table:
+        return table, src
+    die = str(table["die"])
+    dt = die_table(die)
+    again = [k for k in DIE_FIELDS if k in table]
+    if again:
+        raise ConfigError(f"GPU preset {name!r} names die {die!r} but also sets {', '.join(again)}: boards of one "
+                          "die share its curves (hardware/dies.toml); drop them from the preset.")
+    die_src = _dies()[1].get(die, {})
+    for k in DIE_FIELDS:
+        if k in dt:
+            table[k] = dt[k]
+            src[k] = f"[die {die}] {die_src.get(k, '')}".strip()
+    return table, src
+
+
 def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None) -> GPUSpec:
-    """Build a GPUSpec from one gpus.toml table (preset units: MHz, TFLOP/s, GB/s, W)."""
+    """Build a GPUSpec from one gpus.toml table (preset units: MHz, TFLOP/s, GB/s, W); a `die` key brings in
+    that die's fields (hardware/dies.toml, resolve_die)."""
+    t, sources = resolve_die(name, t, sources)
     try:
         lo, hi, step = int(t["sm_clock_min_mhz"]), int(t["sm_clock_max_mhz"]), int(t["sm_clock_step_mhz"])
         clocks = tuple(range(hi, lo - 1, -step))
@@ -175,6 +227,7 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
             name=name,
             device_names=tuple(t.get("device_names", ())),
             architecture=str(t.get("architecture", "")),
+            die=str(t.get("die", "")),
             sm_count=int(t["sm_count"]),
             sm_clocks_mhz=clocks,
             peak_tflops=peak,
@@ -211,9 +264,9 @@ def _presets() -> dict[str, GPUSpec]:
 
 
 def preset_table(name: str) -> dict[str, Any]:
-    """The raw gpus.toml table of preset `name` (preset units; datasheet facts included), a copy."""
+    """The gpus.toml table of preset `name` with its die's fields (preset units; datasheet facts included), a copy."""
     gpu_spec(name)  # UnknownPresetError for unknown names
-    return dict(_tables()[0][name])
+    return resolve_die(name, _tables()[0][name])[0]
 
 
 def gpu_names() -> list[str]:

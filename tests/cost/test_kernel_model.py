@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kareus_megatron.cost import KernelModel, load_calibration
 from kareus_megatron.cost.calibration import shipped_calibration_path
 from kareus_megatron.errors import CalibrationError
-from kareus_megatron.hardware.gpus import gpu_spec
+from kareus_megatron.hardware.gpus import gpu_names, gpu_spec
 from kareus_megatron.workload.models import model_spec
 from kareus_megatron.workload.opgraph import Op, layer_ops
 from kareus_megatron.workload.parallel import make_parallel
@@ -145,7 +145,7 @@ def test_shipped_calibration_loads_and_applies():
 
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 65536), n=st.integers(1, 65536), k=st.integers(1, 16384),
-       gpu=st.sampled_from(["a100-sxm4-40gb", "a100-pcie-80gb", "a40", "h100-sxm5-80gb"]),
+       gpu=st.sampled_from(gpu_names()),  # every table of gpus.toml
        sms=st.integers(1, 132), frac=st.floats(0.3, 1.0))
 def test_op_profile_invariants(m, n, k, gpu, sms, frac):
     g = gpu_spec(gpu)
