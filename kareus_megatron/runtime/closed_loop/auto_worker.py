@@ -233,8 +233,10 @@ class AutoWorker(threading.Thread):
     def _plan(self, version: int, calibration: Path | None, tag: str, max_time_s: float | None = None,
               points: int = 2) -> Path:
         out = self.dir / (f"plan-{version}" + ("" if max_time_s is None else "-bounded"))
+        # --band-samples 0: the loop selects on the point estimate, and drawing bands would take CPU from the
+        # training it replans beside
         args = kareus_command("plan", *self.job_args, "--methods", self._method(), "--points", str(points),
-                              "--out", str(out))
+                              "--band-samples", "0", "--out", str(out))
         if calibration is not None:
             args += ["--calibration", str(calibration)]
         from kareus_megatron.hardware.device import backend_from_env
