@@ -33,9 +33,11 @@ install-test: $(VENV)/.test
 demo: $(VENV)/.core
 	$(BIN)/kareus plan
 
-# ruff (lint) and mypy (the whole package) are configured in pyproject.toml.
+# ruff (lint and format: `$(BIN)/ruff format .` rewrites what --check refuses) and mypy (the whole package) are
+# configured in pyproject.toml.
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # Two workers (tests/conftest.py keeps a file's tests, and all of tests/megatron_lm/, on one worker): 797 s for

@@ -48,8 +48,14 @@ WORKLOADS = {
     "gpt3": ("gpt3-175b", "gpt3-175b+a100_sxm_bf16.csv", {}),
     "bloom": ("bloom-176b", "bloom+a100_sxm_bf16.csv", {"first_stage_layers": 9, "last_stage_layers": 7}),
 }
-POWER_FIELDS = ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "voltage_floor", "voltage_knee_mhz",
-                "comm_compute_activity")
+POWER_FIELDS = (
+    "static_power_w",
+    "idle_dynamic_w",
+    "compute_dynamic_w",
+    "voltage_floor",
+    "voltage_knee_mhz",
+    "comm_compute_activity",
+)
 
 
 def load(which: str, data: Path):
@@ -72,9 +78,11 @@ def per_series_argmin(km: KernelModel, series) -> list[str]:
 
 def row(label: str, m: dict) -> str:
     """One printed line of figures."""
-    return (f"{label:34s} time-ratio MAPE {m['time_ratio_mape_pct']:5.2f}%  power MAPE {m['power_mape_pct']:5.2f}%  "
-            f"energy-ratio MAPE {m['energy_ratio_mape_pct']:5.2f}%  argmin error max "
-            f"{m['argmin_clock_err_max_mhz']:4.0f} MHz (mean {m['argmin_clock_err_mean_mhz']:4.1f})")
+    return (
+        f"{label:34s} time-ratio MAPE {m['time_ratio_mape_pct']:5.2f}%  power MAPE {m['power_mape_pct']:5.2f}%  "
+        f"energy-ratio MAPE {m['energy_ratio_mape_pct']:5.2f}%  argmin error max "
+        f"{m['argmin_clock_err_max_mhz']:4.0f} MHz (mean {m['argmin_clock_err_mean_mhz']:4.1f})"
+    )
 
 
 def main() -> None:
@@ -92,8 +100,12 @@ def main() -> None:
     t0 = time.perf_counter()
     cal = fit_calibration(g_prof, gpu, g_model, g_par, fit_abs_time=False, verbose=False)
     fit_s = time.perf_counter() - t0
-    cal = cal.model_copy(update={"source": "stage profile gpt3-175b+a100_sxm_bf16.csv (Perseus SOSP'24 artifact, "
-                                           "A100-SXM4-80GB; benchmarks/data/perseus_sosp24)"})
+    cal = cal.model_copy(
+        update={
+            "source": "stage profile gpt3-175b+a100_sxm_bf16.csv (Perseus SOSP'24 artifact, "
+            "A100-SXM4-80GB; benchmarks/data/perseus_sosp24)"
+        }
+    )
     km_cal = KernelModel(gpu, cal)
     km_pre = KernelModel(gpu)
     print(f"fit: {fit_s:.1f} s on this machine (2 shared cores; noisy)")
@@ -107,8 +119,10 @@ def main() -> None:
     km_der = KernelModel.from_params(derived_spec("a100-sxm4-80gb"), KernelParams(comm_compute_activity=1.0))
     print(row("GPT-3 175B, datasheet-derived", series_metrics(km_der, g_series)))
     print(row("BLOOM 176B, datasheet-derived", series_metrics(km_der, b_series)))
-    print("targets: calibrated GPT-3 <= 3% / 5% / +-45 MHz; BLOOM <= 5% / 8%; presets GPT-3 <= 10% / 10%; "
-          "datasheet-derived power <= 10% and argmin <= 60 MHz on both")
+    print(
+        "targets: calibrated GPT-3 <= 3% / 5% / +-45 MHz; BLOOM <= 5% / 8%; presets GPT-3 <= 10% / 10%; "
+        "datasheet-derived power <= 10% and argmin <= 60 MHz on both"
+    )
     if args.verbose:
         for line in per_series_argmin(km_cal, g_series + b_series):
             print("  argmin (calibrated, predicted vs measured) " + line)

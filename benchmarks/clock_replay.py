@@ -55,13 +55,45 @@ def jobs(quick: bool) -> list[tuple[str, Any, Any, Any]]:
     out = []
     if not quick:
         m = model_spec("llama3.2-3b")
-        out.append(("default job (llama3.2-3b, A100-40GB)", gpu_spec("a100-sxm4-40gb"), m, make_parallel(
-            m, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full",
-            first_stage_layers=15, last_stage_layers=13, nodes=2, gpus_per_node=8)))
+        out.append(
+            (
+                "default job (llama3.2-3b, A100-40GB)",
+                gpu_spec("a100-sxm4-40gb"),
+                m,
+                make_parallel(
+                    m,
+                    tp=8,
+                    pp=2,
+                    micro_batch_size=8,
+                    seq_length=4096,
+                    num_microbatches=8,
+                    recompute="full",
+                    first_stage_layers=15,
+                    last_stage_layers=13,
+                    nodes=2,
+                    gpus_per_node=8,
+                ),
+            )
+        )
     q = model_spec("qwen3-1.7b")
-    out.append(("Qwen3-1.7B TP=8 PP=2 MBS 1 (H100)", gpu_spec("h100-sxm5-80gb"), q, make_parallel(
-        q, tp=8, pp=2, micro_batch_size=1, seq_length=2048, num_microbatches=8, recompute="full", nodes=2,
-        gpus_per_node=8)))
+    out.append(
+        (
+            "Qwen3-1.7B TP=8 PP=2 MBS 1 (H100)",
+            gpu_spec("h100-sxm5-80gb"),
+            q,
+            make_parallel(
+                q,
+                tp=8,
+                pp=2,
+                micro_batch_size=1,
+                seq_length=2048,
+                num_microbatches=8,
+                recompute="full",
+                nodes=2,
+                gpus_per_node=8,
+            ),
+        )
+    )
     return out
 
 
@@ -80,9 +112,16 @@ def replay(result: Any, method: str, index: int, latency_s: float) -> dict[str, 
         ctl = ClockController(dev, lambda m: None, simulation=simulation_of(dev))
         if ctl.probe()["op"] != "ready":
             raise RuntimeError("the simulated GPU refused clock control")
+
         def records(its: range, mine: list[Any] = mine, clocks: list[int] = clocks) -> bytes:
-            return encode_records([x for it in its for k, (t, mhz) in enumerate(zip(mine, clocks))
-                                   for x in begin_record(t0 + it * sim.time_s + t.start_s, it, k, mhz, t.key[0])])
+            return encode_records(
+                [
+                    x
+                    for it in its
+                    for k, (t, mhz) in enumerate(zip(mine, clocks))
+                    for x in begin_record(t0 + it * sim.time_s + t.start_s, it, k, mhz, t.key[0])
+                ]
+            )
 
         ctl.feed(records(range(1)))  # warm-up: the first clock is locked from none (the report skips warm-up too)
         before = dict(ctl.counts)
@@ -90,16 +129,28 @@ def replay(result: Any, method: str, index: int, latency_s: float) -> dict[str, 
         for key in counts:
             counts[key] += ctl.counts[key] - before[key]
     asked = counts["applied"] + counts["stale"]
-    return {**counts, "requested": asked, "in_time": 1.0 if not asked else (counts["applied"] - counts["late"]) / asked,
-            "changes_per_rank_iteration": asked / (ITERATIONS * result.par.pp), "short_share": short}
+    return {
+        **counts,
+        "requested": asked,
+        "in_time": 1.0 if not asked else (counts["applied"] - counts["late"]) / asked,
+        "changes_per_rank_iteration": asked / (ITERATIONS * result.par.pp),
+        "short_share": short,
+    }
 
 
 def run_job(name: str, gpu: Any, model: Any, par: Any, aware: bool) -> list[dict[str, Any]]:
     """The table rows of one job planned latency-aware (`aware`) or as before (changes at once)."""
     lat = None if aware else ClockLatency(0.0)
     t = time.perf_counter()
-    result = plan_methods(gpu, model, par, KernelModel(gpu), points=10, clock_latency=lat,
-                          methods=[m for m in CLOCK_METHODS if m != NANOBATCH_PERSEUS or par.micro_batch_size % 2 == 0])
+    result = plan_methods(
+        gpu,
+        model,
+        par,
+        KernelModel(gpu),
+        points=10,
+        clock_latency=lat,
+        methods=[m for m in CLOCK_METHODS if m != NANOBATCH_PERSEUS or par.micro_batch_size % 2 == 0],
+    )
     plan_s = time.perf_counter() - t
     red = reductions({m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in result.methods.items()})
     rows = []
@@ -107,14 +158,22 @@ def run_job(name: str, gpu: Any, model: Any, par: Any, aware: bool) -> list[dict
         if method not in result.methods:
             continue
         reps = [replay(result, method, i, gpu.clock_latency_s) for i in result.methods[method].chosen]
-        rows.append({"job": name, "planning": "latency-aware" if aware else "instant (before)", "method": method,
-                     "plans": len(reps), "plan_s": plan_s,
-                     "changes": sum(r["changes_per_rank_iteration"] for r in reps) / len(reps),
-                     "in_time_min": min(r["in_time"] for r in reps),
-                     "in_time_mean": sum(r["in_time"] for r in reps) / len(reps),
-                     "stale": sum(r["stale"] for r in reps), "late": sum(r["late"] for r in reps),
-                     "short_share_max": max(r["short_share"] for r in reps),
-                     "iso_time_energy": red[method]["iso_time_energy"]})
+        rows.append(
+            {
+                "job": name,
+                "planning": "latency-aware" if aware else "instant (before)",
+                "method": method,
+                "plans": len(reps),
+                "plan_s": plan_s,
+                "changes": sum(r["changes_per_rank_iteration"] for r in reps) / len(reps),
+                "in_time_min": min(r["in_time"] for r in reps),
+                "in_time_mean": sum(r["in_time"] for r in reps) / len(reps),
+                "stale": sum(r["stale"] for r in reps),
+                "late": sum(r["late"] for r in reps),
+                "short_share_max": max(r["short_share"] for r in reps),
+                "iso_time_energy": red[method]["iso_time_energy"],
+            }
+        )
     return rows
 
 
@@ -129,17 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(run_job(name, gpu, model, par, aware))
     lat = {name: gpu.clock_latency_s for name, gpu, _m, _p in jobs(args.quick)}
     print(f"clock replay: {ITERATIONS} iterations per rank through the controller's decisions at the preset latency")
-    head = (f"{'job':36s} {'planning':17s} {'method':18s} {'plans':>5s} {'chg/it':>7s} {'in time':>15s} "
-            f"{'stale':>6s} {'late':>5s} {'<10ms':>6s} {'iso-T E':>8s}")
+    head = (
+        f"{'job':36s} {'planning':17s} {'method':18s} {'plans':>5s} {'chg/it':>7s} {'in time':>15s} "
+        f"{'stale':>6s} {'late':>5s} {'<10ms':>6s} {'iso-T E':>8s}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         iso = "n/a" if r["iso_time_energy"] is None else f"{r['iso_time_energy'] * 100:.1f}%"
-        print(f"{r['job']:36.36s} {r['planning']:17s} {r['method']:18s} {r['plans']:5d} {r['changes']:7.2f} "
-              f"{r['in_time_min'] * 100:6.1f}% / {r['in_time_mean'] * 100:5.1f}% {r['stale']:6d} {r['late']:5d} "
-              f"{r['short_share_max'] * 100:5.1f}% {iso:>8s}")
-    print("in time: worst plan / mean over the chosen plans; <10ms: worst stage's busy share in clock segments "
-          "< 10 ms; latency per job: " + ", ".join(f"{k.split(' (')[0]} {v * 1e3:g} ms" for k, v in lat.items()))
+        print(
+            f"{r['job']:36.36s} {r['planning']:17s} {r['method']:18s} {r['plans']:5d} {r['changes']:7.2f} "
+            f"{r['in_time_min'] * 100:6.1f}% / {r['in_time_mean'] * 100:5.1f}% {r['stale']:6d} {r['late']:5d} "
+            f"{r['short_share_max'] * 100:5.1f}% {iso:>8s}"
+        )
+    print(
+        "in time: worst plan / mean over the chosen plans; <10ms: worst stage's busy share in clock segments "
+        "< 10 ms; latency per job: " + ", ".join(f"{k.split(' (')[0]} {v * 1e3:g} ms" for k, v in lat.items())
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -100,8 +100,29 @@ QUICK_CLOCK_LATENCY_MS = "0"
 def job_flags(pp: int) -> list[str]:
     """`kareus plan` workload flags of the PP-stage llama3.2-3b job (module doc)."""
     split = ["--first-stage-layers", "2", "--last-stage-layers", "2"] if pp == 8 else []
-    return ["--model", "llama3.2-3b", "--gpu", GPU, "--tp", "1", "--pp", str(pp), "--mbs", "1", "--seq", "2048",
-            "--microbatches", str(2 * pp), "--nodes", "1", "--gpus-per-node", str(pp), "--recompute", "full", *split]
+    return [
+        "--model",
+        "llama3.2-3b",
+        "--gpu",
+        GPU,
+        "--tp",
+        "1",
+        "--pp",
+        str(pp),
+        "--mbs",
+        "1",
+        "--seq",
+        "2048",
+        "--microbatches",
+        str(2 * pp),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        str(pp),
+        "--recompute",
+        "full",
+        *split,
+    ]
 
 
 def _kareus(*args: str) -> None:
@@ -119,8 +140,19 @@ def plan_iso_time(flags: list[str], calibration: Path | None, out: Path) -> tupl
     _kareus("plan", *flags, *cal, "--methods", KAREUS, "--points", "2", "--out", str(out))
     mega = select_frontier_points(out, "all", method=MEGATRON, allow_all=True)[0]
     bounded = out.with_name(out.name + "-bounded")
-    _kareus("plan", *flags, *cal, "--methods", KAREUS, "--points", "2", "--out", str(bounded),
-            "--max-time", repr(mega.time_s * (1 + 1e-9)))
+    _kareus(
+        "plan",
+        *flags,
+        *cal,
+        "--methods",
+        KAREUS,
+        "--points",
+        "2",
+        "--out",
+        str(bounded),
+        "--max-time",
+        repr(mega.time_s * (1 + 1e-9)),
+    )
     points = select_frontier_points(bounded, "all", method=KAREUS, allow_all=True)
     best = select_point(points, Objective("iso-time"), reference_time_s=mega.time_s)
     return load_plan(best.plan_path), load_plan(mega.plan_path)
@@ -152,8 +184,7 @@ def make_job(pp: int, flags: list[str], work: Path, window_s: float = EXACT_WIND
     truth_plan, _ = plan_iso_time(flags, truth_file, work / "truth-plan")
     gpu = plan_workload(base)[0]
     max_plan = uniform_plan(base, gpu.sm_clocks_mhz[0])
-    return Job(pp, flags, work, base_path, base, KernelModel(gpu, truth_calibration()), truth_plan, max_plan,
-               window_s)
+    return Job(pp, flags, work, base_path, base, KernelModel(gpu, truth_calibration()), truth_plan, max_plan, window_s)
 
 
 def profile_schedule(job: Job, clocks: int, per_clock: int) -> list[int]:
@@ -162,8 +193,9 @@ def profile_schedule(job: Job, clocks: int, per_clock: int) -> list[int]:
     return [order[0]] * WARMUP_ITERATIONS + [f for f in order for _ in range(per_clock)]
 
 
-def fit_profile(job: Job, clocks: int, per_clock: int, seed: int, quantum_s: float = 0.0,
-                window_s: float | None = None) -> tuple[Calibration | None, float]:
+def fit_profile(
+    job: Job, clocks: int, per_clock: int, seed: int, quantum_s: float = 0.0, window_s: float | None = None
+) -> tuple[Calibration | None, float]:
     """(calibration fitted to a synthetic profile, or None when the fit refuses it; fit wall time s).
 
     `quantum_s`: the energy counter's step (s; 0: exact); `window_s`: the shortest energy window (s; default the
@@ -171,15 +203,25 @@ def fit_profile(job: Job, clocks: int, per_clock: int, seed: int, quantum_s: flo
     window_s = job.window_s if window_s is None else window_s
     order = interleaved(profile_clocks_mhz(plan_workload(job.base)[0].sm_clocks_mhz, clocks))
     log_dir = job.work / f"log-c{clocks}-r{per_clock}-s{seed}-q{quantum_s:g}"
-    write_log(log_dir, job.base_path, truth_calibration(), clocks=order, iters_per_clock=per_clock,
-              warmup=WARMUP_ITERATIONS, seed=seed, tags=True, energy_quantum_s=quantum_s)
+    write_log(
+        log_dir,
+        job.base_path,
+        truth_calibration(),
+        clocks=order,
+        iters_per_clock=per_clock,
+        warmup=WARMUP_ITERATIONS,
+        seed=seed,
+        tags=True,
+        energy_quantum_s=quantum_s,
+    )
     gpu, model, par = plan_workload(job.base)
     log = read_run_log(log_dir)
     t0 = time.perf_counter()
     try:
         windows = energy_windows(log, min_window_s=window_s)
-        cal = fit_from_logs([LogRun(label=str(log_dir), model=model, par=par, samples=instruction_samples(log),
-                                    windows=windows)], gpu)
+        cal = fit_from_logs(
+            [LogRun(label=str(log_dir), model=model, par=par, samples=instruction_samples(log), windows=windows)], gpu
+        )
     except CalibrationError:
         return None, time.perf_counter() - t0
     return cal, time.perf_counter() - t0
@@ -191,12 +233,15 @@ def prediction_error(plan: Plan, cal: Calibration, truth: KernelModel) -> float:
     return max(abs(fit.time_s / true.time_s - 1), abs(fit.energy_j / true.energy_j - 1))
 
 
-def search_profile(job: Job, schedules, seeds, quantum_s: float = 0.0, window_s: float | None = None,
-                   label: str = "") -> dict[str, Any]:
+def search_profile(
+    job: Job, schedules, seeds, quantum_s: float = 0.0, window_s: float | None = None, label: str = ""
+) -> dict[str, Any]:
     """Figure 1 for one job: the schedules in order of total until both plans are within WITHIN."""
     rows, smallest = [], {"max_clock": None, "kareus": None}
-    print(f"\n[1] PP={job.pp}{label}: worst error over {len(seeds)} noise draw(s) of the fitted model's predicted "
-          f"iteration time/energy (within {WITHIN:.0%}?)")
+    print(
+        f"\n[1] PP={job.pp}{label}: worst error over {len(seeds)} noise draw(s) of the fitted model's predicted "
+        f"iteration time/energy (within {WITHIN:.0%}?)"
+    )
     print(f"    {'C':>2} {'R':>2} {'iters':>5} {'max-clock plan':>15} {'kareus plan':>12} {'fit s':>6}")
     for c, r in schedules:
         total = WARMUP_ITERATIONS + c * r
@@ -218,11 +263,21 @@ def search_profile(job: Job, schedules, seeds, quantum_s: float = 0.0, window_s:
             break
     for key, name in (("max_clock", "max-clock plan"), ("kareus", "kareus plan")):
         s = smallest[key]
-        print(f"    smallest profile within {WITHIN:.0%} for the {name}: "
-              + ("none of these" if s is None else f"{s['iterations']} iterations ({s['clocks']} clocks × "
-                                                   f"{s['per_clock']})"))
-    return {"pp": job.pp, "quantum_s": quantum_s, "window_s": window_s or job.window_s, "rows": rows,
-            "smallest": smallest}
+        print(
+            f"    smallest profile within {WITHIN:.0%} for the {name}: "
+            + (
+                "none of these"
+                if s is None
+                else f"{s['iterations']} iterations ({s['clocks']} clocks × {s['per_clock']})"
+            )
+        )
+    return {
+        "pp": job.pp,
+        "quantum_s": quantum_s,
+        "window_s": window_s or job.window_s,
+        "rows": rows,
+        "smallest": smallest,
+    }
 
 
 def _err(e: float) -> str:
@@ -247,50 +302,90 @@ def auto_against_truth(job: Job, clocks: int, per_clock: int) -> dict[str, Any]:
     saving = mx.energy_j - auto.energy_j  # J per iteration against max clocks
     over_e, over_t = prof_e - n * auto.energy_j, prof_t - n * auto.time_s
     planning_iters = planning_s / mx.time_s
-    fig = {"pp": job.pp, "energy_ratio": auto.energy_j / ideal.energy_j, "time_ratio": auto.time_s / ideal.time_s,
-           "fit_error_max_clock": prediction_error(job.max_plan, cal, job.truth),
-           "fit_error_auto": prediction_error(auto_plan, cal, job.truth),
-           "saving_vs_max": saving / mx.energy_j, "time_vs_max": auto.time_s / mx.time_s - 1,
-           "truth_saving_vs_max": 1 - ideal.energy_j / mx.energy_j, "profile_iterations": n,
-           "overhead_energy_j": over_e, "overhead_time_s": over_t,
-           "overhead_pct_of_saving": 100 * over_e / (HORIZON * saving) if saving > 0 else None,
-           "payback_iterations": max(over_e, 0.0) / saving if saving > 0 else None,
-           "planning_s": planning_s, "planning_iterations": planning_iters,
-           "planning_energy_j": planning_iters * saving, "iteration_time_s": mx.time_s,
-           "iteration_energy_j": mx.energy_j}
+    fig = {
+        "pp": job.pp,
+        "energy_ratio": auto.energy_j / ideal.energy_j,
+        "time_ratio": auto.time_s / ideal.time_s,
+        "fit_error_max_clock": prediction_error(job.max_plan, cal, job.truth),
+        "fit_error_auto": prediction_error(auto_plan, cal, job.truth),
+        "saving_vs_max": saving / mx.energy_j,
+        "time_vs_max": auto.time_s / mx.time_s - 1,
+        "truth_saving_vs_max": 1 - ideal.energy_j / mx.energy_j,
+        "profile_iterations": n,
+        "overhead_energy_j": over_e,
+        "overhead_time_s": over_t,
+        "overhead_pct_of_saving": 100 * over_e / (HORIZON * saving) if saving > 0 else None,
+        "payback_iterations": max(over_e, 0.0) / saving if saving > 0 else None,
+        "planning_s": planning_s,
+        "planning_iterations": planning_iters,
+        "planning_energy_j": planning_iters * saving,
+        "iteration_time_s": mx.time_s,
+        "iteration_energy_j": mx.energy_j,
+    }
     return fig
 
 
 def print_auto(figs: list[dict[str, Any]]) -> None:
     """Print figures 2 and 3 (module doc)."""
-    print("\n[2] auto plan (default profile, fitted, iso-time) against the iso-time plan made with the truth, both "
-          "under the truth")
-    print(f"    {'PP':>3} {'energy ratio':>12} {'time ratio':>10} {'auto saving':>11} {'truth saving':>12} "
-          f"{'auto time vs max':>16} {'fit error max-clock/auto plan':>29}")
+    print(
+        "\n[2] auto plan (default profile, fitted, iso-time) against the iso-time plan made with the truth, both "
+        "under the truth"
+    )
+    print(
+        f"    {'PP':>3} {'energy ratio':>12} {'time ratio':>10} {'auto saving':>11} {'truth saving':>12} "
+        f"{'auto time vs max':>16} {'fit error max-clock/auto plan':>29}"
+    )
     for f in figs:
-        print(f"    {f['pp']:>3} {f['energy_ratio']:>12.4f} {f['time_ratio']:>10.4f} {f['saving_vs_max']:>11.2%} "
-              f"{f['truth_saving_vs_max']:>12.2%} {f['time_vs_max']:>+16.2%} "
-              f"{f['fit_error_max_clock']:>20.2%} / {f['fit_error_auto']:.2%}")
-    print(f"\n[3] overhead of the profile phase under the truth: its iterations minus as many of the auto plan; "
-          f"% of the auto plan's saving over {HORIZON} iterations; iterations to pay it back")
-    print(f"    {'PP':>3} {'iters':>5} {'iter s':>7} {'energy J':>10} {'time s':>8} {'% saving':>9} {'payback':>8} "
-          f"{'planning s':>10} {'≈ max-clock iters':>17} {'missed J':>9}")
+        print(
+            f"    {f['pp']:>3} {f['energy_ratio']:>12.4f} {f['time_ratio']:>10.4f} {f['saving_vs_max']:>11.2%} "
+            f"{f['truth_saving_vs_max']:>12.2%} {f['time_vs_max']:>+16.2%} "
+            f"{f['fit_error_max_clock']:>20.2%} / {f['fit_error_auto']:.2%}"
+        )
+    print(
+        f"\n[3] overhead of the profile phase under the truth: its iterations minus as many of the auto plan; "
+        f"% of the auto plan's saving over {HORIZON} iterations; iterations to pay it back"
+    )
+    print(
+        f"    {'PP':>3} {'iters':>5} {'iter s':>7} {'energy J':>10} {'time s':>8} {'% saving':>9} {'payback':>8} "
+        f"{'planning s':>10} {'≈ max-clock iters':>17} {'missed J':>9}"
+    )
     for f in figs:
         pct = "n/a" if f["overhead_pct_of_saving"] is None else f"{f['overhead_pct_of_saving']:.2f}%"
         pay = "n/a" if f["payback_iterations"] is None else f"{f['payback_iterations']:.1f}"
-        print(f"    {f['pp']:>3} {f['profile_iterations']:>5} {f['iteration_time_s']:>7.3f} "
-              f"{f['overhead_energy_j']:>10.1f} {f['overhead_time_s']:>8.2f} {pct:>9} {pay:>8} "
-              f"{f['planning_s']:>10.1f} {f['planning_iterations']:>17.1f} {f['planning_energy_j']:>9.1f}")
+        print(
+            f"    {f['pp']:>3} {f['profile_iterations']:>5} {f['iteration_time_s']:>7.3f} "
+            f"{f['overhead_energy_j']:>10.1f} {f['overhead_time_s']:>8.2f} {pct:>9} {pay:>8} "
+            f"{f['planning_s']:>10.1f} {f['planning_iterations']:>17.1f} {f['planning_energy_j']:>9.1f}"
+        )
 
 
 # ---- 4. the real 2-rank CPU closed loop (as tests/runtime/test_auto_run.py) ---------------------------------------
 
 CPU_JOB = ["--tp", "1", "--pp", "2", "--mbs", "2", "--seq", "16", "--microbatches", "4"]
-CPU_PLAN_JOB = ["--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", GPU, *CPU_JOB, "--nodes", "1",
-                "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none"]
+CPU_PLAN_JOB = [
+    "--model",
+    str(ROOT / "examples" / "tiny-gpt.yaml"),
+    "--gpu",
+    GPU,
+    *CPU_JOB,
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "2",
+    "--precision",
+    "fp32",
+    "--recompute",
+    "none",
+]
 # 15-30% off the preset in power; time_scale 250: the tiny GPT's instructions last tens of ms, above the CPU's work
-CPU_TRUTH = {"time_scale": 250.0, "launch_overhead_s": 5e-6, "static_power_w": 36.0, "idle_dynamic_w": 66.0,
-             "voltage_floor": 0.70, "p_blocked_w": 100.0}
+CPU_TRUTH = {
+    "time_scale": 250.0,
+    "launch_overhead_s": 5e-6,
+    "static_power_w": 36.0,
+    "idle_dynamic_w": 66.0,
+    "voltage_floor": 0.70,
+    "p_blocked_w": 100.0,
+}
 CPU_ITERATIONS = 40
 
 
@@ -303,22 +398,56 @@ def cpu_run(work: Path) -> dict[str, Any]:
     truth_file = work / "truth.json"
     truth = Calibration(gpu=GPU, params=CPU_TRUTH, source="benchmark truth")
     save_calibration(truth, truth_file)
-    env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_TRUTH": str(truth_file),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        "KAREUS_SIMULATED_TRUTH": str(truth_file),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore::UserWarning",
+    }
     log = work / "run"
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "kareus_megatron.launch", "--kareus-plan", "auto", "--kareus-workload",
-                        str(work / "workload"), "--kareus-log", str(log), "--",
-                        str(ROOT / "examples" / "tiny_train.py"), "--iterations", str(CPU_ITERATIONS), *CPU_JOB],
-                       cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kareus_megatron.launch",
+            "--kareus-plan",
+            "auto",
+            "--kareus-workload",
+            str(work / "workload"),
+            "--kareus-log",
+            str(log),
+            "--",
+            str(ROOT / "examples" / "tiny_train.py"),
+            "--iterations",
+            str(CPU_ITERATIONS),
+            *CPU_JOB,
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wall_s = time.perf_counter() - t0
     if r.returncode != 0:
         raise RuntimeError(f"the CPU run failed ({r.returncode}): {r.stderr[-2000:]}")
-    rep = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(log)], capture_output=True,
-                         text=True, timeout=120)
-    print(f"\n[4] real CPU closed loop: 2 gloo ranks, {CPU_ITERATIONS} iterations in {wall_s:.0f} s; "
-          f"`kareus report {log}`:")
+    rep = subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", "report", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    print(
+        f"\n[4] real CPU closed loop: 2 gloo ranks, {CPU_ITERATIONS} iterations in {wall_s:.0f} s; "
+        f"`kareus report {log}`:"
+    )
     print("    " + (rep.stdout or rep.stderr).strip().replace("\n", "\n    "))
     cal = [e for e in run_events(read_run_log(log)) if e.get("event") == "calibrated" and e.get("rank") == 0]
     if not cal:
@@ -328,12 +457,19 @@ def cpu_run(work: Path) -> dict[str, Any]:
     km = KernelModel(gpu, truth)
     best, mega = plan_iso_time(CPU_PLAN_JOB, truth_file, work / "truth-plan")
     mine, ideal, ref = (evaluate_plan(p, km) for p in (auto_plan, best, mega))
-    fig = {"energy_ratio": mine.energy_j / ideal.energy_j, "time_ratio": mine.time_s / ideal.time_s,
-           "saving_vs_max": 1 - mine.energy_j / ref.energy_j, "time_vs_max": mine.time_s / ref.time_s - 1,
-           "profile_iterations": cal[-1]["iterations"][1] - cal[-1]["iterations"][0] + 1, "wall_s": wall_s}
-    print(f"    under the truth: auto plan / truth's iso-time plan energy {fig['energy_ratio']:.4f}, time "
-          f"{fig['time_ratio']:.4f}; against max clocks energy -{fig['saving_vs_max']:.2%}, time "
-          f"{fig['time_vs_max']:+.2%} ({fig['profile_iterations']} profile iterations)")
+    fig = {
+        "energy_ratio": mine.energy_j / ideal.energy_j,
+        "time_ratio": mine.time_s / ideal.time_s,
+        "saving_vs_max": 1 - mine.energy_j / ref.energy_j,
+        "time_vs_max": mine.time_s / ref.time_s - 1,
+        "profile_iterations": cal[-1]["iterations"][1] - cal[-1]["iterations"][0] + 1,
+        "wall_s": wall_s,
+    }
+    print(
+        f"    under the truth: auto plan / truth's iso-time plan energy {fig['energy_ratio']:.4f}, time "
+        f"{fig['time_ratio']:.4f}; against max clocks energy -{fig['saving_vs_max']:.2%}, time "
+        f"{fig['time_vs_max']:+.2%} ({fig['profile_iterations']} profile iterations)"
+    )
     return fig
 
 
@@ -353,8 +489,14 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         if args.quick:
-            jobs = [make_job(2, [*TINY, "--clock-latency-ms", QUICK_CLOCK_LATENCY_MS], work / "tiny-pp2",
-                             window_s=QUICK_EXACT_WINDOW_S)]
+            jobs = [
+                make_job(
+                    2,
+                    [*TINY, "--clock-latency-ms", QUICK_CLOCK_LATENCY_MS],
+                    work / "tiny-pp2",
+                    window_s=QUICK_EXACT_WINDOW_S,
+                )
+            ]
             schedules, seeds = QUICK_SCHEDULES, SEEDS[:1]
             quantised = (jobs[0], QUICK_QUANTUM_S, QUICK_WINDOW_S)
         else:
@@ -362,14 +504,17 @@ def main(argv: list[str] | None = None) -> int:
             schedules, seeds = SCHEDULES, SEEDS
             quantised = (next(j for j in jobs if j.pp == QUANTISED_PP), QUANTUM_S, QUANTISED_WINDOW_S)
         gpu = gpu_spec(GPU)
-        print(f"closed loop on {GPU} (clocks {gpu.sm_clocks_mhz[0]}..{gpu.sm_clocks_mhz[-1]} MHz), truth "
-              f"{', '.join(f'{k}={v:.4g}' for k, v in truth_calibration().params.items())}")
+        print(
+            f"closed loop on {GPU} (clocks {gpu.sm_clocks_mhz[0]}..{gpu.sm_clocks_mhz[-1]} MHz), truth "
+            f"{', '.join(f'{k}={v:.4g}' for k, v in truth_calibration().params.items())}"
+        )
         out: dict[str, Any] = {"quick": args.quick, "profiling": [], "auto": []}
         for job in jobs:
             out["profiling"].append(search_profile(job, schedules, seeds))
         job, q, w = quantised
-        out["quantised"] = search_profile(job, schedules, seeds, q, w,
-                                          label=f", energy counter steps of {q * 1e3:g} ms, windows >= {w:g} s")
+        out["quantised"] = search_profile(
+            job, schedules, seeds, q, w, label=f", energy counter steps of {q * 1e3:g} ms, windows >= {w:g} s"
+        )
         out["auto"] = [auto_against_truth(job, PROFILE_CLOCKS, ITERATIONS_PER_CLOCK) for job in jobs]
         print_auto(out["auto"])
         if args.cpu_run and not args.quick:

@@ -38,13 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kareus_megatron.cost.calibrate import (
-    Series,
-    blocked_power_series,
-    default_free_params,
-    fit_series,
-    profile_series,
-)
+from kareus_megatron.cost.calibrate import Series, blocked_power_series, default_free_params, fit_series, profile_series
 from kareus_megatron.cost.kernel import KernelModel
 from kareus_megatron.cost.params import KernelParams, with_gpu_params
 from kareus_megatron.cost.profile import StageProfile, read_perseus_profile
@@ -65,9 +59,17 @@ WORKLOADS: dict[str, tuple[str, dict[str, int]]] = {
     "GPT-3": ("gpt3-175b", {}),
     "BLOOM": ("bloom-176b", {"first_stage_layers": 9, "last_stage_layers": 7}),
 }
-TRANSFERRED = ("gemm_efficiency", "attention_efficiency", "attention_bwd_efficiency", "memory_efficiency",
-               "comm_sm_bytes_per_cycle", "sm_load_bytes_per_cycle", "launch_overhead_s",
-               "memory_op_compute_activity", "comm_compute_activity")
+TRANSFERRED = (
+    "gemm_efficiency",
+    "attention_efficiency",
+    "attention_bwd_efficiency",
+    "memory_efficiency",
+    "comm_sm_bytes_per_cycle",
+    "sm_load_bytes_per_cycle",
+    "launch_overhead_s",
+    "memory_op_compute_activity",
+    "comm_compute_activity",
+)
 TARGET_POWER_MAPE_PCT = 12.0
 TARGET_ARGMIN_MHZ = 60.0
 FIT_STRIDE, QUICK_STRIDE = 4, 12  # fit on every n-th 15 MHz clock step from the max clock
@@ -122,8 +124,14 @@ def subsample(case: Case, stride: int) -> list[Series]:
     p = case.profile
     step = 15 * stride
     keep = (p.frequency_mhz.max() - p.frequency_mhz) % step == 0
-    sub = dataclasses.replace(p, stage=p.stage[keep], instruction=p.instruction[keep],
-                              frequency_mhz=p.frequency_mhz[keep], time_s=p.time_s[keep], energy_j=p.energy_j[keep])
+    sub = dataclasses.replace(
+        p,
+        stage=p.stage[keep],
+        instruction=p.instruction[keep],
+        frequency_mhz=p.frequency_mhz[keep],
+        time_s=p.time_s[keep],
+        energy_j=p.energy_j[keep],
+    )
     return profile_series(sub, model_spec(WORKLOADS[case.workload][0]), case.par)
 
 
@@ -137,28 +145,34 @@ def metrics(km: KernelModel, series: Sequence[Series]) -> dict[str, float]:
         i_pred, i_meas = int(np.argmin(e)), int(np.argmin(s.energy_j))
         arg.append(abs(float(s.clocks_mhz[i_pred]) - float(s.clocks_mhz[i_meas])))
         span.append(abs(t[i_pred] / t[0] - s.time_s[i_meas] / s.time_s[0]))
-    return {"time_ratio_mape_pct": float(100 * np.concatenate(tr).mean()),
-            "power_mape_pct": float(100 * np.concatenate(pw).mean()),
-            "argmin_err_max_mhz": float(max(arg)), "argmin_err_mean_mhz": float(np.mean(arg)),
-            "span_err_pts": float(100 * np.mean(span))}
+    return {
+        "time_ratio_mape_pct": float(100 * np.concatenate(tr).mean()),
+        "power_mape_pct": float(100 * np.concatenate(pw).mean()),
+        "argmin_err_max_mhz": float(max(arg)),
+        "argmin_err_mean_mhz": float(np.mean(arg)),
+        "span_err_pts": float(100 * np.mean(span)),
+    }
 
 
-def fit(cases: Sequence[Case], gpu: GPUSpec, stride: int, nfev: int,
-        record: dict[str, dict[str, float]]) -> tuple[GPUSpec, KernelParams]:
+def fit(
+    cases: Sequence[Case], gpu: GPUSpec, stride: int, nfev: int, record: dict[str, dict[str, float]]
+) -> tuple[GPUSpec, KernelParams]:
     """Every free parameter but the time scale fitted to the cases' ratios and power (one GPU's profiles);
     the fitted values go into `record` under "GPU workload+workload"."""
     series = [s for c in cases for s in subsample(c, stride)]
     free = tuple(p for p in default_free_params(gpu) if p.name != "time_scale")
-    fitted, params, values = fit_series([*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=False,
-                                        prior_weight=PRIOR_WEIGHT, max_nfev=nfev)
+    fitted, params, values = fit_series(
+        [*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=False, prior_weight=PRIOR_WEIGHT, max_nfev=nfev
+    )
     record[f"{cases[0].gpu} {'+'.join(c.workload for c in cases)}"] = values
     return fitted, params
 
 
 def transfer(fitted: Sequence[KernelParams]) -> KernelParams:
     """Default kernel parameters with the TRANSFERRED ones set to the median of the fitted values."""
-    return dataclasses.replace(KernelParams(), **{n: float(np.median([getattr(p, n) for p in fitted]))
-                                                  for n in TRANSFERRED})
+    return dataclasses.replace(
+        KernelParams(), **{n: float(np.median([getattr(p, n) for p in fitted])) for n in TRANSFERRED}
+    )
 
 
 def boost_draw_fraction(cases: Sequence[Case], gpu: GPUSpec) -> float:
@@ -183,8 +197,9 @@ def boost_draw_preset(gpu: GPUSpec, cases: Sequence[Case], fraction: float) -> G
     return with_gpu_params(gpu, {"compute_dynamic_w": 0.5 * (lo + hi) * gpu.compute_dynamic_w})
 
 
-def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] | None = None,
-        modes: Sequence[str] = MODES) -> tuple[list[Row], dict[str, dict[str, float]]]:
+def run(
+    data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] | None = None, modes: Sequence[str] = MODES
+) -> tuple[list[Row], dict[str, dict[str, float]]]:
     """Every (GPU, workload, mode) row of `modes`, and each fit's values by what it was fitted on;
     `presets` overrides GPU label -> preset (a perturbed model)."""
     stride, nfev = (QUICK_STRIDE, QUICK_NFEV) if quick else (FIT_STRIDE, FIT_NFEV)
@@ -196,12 +211,19 @@ def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] |
     def add(c: Case, mode: str, on: str, km: KernelModel) -> None:
         rows.append(Row(c.gpu, c.workload, mode, on, **metrics(km, c.series)))
 
-    per_gpu = {g: fit([c for (h, _), c in cases.items() if h == g], spec[g], stride, nfev, fits)[1]
-               for g in GPUS if MODES[1] in modes}
+    per_gpu = {
+        g: fit([c for (h, _), c in cases.items() if h == g], spec[g], stride, nfev, fits)[1]
+        for g in GPUS
+        if MODES[1] in modes
+    }
     draw = {g: boost_draw_fraction([c for (h, _), c in cases.items() if h == g], spec[g]) for g in GPUS}
-    rule = {g: boost_draw_preset(spec[g], [c for (h, _), c in cases.items() if h == g],
-                                 float(np.median([draw[h] for h in GPUS if h != g])))
-            for g in GPUS if MODES[3] in modes and len(GPUS) > 1}
+    rule = {
+        g: boost_draw_preset(
+            spec[g], [c for (h, _), c in cases.items() if h == g], float(np.median([draw[h] for h in GPUS if h != g]))
+        )
+        for g in GPUS
+        if MODES[3] in modes and len(GPUS) > 1
+    }
     for g, r in rule.items():
         fits[f"{g} boost-draw rule"] = {"measured_draw_fraction": draw[g], "compute_dynamic_w": r.compute_dynamic_w}
     for g in GPUS:
@@ -224,13 +246,17 @@ def run(data: Path = DATA, quick: bool = False, presets: Mapping[str, GPUSpec] |
 
 def format_table(rows: Sequence[Row]) -> str:
     """The rows as a Markdown table with a met/missed column."""
-    head = ("| GPU | workload | mode | fitted on | time-ratio MAPE | power MAPE | argmin clock error max (mean) "
-            "| frontier span error | targets |")
+    head = (
+        "| GPU | workload | mode | fitted on | time-ratio MAPE | power MAPE | argmin clock error max (mean) "
+        "| frontier span error | targets |"
+    )
     lines = [head, "|" + "---|" * 9]
     for r in rows:
-        lines.append(f"| {r.gpu} | {r.workload} | {r.mode} | {r.fitted_on} | {r.time_ratio_mape_pct:.1f}% | "
-                     f"{r.power_mape_pct:.1f}% | {r.argmin_err_max_mhz:.0f} MHz ({r.argmin_err_mean_mhz:.0f}) | "
-                     f"{r.span_err_pts:.1f} pts | {'met' if r.met else 'missed'} |")
+        lines.append(
+            f"| {r.gpu} | {r.workload} | {r.mode} | {r.fitted_on} | {r.time_ratio_mape_pct:.1f}% | "
+            f"{r.power_mape_pct:.1f}% | {r.argmin_err_max_mhz:.0f} MHz ({r.argmin_err_mean_mhz:.0f}) | "
+            f"{r.span_err_pts:.1f} pts | {'met' if r.met else 'missed'} |"
+        )
     return "\n".join(lines)
 
 
@@ -238,8 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the table (and write --json); exit status 2 with one line on bad input."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=DATA, help="folder holding the Perseus stage_profile CSVs")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"fits on every {QUICK_STRIDE}th clock with {QUICK_NFEV} model evaluations (a test)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"fits on every {QUICK_STRIDE}th clock with {QUICK_NFEV} model evaluations (a test)",
+    )
     ap.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
@@ -254,12 +283,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     stride = QUICK_STRIDE if args.quick else FIT_STRIDE
     print(format_table(rows))
-    print(f"\ntargets: power MAPE <= {TARGET_POWER_MAPE_PCT:.0f}% and energy-minimising clock within "
-          f"{TARGET_ARGMIN_MHZ:.0f} MHz (max over the series); metrics on every measured clock, fits on every "
-          f"{15 * stride} MHz{' (--quick: fits stop early)' if args.quick else ''}; {elapsed:.0f} s")
+    print(
+        f"\ntargets: power MAPE <= {TARGET_POWER_MAPE_PCT:.0f}% and energy-minimising clock within "
+        f"{TARGET_ARGMIN_MHZ:.0f} MHz (max over the series); metrics on every measured clock, fits on every "
+        f"{15 * stride} MHz{' (--quick: fits stop early)' if args.quick else ''}; {elapsed:.0f} s"
+    )
     if args.json is not None:
-        doc = {"rows": [dataclasses.asdict(r) | {"met": r.met} for r in rows], "fit_stride_mhz": 15 * stride,
-               "quick": args.quick, "seconds": elapsed, "fits": fits}
+        doc = {
+            "rows": [dataclasses.asdict(r) | {"met": r.met} for r in rows],
+            "fit_stride_mhz": 15 * stride,
+            "quick": args.quick,
+            "seconds": elapsed,
+            "fits": fits,
+        }
         args.json.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 

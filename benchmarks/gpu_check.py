@@ -53,16 +53,26 @@ import gpu_check_steps as steps  # noqa: E402
 FORMAT = "kareus-gpu-check/1"
 BUDGET_S = 480.0  # the whole check: 8 minutes
 STEP_BUDGET_S = {  # each step's time box (s); the last snapshot always runs
-    "nvidia_smi_before": 15, "env": 20, "energy_counter": 15, "selfcheck": 120, "host_syncs": 60,
-    "nccl_comms": 45, "controller": 40, "kernels": 75, "nvidia_smi_after": 15,
+    "nvidia_smi_before": 15,
+    "env": 20,
+    "energy_counter": 15,
+    "selfcheck": 120,
+    "host_syncs": 60,
+    "nccl_comms": 45,
+    "controller": 40,
+    "kernels": 75,
+    "nvidia_smi_after": 15,
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory (gpu_check.json, gpu_check.txt)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU and the simulated GPU (KAREUS_GPU_BACKEND=nvml: "
-                    "this machine's NVML), tiny sizes, seconds")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU and the simulated GPU (KAREUS_GPU_BACKEND=nvml: this machine's NVML), tiny sizes, seconds",
+    )
     ap.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     ap.add_argument("--skip", default="", help="steps to skip, comma-separated (they report not_applicable)")
     ns = ap.parse_args(argv)
@@ -83,8 +93,11 @@ def _run_step(name: str, fn: Callable[[float], dict[str, Any]], deadline: float,
         try:
             res = fn(box)
         except Exception as e:  # a failed step is a report line; the next steps still run
-            res = {"status": "failed", "message": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc(limit=8)}
+            res = {
+                "status": "failed",
+                "message": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=8),
+            }
     res["wall_s"] = round(time.monotonic() - t0, 3)
     print(f"gpu_check {name}: {res['status']} ({res['wall_s']:.1f} s)", file=sys.stderr, flush=True)
     return res
@@ -96,8 +109,14 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     deadline = t_start + BUDGET_S - STEP_BUDGET_S["nvidia_smi_after"]
     ctx = steps.Context(dry_run=ns.dry_run, device=ns.device, work=Path(ns.out))
     skip = {s for s in ns.skip.split(",") if s}
-    report: dict[str, Any] = {"format": FORMAT, "dry_run": ns.dry_run, "device": ns.device, "budget_s": BUDGET_S,
-                              "read_only": os.environ.get("KAREUS_GPU_READ_ONLY"), "steps": {}}
+    report: dict[str, Any] = {
+        "format": FORMAT,
+        "dry_run": ns.dry_run,
+        "device": ns.device,
+        "budget_s": BUDGET_S,
+        "read_only": os.environ.get("KAREUS_GPU_READ_ONLY"),
+        "steps": {},
+    }
     order: list[tuple[str, Callable[[float], dict[str, Any]]]] = [
         ("nvidia_smi_before", lambda box: steps.nvidia_smi(ctx, box)),
         ("env", lambda box: steps.env(ctx, box)),
@@ -110,14 +129,19 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     ]
     for name, fn in order:
         report["steps"][name] = _run_step(name, fn, deadline, skip)
-    report["steps"]["nvidia_smi_after"] = _run_step("nvidia_smi_after", lambda box: steps.nvidia_smi(ctx, box),
-                                                    t_start + BUDGET_S, skip)
-    report["settings_unchanged"] = steps.same_settings(report["steps"]["nvidia_smi_before"],
-                                                       report["steps"]["nvidia_smi_after"])
+    report["steps"]["nvidia_smi_after"] = _run_step(
+        "nvidia_smi_after", lambda box: steps.nvidia_smi(ctx, box), t_start + BUDGET_S, skip
+    )
+    report["settings_unchanged"] = steps.same_settings(
+        report["steps"]["nvidia_smi_before"], report["steps"]["nvidia_smi_after"]
+    )
     report["nvml_changes_refused"] = steps.refused_nvml_calls()
     report["elapsed_s"] = round(time.monotonic() - t_start, 3)
-    report["ok"] = (report["settings_unchanged"] is not False and not report["nvml_changes_refused"]
-                    and all(s["status"] != "failed" for s in report["steps"].values()))
+    report["ok"] = (
+        report["settings_unchanged"] is not False
+        and not report["nvml_changes_refused"]
+        and all(s["status"] != "failed" for s in report["steps"].values())
+    )
     return report
 
 

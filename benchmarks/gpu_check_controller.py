@@ -87,12 +87,27 @@ def run_controller(device: str, backend: str) -> dict[str, Any]:
     exit_status = proc.returncode if proc is not None else None
     key = "event_to_controller" if cuda else "cpu_mark_round_trip"
     counts = client.counts
-    ok = (exit_status == 0 and len(lat) >= MARKS // 2 and bool(ready.get("read_only")) and counts is not None
-          and counts.get("errors", 0) == 0)
-    return {"status": "ok" if ok else "failed", "read_only": bool(ready.get("read_only")),
-            "device_read_only": read_only,
-            "ready": {k: v for k, v in ready.items() if k != "op"}, "start_s": start_s, "close_s": close_s,
-            "pid": pid, "exit_status": exit_status, "counts": counts, "instructions": INSTRUCTIONS,
-            "clocks_mhz": clocks, "training_thread_cpu_s_per_instruction_median": statistics.median(per_instruction_s),
-            "marks": len(lat), f"{key}_s_median": statistics.median(lat) if lat else None,
-            f"{key}_s_p95": sorted(lat)[int(0.95 * (len(lat) - 1))] if lat else None}
+    ok = (
+        exit_status == 0
+        and len(lat) >= MARKS // 2
+        and bool(ready.get("read_only"))
+        and counts is not None
+        and counts.get("errors", 0) == 0
+    )
+    return {
+        "status": "ok" if ok else "failed",
+        "read_only": bool(ready.get("read_only")),
+        "device_read_only": read_only,
+        "ready": {k: v for k, v in ready.items() if k != "op"},
+        "start_s": start_s,
+        "close_s": close_s,
+        "pid": pid,
+        "exit_status": exit_status,
+        "counts": counts,
+        "instructions": INSTRUCTIONS,
+        "clocks_mhz": clocks,
+        "training_thread_cpu_s_per_instruction_median": statistics.median(per_instruction_s),
+        "marks": len(lat),
+        f"{key}_s_median": statistics.median(lat) if lat else None,
+        f"{key}_s_p95": sorted(lat)[int(0.95 * (len(lat) - 1))] if lat else None,
+    }

@@ -18,13 +18,35 @@ from typing import Any
 
 # Settings nvidia-smi reports that no run of kareus may change (compared before and after), and live readings
 # (reported, not compared).
-SETTINGS = ("name", "uuid", "driver_version", "persistence_mode", "compute_mode", "power.limit",
-            "power.default_limit", "enforced.power.limit", "power.min_limit", "power.max_limit",
-            "clocks.applications.graphics", "clocks.applications.memory", "clocks.default_applications.graphics",
-            "clocks.default_applications.memory", "mig.mode.current", "ecc.mode.current",
-            "clocks_event_reasons.applications_clocks_setting")
-LIVE = ("clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw", "temperature.gpu", "pstate", "utilization.gpu",
-        "memory.used")
+SETTINGS = (
+    "name",
+    "uuid",
+    "driver_version",
+    "persistence_mode",
+    "compute_mode",
+    "power.limit",
+    "power.default_limit",
+    "enforced.power.limit",
+    "power.min_limit",
+    "power.max_limit",
+    "clocks.applications.graphics",
+    "clocks.applications.memory",
+    "clocks.default_applications.graphics",
+    "clocks.default_applications.memory",
+    "mig.mode.current",
+    "ecc.mode.current",
+    "clocks_event_reasons.applications_clocks_setting",
+)
+LIVE = (
+    "clocks.sm",
+    "clocks.mem",
+    "clocks.max.sm",
+    "power.draw",
+    "temperature.gpu",
+    "pstate",
+    "utilization.gpu",
+    "memory.used",
+)
 SAMPLE_PERIOD_S = 0.002  # the power/energy sampler's period
 HOPPER_ALLREDUCE_SMS = tuple(range(2, 19, 2))  # the planner's comm-SM grid for a Hopper TP all-reduce
 
@@ -48,8 +70,12 @@ class Context:
 
 # -- 1, 9: nvidia-smi --------------------------------------------------------------------------------------
 def _smi(fields: tuple[str, ...], index: int, timeout_s: float) -> dict[str, str] | None:
-    r = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i",
-                        str(index)], capture_output=True, text=True, timeout=timeout_s)
+    r = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", "-i", str(index)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if r.returncode != 0:
         return None
     values = [v.strip() for v in r.stdout.strip().split(",")]
@@ -108,8 +134,11 @@ def env(ctx: Context, box_s: float) -> dict[str, Any]:
 
 # -- 3: energy counter against power samples -----------------------------------------------------------------
 def _field_ids(pynvml: Any) -> dict[str, int]:
-    return {k: getattr(pynvml, f) for k, f in (("instant_w", "NVML_FI_DEV_POWER_INSTANT"),
-                                             ("average_w", "NVML_FI_DEV_POWER_AVERAGE")) if hasattr(pynvml, f)}
+    return {
+        k: getattr(pynvml, f)
+        for k, f in (("instant_w", "NVML_FI_DEV_POWER_INSTANT"), ("average_w", "NVML_FI_DEV_POWER_AVERAGE"))
+        if hasattr(pynvml, f)
+    }
 
 
 def _fields_w(pynvml: Any, handle: Any, ids: dict[str, int]) -> dict[str, float | None]:
@@ -190,13 +219,18 @@ def energy_counter(ctx: Context, box_s: float) -> dict[str, Any]:
     wall = time.monotonic() - t_start
     ts = [s[0] for s in samples]
     es = [s[1] for s in samples]
-    out: dict[str, Any] = {"status": "ok", "seconds": wall, "samples": len(samples),
-                           "sample_call_s_median": statistics.median(call_s) if call_s else None,
-                           "gemm": {"n": n, "dtype": str(dtype), "count": gemms,
-                                    "tflops": 2 * n**3 * gemms / wall / 1e12},
-                           "energy_counter": {"update_period_s": _update_period_s(ts, es),
-                                              "energy_j": es[-1] - es[0] if es else None,
-                                              "unit": "J (NVML: mJ)"}}
+    out: dict[str, Any] = {
+        "status": "ok",
+        "seconds": wall,
+        "samples": len(samples),
+        "sample_call_s_median": statistics.median(call_s) if call_s else None,
+        "gemm": {"n": n, "dtype": str(dtype), "count": gemms, "tflops": 2 * n**3 * gemms / wall / 1e12},
+        "energy_counter": {
+            "update_period_s": _update_period_s(ts, es),
+            "energy_j": es[-1] - es[0] if es else None,
+            "unit": "J (NVML: mJ)",
+        },
+    }
     series = {"power_usage_w": [s[2] for s in samples]} if pynvml is not None else {}
     for key in ids:
         series[f"field_{key}"] = [s[3].get(key) for s in samples]
@@ -204,9 +238,13 @@ def energy_counter(ctx: Context, box_s: float) -> dict[str, Any]:
     for key, ws in series.items():
         got = [w for w in ws if w is not None]
         integ = _integral_j(ts, ws)
-        out[key] = {"available": bool(got), "update_period_s": _update_period_s(ts, ws),
-                    "mean_w": statistics.fmean(got) if got else None, "integral_j": integ,
-                    "counter_over_integral": (es[-1] - es[0]) / integ if integ else None}
+        out[key] = {
+            "available": bool(got),
+            "update_period_s": _update_period_s(ts, ws),
+            "mean_w": statistics.fmean(got) if got else None,
+            "integral_j": integ,
+            "counter_over_integral": (es[-1] - es[0]) / integ if integ else None,
+        }
     out["span_s"] = span
     if not series:
         out["note"] = "simulated GPU: no NVML power readings; the energy counter alone"
@@ -216,10 +254,15 @@ def energy_counter(ctx: Context, box_s: float) -> dict[str, Any]:
 # -- 4: the runtime self-check --------------------------------------------------------------------------------
 def _python(code_or_args: list[str], box_s: float, ctx: Context) -> subprocess.CompletedProcess[str]:
     here = str(Path(__file__).resolve().parent)  # gpu_check_controller beside this file
-    env = {**os.environ, "KAREUS_GPU_READ_ONLY": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)}
-    return subprocess.run([sys.executable, *code_or_args], capture_output=True, text=True, timeout=box_s, env=env,
-                          cwd=ctx.work)
+    env = {
+        **os.environ,
+        "KAREUS_GPU_READ_ONLY": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    return subprocess.run(
+        [sys.executable, *code_or_args], capture_output=True, text=True, timeout=box_s, env=env, cwd=ctx.work
+    )
 
 
 def selfcheck(ctx: Context, box_s: float) -> dict[str, Any]:
@@ -237,8 +280,10 @@ def selfcheck(ctx: Context, box_s: float) -> dict[str, Any]:
 
 # -- 5, 6: probes in a process of their own -------------------------------------------------------------------
 def _probe(ctx: Context, box_s: float, module: str, call: str) -> dict[str, Any]:
-    code = (f"import json, sys\nfrom {module} import {call.split('(')[0]}\nres = {call}\n"
-            "sys.stdout.write('\\nKAREUS-PROBE ' + json.dumps(res, default=str) + '\\n')\n")
+    code = (
+        f"import json, sys\nfrom {module} import {call.split('(')[0]}\nres = {call}\n"
+        "sys.stdout.write('\\nKAREUS-PROBE ' + json.dumps(res, default=str) + '\\n')\n"
+    )
     r = _python(["-c", code], box_s, ctx)
     line = [s for s in r.stdout.splitlines() if s.startswith("KAREUS-PROBE ")]
     if not line:
@@ -250,16 +295,21 @@ def _probe(ctx: Context, box_s: float, module: str, call: str) -> dict[str, Any]
 
 
 def host_syncs(ctx: Context, box_s: float) -> dict[str, Any]:
-    res = _probe(ctx, box_s, "kareus_megatron.runtime.selfcheck.syncs",
-                 f"probe_partitioned_layer({ctx.torch_device!r})")
+    res = _probe(
+        ctx, box_s, "kareus_megatron.runtime.selfcheck.syncs", f"probe_partitioned_layer({ctx.torch_device!r})"
+    )
     if res.get("status") == "ok" and res.get("total_syncs", 0) != 0:
         res["status"] = "failed"
     return res
 
 
 def nccl_comms(ctx: Context, box_s: float) -> dict[str, Any]:
-    return _probe(ctx, box_s, "kareus_megatron.runtime.overlap.comm_probe",
-                  f"probe_sm_limited_comms({ctx.torch_device!r}, {list(HOPPER_ALLREDUCE_SMS)!r})")
+    return _probe(
+        ctx,
+        box_s,
+        "kareus_megatron.runtime.overlap.comm_probe",
+        f"probe_sm_limited_comms({ctx.torch_device!r}, {list(HOPPER_ALLREDUCE_SMS)!r})",
+    )
 
 
 # -- 7: the clock controller's side process --------------------------------------------------------------------
@@ -274,12 +324,28 @@ def kernels(ctx: Context, box_s: float) -> dict[str, Any]:
 
     dev = open_cuda_gpu(ctx.device, backend=ctx.backend)
     try:
-        rep = validate_gpu(dev, read_only=True, dry_run=ctx.dry_run, sim=simulation_of(dev),
-                           min_window_s=0.02 if ctx.dry_run else 1.0, budget_s=box_s)
+        rep = validate_gpu(
+            dev,
+            read_only=True,
+            dry_run=ctx.dry_run,
+            sim=simulation_of(dev),
+            min_window_s=0.02 if ctx.dry_run else 1.0,
+            budget_s=box_s,
+        )
     finally:
         dev.close()
-    keep = ("mode", "gpu", "identity", "clocks", "energy_counter", "sweep", "kernels", "accuracy", "clock_calls",
-            "elapsed_s")
+    keep = (
+        "mode",
+        "gpu",
+        "identity",
+        "clocks",
+        "energy_counter",
+        "sweep",
+        "kernels",
+        "accuracy",
+        "clock_calls",
+        "elapsed_s",
+    )
     out = {k: rep[k] for k in keep if k in rep}
     out["status"] = "ok" if rep["clock_calls"] == {"set": 0, "reset": 0} else "failed"
     return out
@@ -289,10 +355,12 @@ def kernels(ctx: Context, box_s: float) -> dict[str, Any]:
 def summary(report: dict[str, Any]) -> str:
     """One page: each step's verdict and its headline figures."""
     s = report["steps"]
-    lines = [f"kareus GPU check ({'dry run' if report['dry_run'] else 'GPU'}, read-only), {report['elapsed_s']:.0f} s "
-             f"of {report['budget_s']:.0f}; verdict: {'OK' if report['ok'] else 'FAILED'}",
-             f"settings unchanged (nvidia-smi before = after): {report['settings_unchanged']}; changing NVML calls "
-             f"refused: {len(report['nvml_changes_refused'])}"]
+    lines = [
+        f"kareus GPU check ({'dry run' if report['dry_run'] else 'GPU'}, read-only), {report['elapsed_s']:.0f} s "
+        f"of {report['budget_s']:.0f}; verdict: {'OK' if report['ok'] else 'FAILED'}",
+        f"settings unchanged (nvidia-smi before = after): {report['settings_unchanged']}; changing NVML calls "
+        f"refused: {len(report['nvml_changes_refused'])}",
+    ]
     for name, res in s.items():
         lines.append(f"- {name}: {res['status']} ({res['wall_s']:.1f} s){_headline(name, res)}")
     return "\n".join(lines) + "\n"
@@ -314,36 +382,49 @@ def _headline(name: str, r: dict[str, Any]) -> str:
 def _figures(name: str, r: dict[str, Any]) -> str:
     if name.startswith("nvidia_smi") and "settings" in r:
         st = r["settings"]
-        return (f": {st.get('name')}, driver {st.get('driver_version')}, power limit {st.get('power.limit')} W, "
-                f"persistence {st.get('persistence_mode')}; SM {r['live'].get('clocks.sm')} MHz now")
+        return (
+            f": {st.get('name')}, driver {st.get('driver_version')}, power limit {st.get('power.limit')} W, "
+            f"persistence {st.get('persistence_mode')}; SM {r['live'].get('clocks.sm')} MHz now"
+        )
     if name == "env" and "report" in r:
         n = r["report"]["nvml"]
-        return (f": {n.get('name')} (preset {n.get('preset')}), {len(n.get('supported_sm_clocks_mhz') or [])} "
-                f"clocks, {n.get('permission_note') or n.get('permission_error') or ''}")
+        return (
+            f": {n.get('name')} (preset {n.get('preset')}), {len(n.get('supported_sm_clocks_mhz') or [])} "
+            f"clocks, {n.get('permission_note') or n.get('permission_error') or ''}"
+        )
     if name == "energy_counter":
         pu, inst = r.get("power_usage_w", {}), r.get("field_instant_w", {})
-        return (f": GEMM {_fmt(r['gemm']['tflops'], unit=' TFLOP/s')}; counter updates every "
-                f"{_fmt(r['energy_counter']['update_period_s'], 1e3, ' ms')}; power usage every "
-                f"{_fmt(pu.get('update_period_s'), 1e3, ' ms')} (mean {_fmt(pu.get('mean_w'), unit=' W')}, counter/"
-                f"integral {_fmt(pu.get('counter_over_integral'), digits=3)}); instant field every "
-                f"{_fmt(inst.get('update_period_s'), 1e3, ' ms')}")
+        return (
+            f": GEMM {_fmt(r['gemm']['tflops'], unit=' TFLOP/s')}; counter updates every "
+            f"{_fmt(r['energy_counter']['update_period_s'], 1e3, ' ms')}; power usage every "
+            f"{_fmt(pu.get('update_period_s'), 1e3, ' ms')} (mean {_fmt(pu.get('mean_w'), unit=' W')}, counter/"
+            f"integral {_fmt(pu.get('counter_over_integral'), digits=3)}); instant field every "
+            f"{_fmt(inst.get('update_period_s'), 1e3, ' ms')}"
+        )
     if name == "selfcheck":
         mp, ea = r.get("megatron_patch", {}), r.get("event_alignment", {})
-        return (f": patch {mp.get('status')} (losses identical {mp.get('losses_identical')}, syncs added "
-                f"{mp.get('device_syncs_added_by_patch')}, overhead {_fmt(mp.get('overhead_pct'), unit=' %')}); "
-                f"events {ea.get('status')}; layer {r.get('partitioned_layer', {}).get('status')}")
+        return (
+            f": patch {mp.get('status')} (losses identical {mp.get('losses_identical')}, syncs added "
+            f"{mp.get('device_syncs_added_by_patch')}, overhead {_fmt(mp.get('overhead_pct'), unit=' %')}); "
+            f"events {ea.get('status')}; layer {r.get('partitioned_layer', {}).get('status')}"
+        )
     if name == "host_syncs":
         return f": {r.get('total_syncs')} syncs in {len(r.get('cases', []))} cases"
     if name == "nccl_comms":
-        return (f": NCCL {r.get('nccl_version')}, {len(r.get('communicators', []))} communicators, "
-                f"shared {r.get('shared')}")
+        return (
+            f": NCCL {r.get('nccl_version')}, {len(r.get('communicators', []))} communicators, shared {r.get('shared')}"
+        )
     if name == "controller":
         key = "event_to_controller" if "event_to_controller_s_median" in r else "cpu_mark_round_trip"
-        return (f": {key.replace('_', ' ')} {_fmt(r.get(key + '_s_median'), 1e3, ' ms', 2)} median, counts "
-                f"{r.get('counts')}, exit {r.get('exit_status')}")
+        return (
+            f": {key.replace('_', ' ')} {_fmt(r.get(key + '_s_median'), 1e3, ' ms', 2)} median, counts "
+            f"{r.get('counts')}, exit {r.get('exit_status')}"
+        )
     if name == "kernels":
         acc = r.get("accuracy", {}).get("preset", {})
-        return (f": at {r.get('clocks', {}).get('current_mhz')} MHz, preset time MAPE "
-                f"{_fmt(acc.get('time_abs_mape_pct'), unit=' %')}, power MAPE "
-                f"{_fmt(acc.get('power_mape_pct'), unit=' %')}")
+        return (
+            f": at {r.get('clocks', {}).get('current_mhz')} MHz, preset time MAPE "
+            f"{_fmt(acc.get('time_abs_mape_pct'), unit=' %')}, power MAPE "
+            f"{_fmt(acc.get('power_mape_pct'), unit=' %')}"
+        )
     return ""

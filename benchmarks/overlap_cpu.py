@@ -62,10 +62,15 @@ def _layer(args: argparse.Namespace):
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
     cfg = TransformerConfig(
-        num_layers=args.layers if args.cross_layer else 1, hidden_size=args.hidden, num_attention_heads=args.heads,
+        num_layers=args.layers if args.cross_layer else 1,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
         use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=1 if args.cp else 2,
-        sequence_parallel=args.sp, context_parallel_size=2 if args.cp else 1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=1 if args.cp else 2,
+        sequence_parallel=args.sp,
+        context_parallel_size=2 if args.cp else 1,
     )
     if args.sp:
         _sp_capable_torch_norm()
@@ -111,8 +116,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")
-    ps.initialize_model_parallel(tensor_model_parallel_size=1 if args.cp else 2,
-                                 context_parallel_size=2 if args.cp else 1)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=1 if args.cp else 2, context_parallel_size=2 if args.cp else 1
+    )
     from kareus_megatron.runtime.overlap import LayerSettings, set_engine, setup_overlap
 
     layer, module = _layer(args)
@@ -128,12 +134,20 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
 
         mask = get_batch_on_this_cp_rank({"attention_mask": mask})["attention_mask"]
         full_bytes *= 2
-    delays = {"none": (0.0, 0.0), "fixed": (args.delay_ms / 1e3, 0.0),
-              "per-byte": (0.0, args.delay_ms / 1e3 / full_bytes)}
+    delays = {
+        "none": (0.0, 0.0),
+        "fixed": (args.delay_ms / 1e3, 0.0),
+        "per-byte": (0.0, args.delay_ms / 1e3 / full_bytes),
+    }
     configs = [(d, n) for d in delays for n in ((1, 2, "2x") if args.cross_layer else (1, 2))]  # 2x: cross-layer
-    engines = {c: setup_overlap(settings=LayerSettings(nanobatches=2 if c[1] == "2x" else c[1],
-                                                       cross_layer=c[1] == "2x"),
-                                delay_s=delays[c[0]][0], delay_s_per_byte=delays[c[0]][1]) for c in configs}
+    engines = {
+        c: setup_overlap(
+            settings=LayerSettings(nanobatches=2 if c[1] == "2x" else c[1], cross_layer=c[1] == "2x"),
+            delay_s=delays[c[0]][0],
+            delay_s_per_byte=delays[c[0]][1],
+        )
+        for c in configs
+    }
     times: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     for rep in range(args.reps + 1):  # configurations interleaved, so load drift hits all alike
         for c in configs:
@@ -169,41 +183,58 @@ def _trace_check(rank: int, layer, x, dy, mask, delay_s: float, cross_layer: boo
     it before its wait)."""
     from kareus_megatron.runtime.overlap import LayerSettings, overlap_violations, set_engine, setup_overlap
 
-    engine = setup_overlap(settings=LayerSettings(nanobatches=2, cross_layer=cross_layer), trace=True,
-                           delay_s=delay_s)
+    engine = setup_overlap(settings=LayerSettings(nanobatches=2, cross_layer=cross_layer), trace=True, delay_s=delay_s)
     y, _ = layer(x, attention_mask=mask)
     y.backward(dy)
     set_engine(None)
     engine.comm.close()
     events = engine.tracer.events
     if cross_layer:  # issued in a later layer's call than the one that produced it
-        issued = [e for e in events  # a collective is named L<layer>.<phase>.<segment>.nb<k>
-                  if e["kind"] == "issue" and int(e["coll"][1:].split(".", 1)[0]) != e["layer"]]
+        issued = [
+            e
+            for e in events  # a collective is named L<layer>.<phase>.<segment>.nb<k>
+            if e["kind"] == "issue" and int(e["coll"][1:].split(".", 1)[0]) != e["layer"]
+        ]
     else:
-        issued = [e for e in events if e["kind"] == "issue" and e["collective"] in ("cp_all_gather",
-                                                                                   "cp_reduce_scatter")]
-    return {f"trace|{rank}|issued": len(issued),
-            f"trace|{rank}|slots": ", ".join(sorted({f"{e['partition']}@{e['slot']}" for e in issued})),
-            f"trace|{rank}|violations": "; ".join(overlap_violations(events))}
+        issued = [
+            e for e in events if e["kind"] == "issue" and e["collective"] in ("cp_all_gather", "cp_reduce_scatter")
+        ]
+    return {
+        f"trace|{rank}|issued": len(issued),
+        f"trace|{rank}|slots": ", ".join(sorted({f"{e['partition']}@{e['slot']}" for e in issued})),
+        f"trace|{rank}|violations": "; ".join(overlap_violations(events)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--delay-ms", type=float, default=15.0,
-                    help="delay of an all-reduce (ms): fixed, or of a whole-microbatch one in the per-byte model")
+    ap.add_argument(
+        "--delay-ms",
+        type=float,
+        default=15.0,
+        help="delay of an all-reduce (ms): fixed, or of a whole-microbatch one in the per-byte model",
+    )
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--mbs", type=int, default=8, help="micro-batch size (split into 2 nanobatches)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--core-attention", default="sdpa", choices=("sdpa", "local"),
-                    help="core attention of the layer: torch SDPA (default) or megatron's unfused one")
+    ap.add_argument(
+        "--core-attention",
+        default="sdpa",
+        choices=("sdpa", "local"),
+        help="core attention of the layer: torch SDPA (default) or megatron's unfused one",
+    )
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (all-gather / reduce-scatter)")
-    ap.add_argument("--cp", action="store_true", help="context parallelism CP=2, TP=1 (K/V all-gather, dK/dV "
-                                                      "reduce-scatter)")
-    ap.add_argument("--cross-layer", action="store_true",
-                    help="a stack of --layers layers, with a third column: 2 nanobatches with cross-layer overlap")
+    ap.add_argument(
+        "--cp", action="store_true", help="context parallelism CP=2, TP=1 (K/V all-gather, dK/dV reduce-scatter)"
+    )
+    ap.add_argument(
+        "--cross-layer",
+        action="store_true",
+        help="a stack of --layers layers, with a third column: 2 nanobatches with cross-layer overlap",
+    )
     ap.add_argument("--layers", type=int, default=4, help="layers of the --cross-layer stack")
     args = ap.parse_args(argv)
     if args.cross_layer and args.cp:
@@ -222,22 +253,28 @@ def main(argv: list[str] | None = None) -> int:
         return _print_cp(args, res)
     if args.cross_layer:
         return _print_cross(args, res)
-    print(f"partitioned layer fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, hidden {args.hidden}, seq {args.seq}, "
-          f"mbs {args.mbs}, "
-          f"{args.threads} thread(s)/rank, {args.core_attention} core attention, median of {args.reps} "
-          "(noisy on a shared machine)")
+    print(
+        f"partitioned layer fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, hidden {args.hidden}, seq {args.seq}, "
+        f"mbs {args.mbs}, "
+        f"{args.threads} thread(s)/rank, {args.core_attention} core attention, median of {args.reps} "
+        "(noisy on a shared machine)"
+    )
     print(f"{'all-reduce delay':>26} {'1 nanobatch (ms)':>17} {'2 nanobatches (ms)':>19} {'saved (ms)':>11}")
     labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
         t1, t2 = res[(d, "1")], res[(d, "2")]
         print(f"{labels[d]:>26} {t1:>17.1f} {t2:>19.1f} {t1 - t2:>11.1f}")
     la, sa = res[("attn", "local")], res[("attn", "sdpa")]
-    print(f"core attention op alone (fwd+bwd, {args.heads // 2} heads/rank): local (unfused) {la:.1f} ms, "
-          f"sdpa {sa:.1f} ms ({la / sa:.2f}x)")
+    print(
+        f"core attention op alone (fwd+bwd, {args.heads // 2} heads/rank): local (unfused) {la:.1f} ms, "
+        f"sdpa {sa:.1f} ms ({la / sa:.2f}x)"
+    )
     t1, t2 = res[("fixed", "1")], res[("fixed", "2")]
     n_colls = 8 if args.sp else 4
-    print(f"fixed delay: 1 nanobatch exposes {n_colls} delays ({n_colls * args.delay_ms:g} ms); 2 nanobatches save "
-          f"{t1 - t2:.1f} ms ({(t1 - t2) / t1:.0%})")
+    print(
+        f"fixed delay: 1 nanobatch exposes {n_colls} delays ({n_colls * args.delay_ms:g} ms); 2 nanobatches save "
+        f"{t1 - t2:.1f} ms ({(t1 - t2) / t1:.0%})"
+    )
     print("OVERLAP REAL" if t2 < t1 else "NO GAIN (2 nanobatches not faster with the fixed delay)")
     return 0
 
@@ -251,16 +288,20 @@ def _print_traces(res: dict, what: str) -> list[str]:
     bad = []
     for r in (0, 1):
         v = res[("trace", str(r), "violations")]
-        print(f"trace rank {r}: {res[('trace', str(r), 'issued')]} {what} "
-              f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}")
+        print(
+            f"trace rank {r}: {res[('trace', str(r), 'issued')]} {what} "
+            f"(partition@slot: {res[('trace', str(r), 'slots')]}), overlap violations: {v or 'none'}"
+        )
         bad += [v] if v else []
     return bad
 
 
 def _print_cp(args: argparse.Namespace, res: dict) -> int:
-    print(f"partitioned layer fwd+bwd, gloo CP=2 (TP=1), hidden {args.hidden}, seq {args.seq} ({args.seq // 2} "
-          f"per rank), mbs {args.mbs}, {args.threads} thread(s)/rank, sdpa core attention, median of {args.reps} "
-          "(noisy on a shared machine)")
+    print(
+        f"partitioned layer fwd+bwd, gloo CP=2 (TP=1), hidden {args.hidden}, seq {args.seq} ({args.seq // 2} "
+        f"per rank), mbs {args.mbs}, {args.threads} thread(s)/rank, sdpa core attention, median of {args.reps} "
+        "(noisy on a shared machine)"
+    )
     print(f"{'K/V collective delay':>26} {'1 nanobatch (ms)':>17} {'2 nanobatches (ms)':>19} {'saved (ms)':>11}")
     labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
@@ -268,29 +309,40 @@ def _print_cp(args: argparse.Namespace, res: dict) -> int:
         print(f"{labels[d]:>26} {t1:>17.1f} {t2:>19.1f} {t1 - t2:>11.1f} ({(t1 - t2) / t1:.0%})")
     bad = _print_traces(res, "CP collectives issued")
     t1, t2 = res[("per-byte", "1")], res[("per-byte", "2")]
-    print("OVERLAP REAL" if t2 < t1 and not bad else
-          "NO GAIN (2 nanobatches not faster with the per-byte delay, or the trace breaks the plan)")
+    print(
+        "OVERLAP REAL"
+        if t2 < t1 and not bad
+        else "NO GAIN (2 nanobatches not faster with the per-byte delay, or the trace breaks the plan)"
+    )
     return 0
 
 
-
 def _print_cross(args: argparse.Namespace, res: dict) -> int:
-    print(f"{args.layers} partitioned layers (TransformerBlock) fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, "
-          f"hidden {args.hidden}, seq "
-          f"{args.seq}, mbs {args.mbs}, {args.threads} thread(s)/rank, {args.core_attention} core attention, "
-          f"median of {args.reps} (noisy on a shared machine)")
-    print(f"{'collective delay':>26} {'1 nb (ms)':>10} {'2 nb (ms)':>10} {'2 nb + cross-layer (ms)':>24} "
-          f"{'cross-layer saved (ms)':>23}")
+    print(
+        f"{args.layers} partitioned layers (TransformerBlock) fwd+bwd, gloo TP=2{'+SP' if args.sp else ''}, "
+        f"hidden {args.hidden}, seq "
+        f"{args.seq}, mbs {args.mbs}, {args.threads} thread(s)/rank, {args.core_attention} core attention, "
+        f"median of {args.reps} (noisy on a shared machine)"
+    )
+    print(
+        f"{'collective delay':>26} {'1 nb (ms)':>10} {'2 nb (ms)':>10} {'2 nb + cross-layer (ms)':>24} "
+        f"{'cross-layer saved (ms)':>23}"
+    )
     labels = _delay_labels(args)
     for d in ("none", "fixed", "per-byte"):
         t1, t2, tx = res[(d, "1")], res[(d, "2")], res[(d, "2x")]
         print(f"{labels[d]:>26} {t1:>10.1f} {t2:>10.1f} {tx:>24.1f} {t2 - tx:>16.1f} ({(t2 - tx) / t2:.0%})")
     bad = _print_traces(res, "collectives issued in the next layer's call")
     t2, tx = res[("fixed", "2")], res[("fixed", "2x")]
-    print(f"fixed delay: cross-layer overlap hides up to {2 * (args.layers - 1)} more delays per forward+backward "
-          f"({2 * (args.layers - 1) * args.delay_ms:g} ms); saved {t2 - tx:.1f} ms")
-    print("CROSS-LAYER REAL" if tx < t2 and not bad else
-          "NO GAIN (cross-layer not faster with the fixed delay, or the trace breaks the plan)")
+    print(
+        f"fixed delay: cross-layer overlap hides up to {2 * (args.layers - 1)} more delays per forward+backward "
+        f"({2 * (args.layers - 1) * args.delay_ms:g} ms); saved {t2 - tx:.1f} ms"
+    )
+    print(
+        "CROSS-LAYER REAL"
+        if tx < t2 and not bad
+        else "NO GAIN (cross-layer not faster with the fixed delay, or the trace breaks the plan)"
+    )
     return 0
 
 

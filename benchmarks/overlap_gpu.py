@@ -74,16 +74,28 @@ OVERLAP_FREE = (  # (name, lo, hi, prior sigma): the kernel-model parameters of 
     ("comm_compute_activity", 0.0, 4.0, 0.5),
     ("time_scale", 0.02, 50.0, 1e3),
 )
-TINY = dict(name="tiny", num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=4,
-            ffn_hidden_size=128, vocab_size=128)
+TINY = dict(
+    name="tiny",
+    num_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=4,
+    ffn_hidden_size=128,
+    vocab_size=128,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see the module docstring), with the layout they describe checked."""
     ap = argparse.ArgumentParser(prog="overlap_gpu.py", description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU: 2 gloo processes, tiny layer, simulated energy")
-    ap.add_argument("--procs", type=int, default=DRY_RUN_WORLD, choices=(1, 2),
-                    help="gloo processes of the dry run (1: the single-GPU path); on GPUs torchrun's WORLD_SIZE")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=DRY_RUN_WORLD,
+        choices=(1, 2),
+        help="gloo processes of the dry run (1: the single-GPU path); on GPUs torchrun's WORLD_SIZE",
+    )
     ap.add_argument("--model", default=None, help="model preset (workload/models.toml); tiny in a dry run")
     ap.add_argument("--gpu", default=None, help="GPU preset for the prediction (default: the device's)")
     ap.add_argument("--calibration", default=None, help="calibration file the prediction starts from")
@@ -94,10 +106,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (TP >= 2)")
     ap.add_argument("--cp", type=int, default=1, help="context parallel size (TP = world size / CP; needs sdpa)")
     ap.add_argument("--partitions", default=None, help="comma-separated (default: every partition of the layout)")
-    ap.add_argument("--min-window-s", type=float, default=None,
-                    help=f"shortest measured window (s; default {GPU_WINDOW_S:g}: tens of energy-counter steps)")
-    ap.add_argument("--core-attention", default="sdpa", choices=("sdpa", "local"),
-                    help="core attention of the measured layer: torch SDPA (default) or megatron's unfused one")
+    ap.add_argument(
+        "--min-window-s",
+        type=float,
+        default=None,
+        help=f"shortest measured window (s; default {GPU_WINDOW_S:g}: tens of energy-counter steps)",
+    )
+    ap.add_argument(
+        "--core-attention",
+        default="sdpa",
+        choices=("sdpa", "local"),
+        help="core attention of the measured layer: torch SDPA (default) or megatron's unfused one",
+    )
     ap.add_argument("--out", default="kareus-out/overlap_measurements.json", help="measured and predicted rows (JSON)")
     ap.add_argument("--write-calibration", default=None, help="fit the overlap parameters; write this file")
     a = ap.parse_args(argv)
@@ -132,19 +152,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.engine_slots, a.layout = layout_slots(a.tp, a.cp, a.sp)
     a.single = not a.layout  # one GPU: no collective, the reference rows only
     if a.single and (a.partitions or a.write_calibration):
-        ap.error(f"--{'partitions' if a.partitions else 'write-calibration'}: {where} has no TP or CP collective to "
-                 "overlap; run on 2 or more GPUs")
+        ap.error(
+            f"--{'partitions' if a.partitions else 'write-calibration'}: {where} has no TP or CP collective to "
+            "overlap; run on 2 or more GPUs"
+        )
     a.partitions = [p for p in (a.partitions or ",".join(a.layout)).split(",") if p]
     bad = [p for p in a.partitions if p not in a.layout]
     if bad or (not a.partitions and not a.single):
-        ap.error(f"--partitions {','.join(bad) or '(none)'}: not a partition of this layout "
-                 f"({layout_name(a.tp, a.cp, a.sp)}); use some of {', '.join(a.layout)}")
+        ap.error(
+            f"--partitions {','.join(bad) or '(none)'}: not a partition of this layout "
+            f"({layout_name(a.tp, a.cp, a.sp)}); use some of {', '.join(a.layout)}"
+        )
     from kareus_megatron.errors import KareusError
     from kareus_megatron.workload.parallel import make_parallel
 
     try:  # the planner's check of the layout (sequence divisible by 2·CP, and so on) and the prediction's config
-        a.par = make_parallel(model_spec(a), tp=a.tp, cp=a.cp, sequence_parallel=a.sp, micro_batch_size=a.mbs,
-                              seq_length=a.seq, gpus_per_node=a.world)
+        a.par = make_parallel(
+            model_spec(a),
+            tp=a.tp,
+            cp=a.cp,
+            sequence_parallel=a.sp,
+            micro_batch_size=a.mbs,
+            seq_length=a.seq,
+            gpus_per_node=a.world,
+        )
     except KareusError as e:
         ap.error(f"{layout_name(a.tp, a.cp, a.sp)} ({where}, --cp {a.cp}): {e}")
     return a
@@ -200,8 +231,11 @@ def knob_rows(args: argparse.Namespace, gpu: Any) -> list[dict[str, Any]]:
         for name, slots in args.layout.items():
             if phase_of(name) != phase or name not in args.partitions:
                 continue
-            sms = ([int(s) for s in args.sms.split(",")] if args.sms  # default: the planner's grid
-                   else [int(s) for s in knob_sms(gpu, name, default_sms)])
+            sms = (
+                [int(s) for s in args.sms.split(",")]
+                if args.sms  # default: the planner's grid
+                else [int(s) for s in knob_sms(gpu, name, default_sms)]
+            )
             if args.dry_run:  # exercise the path, not the grid
                 sms, slots = sms[:1], tuple(dict.fromkeys((slots[0], slots[-1])))
             for s in sms:
@@ -269,8 +303,15 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
         t = np.array([r["measured_time_s"] for r in sel])
         e = np.array([r["measured_energy_j"] for r in sel])
         clocks = row_clocks(sel, clock_mhz)
-        series.append(Series(f"{phase} knobs", np.array(clocks, dtype=float), t, e,
-                             lambda km, sel=sel, clocks=clocks: predict_rows(sel, km, model, par, clocks)))
+        series.append(
+            Series(
+                f"{phase} knobs",
+                np.array(clocks, dtype=float),
+                t,
+                e,
+                lambda km, sel=sel, clocks=clocks: predict_rows(sel, km, model, par, clocks),
+            )
+        )
     base_km = KernelModel(gpu, base_cal)
     free = [FreeParam(*x) for x in OVERLAP_FREE]
     before = series_metrics(base_km, series)
@@ -278,11 +319,20 @@ def fit_overlap(rows: list[dict[str, Any]], gpu: Any, model: Any, par: Any, cloc
     after = series_metrics(KernelModel.from_params(fitted_gpu, params), series)
     merged = {**(base_cal.params if base_cal else {}), **values}
     return Calibration(
-        format=FORMAT, gpu=gpu.name, params=merged, fit={"uncalibrated": before, "calibrated": after},
+        format=FORMAT,
+        gpu=gpu.name,
+        params=merged,
+        fit={"uncalibrated": before, "calibrated": after},
         source=f"benchmarks/overlap_gpu.py ({len(rows)} knob rows at "
-               f"{f'{clock_mhz} MHz' if clock_mhz else 'their measured clocks'})",
-        workload={"model": model.name, "tp": par.tp, "cp": par.cp, "sequence_parallel": par.sequence_parallel,
-                  "mbs": par.micro_batch_size, "seq": par.seq_length},
+        f"{f'{clock_mhz} MHz' if clock_mhz else 'their measured clocks'})",
+        workload={
+            "model": model.name,
+            "tp": par.tp,
+            "cp": par.cp,
+            "sequence_parallel": par.sequence_parallel,
+            "mbs": par.micro_batch_size,
+            "seq": par.seq_length,
+        },
     )
 
 
@@ -299,26 +349,42 @@ def _layer(model: Any, tp: int, seq: int, cpu: bool, core_attention: str = "sdpa
 
     dtype = torch.float32 if cpu else torch.bfloat16
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
-        kv_channels=model.kv_channels, gated_linear_unit=model.activation == "swiglu",
-        activation_func=F.silu if model.activation == "swiglu" else F.gelu, add_bias_linear=False,
-        normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm", qk_layernorm=model.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp, use_cpu_initialization=cpu,
-        sequence_parallel=sp, context_parallel_size=cp,
-        params_dtype=dtype, bf16=not cpu, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False,
+        num_layers=1,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.kv_channels,
+        gated_linear_unit=model.activation == "swiglu",
+        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
+        add_bias_linear=False,
+        normalization="RMSNorm" if model.norm == "rmsnorm" else "LayerNorm",
+        qk_layernorm=model.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=cpu,
+        sequence_parallel=sp,
+        context_parallel_size=cp,
+        params_dtype=dtype,
+        bf16=not cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
     )
     spec = get_partitioned_gpt_layer_spec(
-        core_attention=core_attention, normalization="RMSNorm" if model.norm == "rmsnorm" else None,
+        core_attention=core_attention,
+        normalization="RMSNorm" if model.norm == "rmsnorm" else None,
         qk_layernorm=model.qk_norm,
     )
     layer = build_module(spec, config=cfg, layer_number=1)
     rope = None
     if model.position == "rope":
         # packed_seq=True: megatron leaves the table unsliced under CP; measure() slices it as the batch
-        rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0,
-                               use_cpu_initialization=cpu)(seq, packed_seq=cp > 1)
+        rope = RotaryEmbedding(kv_channels=model.kv_channels, rotary_percent=1.0, use_cpu_initialization=cpu)(
+            seq, packed_seq=cp > 1
+        )
     return layer, rope, dtype
 
 
@@ -393,8 +459,9 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     dy = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype)
     mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1).view(1, 1, args.seq, args.seq)
     if args.cp > 1:  # megatron's CP layout: this rank's 2 of the 2·CP chunks (mask rows; RoPE table, dim 0)
-        cut = get_batch_on_this_cp_rank({"attention_mask": mask,
-                                         "rope": None if rope is None else rope.transpose(0, 1)})
+        cut = get_batch_on_this_cp_rank(
+            {"attention_mask": mask, "rope": None if rope is None else rope.transpose(0, 1)}
+        )
         mask = cut["attention_mask"]
         rope = None if rope is None else cut["rope"].transpose(0, 1).contiguous()
     is_cp = {r["partition"]: r["partition"] in CP_PARTITION_SLOTS for r in rows if r["partition"]}
@@ -446,19 +513,30 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
             t, e, n = tf, ef, nf
         else:
             for attempt in range(BACKWARD_ATTEMPTS):  # backward = (forward+backward) - forward: on a
-                if attempt:                           # noisy machine the difference can come out <= 0
+                if attempt:  # noisy machine the difference can come out <= 0
                     tf, ef, nf, _ = window(fwd)
                 tb, eb, n, mhz = window(fwd_bwd)
                 t, e = tb - tf, eb - ef
                 if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
                     break
         groups = engine.comm.cp_sm_groups if is_cp.get(r["partition"]) else engine.comm.sm_groups
-        out.append({**r, "measured_time_s": t, "measured_energy_j": e, "reps": n, "clock_mhz": mhz,
-                    "sm_limit_requested": r["comm_sms"] in groups})  # issued on an SM-limited communicator
+        out.append(
+            {
+                **r,
+                "measured_time_s": t,
+                "measured_energy_j": e,
+                "reps": n,
+                "clock_mhz": mhz,
+                "sm_limit_requested": r["comm_sms"] in groups,
+            }
+        )  # issued on an SM-limited communicator
     set_engine(None)
     dev.close()
-    attn = {} if args.cp > 1 else attention_op_times(layer.config, args.seq, args.mbs, device, dtype,
-                                                     reps=3 if cpu else 10, sync=sync)
+    attn = (
+        {}
+        if args.cp > 1
+        else attention_op_times(layer.config, args.seq, args.mbs, device, dtype, reps=3 if cpu else 10, sync=sync)
+    )
     extra: dict[str, Any] = {}
     if args.single:  # no collective to measure: what the TP communicators cost to build here, at world size 1
         from kareus_megatron.runtime.overlap.comm_probe import probe_sm_limited_comms
@@ -569,43 +647,77 @@ def main(argv: list[str] | None = None) -> int:
     pt, pe = predict_rows(measured, KernelModel(gpu, base_cal), model, par, clocks)
     for r, t, e in zip(measured, pt, pe):
         r["predicted_time_s"], r["predicted_energy_j"] = float(t), float(e)
-    notes = [] if not args.single else [
-        "world size 1: no TP or CP collective, so only the reference rows (1 and 2 nanobatches, no knobs) are "
-        "measured; comm-SM and launch-slot rows need 2 or more GPUs; 'communicators' holds what the engine's "
-        "SM-limited communicators cost to build here (at world size 1: no peers' buffers)"]
-    doc = {"format": "kareus-overlap-measurements/1", "dry_run": args.dry_run, "gpu": gpu.name,
-           "model": model.name, "tp": args.tp, "cp": args.cp, "sequence_parallel": args.sp,
-           "partitions": {n: list(args.layout[n]) for n in args.partitions}, "mbs": args.mbs, "seq": args.seq,
-           "clock_mhz": locked, "measured_clock_mhz": int(np.median(clocks)) if clocks else None,
-           "clock_source": "locked" if locked else "measured",
-           "core_attention": args.core_attention, "attention_op": {f"{k}_s": v for k, v in attn.items()},
-           "rows": measured, "notes": notes, **extra}
+    notes = (
+        []
+        if not args.single
+        else [
+            "world size 1: no TP or CP collective, so only the reference rows (1 and 2 nanobatches, no knobs) are "
+            "measured; comm-SM and launch-slot rows need 2 or more GPUs; 'communicators' holds what the engine's "
+            "SM-limited communicators cost to build here (at world size 1: no peers' buffers)"
+        ]
+    )
+    doc = {
+        "format": "kareus-overlap-measurements/1",
+        "dry_run": args.dry_run,
+        "gpu": gpu.name,
+        "model": model.name,
+        "tp": args.tp,
+        "cp": args.cp,
+        "sequence_parallel": args.sp,
+        "partitions": {n: list(args.layout[n]) for n in args.partitions},
+        "mbs": args.mbs,
+        "seq": args.seq,
+        "clock_mhz": locked,
+        "measured_clock_mhz": int(np.median(clocks)) if clocks else None,
+        "clock_source": "locked" if locked else "measured",
+        "core_attention": args.core_attention,
+        "attention_op": {f"{k}_s": v for k, v in attn.items()},
+        "rows": measured,
+        "notes": notes,
+        **extra,
+    }
     write_json_atomic(args.out, doc)
-    where = f"locked at {locked} MHz" if locked else (f"not locked: measured {doc['measured_clock_mhz']} MHz (median; "
-                                                      "each row predicted at its own measured clock)")
+    where = (
+        f"locked at {locked} MHz"
+        if locked
+        else (
+            f"not locked: measured {doc['measured_clock_mhz']} MHz (median; "
+            "each row predicted at its own measured clock)"
+        )
+    )
     print(f"{layout_name(args.tp, args.cp, args.sp)}, {model.name}, mbs {args.mbs}, seq {args.seq}, SM clock {where}")
     for note in notes:
         print(f"note: {note}")
-    print(f"{'phase':9} {'nb':>2} {'partition':16} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
-          f"{'meas J':>9} {'pred J':>9}")
+    print(
+        f"{'phase':9} {'nb':>2} {'partition':16} {'sms':>4} {'slot':12} {'meas ms':>9} {'pred ms':>9} "
+        f"{'meas J':>9} {'pred J':>9}"
+    )
     for r in measured:
-        print(f"{r['phase']:9} {r['nanobatches']:>2} {r['partition'] or '-':16} {r['comm_sms'] or '-':>4} "
-              f"{r['slot'] or '-':12} {1e3 * r['measured_time_s']:9.3f} {1e3 * r['predicted_time_s']:9.3f} "
-              f"{r['measured_energy_j']:9.4f} {r['predicted_energy_j']:9.4f}")
+        print(
+            f"{r['phase']:9} {r['nanobatches']:>2} {r['partition'] or '-':16} {r['comm_sms'] or '-':>4} "
+            f"{r['slot'] or '-':12} {1e3 * r['measured_time_s']:9.3f} {1e3 * r['predicted_time_s']:9.3f} "
+            f"{r['measured_energy_j']:9.4f} {r['predicted_energy_j']:9.4f}"
+        )
     mt = np.array([r["measured_time_s"] for r in measured])
-    print(f"time MAPE {100 * np.mean(np.abs(pt / np.maximum(mt, 1e-12) - 1)):.1f}% over {len(measured)} rows"
-          + (" (dry run: CPU times, not comparable)" if args.dry_run else ""))
+    print(
+        f"time MAPE {100 * np.mean(np.abs(pt / np.maximum(mt, 1e-12) - 1)):.1f}% over {len(measured)} rows"
+        + (" (dry run: CPU times, not comparable)" if args.dry_run else "")
+    )
     if args.write_calibration:
         cal = fit_overlap(measured, gpu, model, par, locked, base_cal)
         save_calibration(cal, args.write_calibration)
-        print(f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
-              f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%")
+        print(
+            f"wrote {args.write_calibration}: time-ratio MAPE {cal.fit['uncalibrated']['time_ratio_mape_pct']:.1f}% "
+            f"-> {cal.fit['calibrated']['time_ratio_mape_pct']:.1f}%"
+        )
     if not attn:
         print("core attention alone: left out with CP (megatron's DotProductAttention does not run it)")
     else:
-        print(f"core attention alone, fwd+bwd per call: local (unfused) {1e3 * attn['local']:.3f} ms, "
-              f"sdpa {1e3 * attn['sdpa']:.3f} ms ({attn['local'] / max(attn['sdpa'], 1e-12):.2f}x)"
-              + (" (dry run: CPU math path)" if args.dry_run else ""))
+        print(
+            f"core attention alone, fwd+bwd per call: local (unfused) {1e3 * attn['local']:.3f} ms, "
+            f"sdpa {1e3 * attn['sdpa']:.3f} ms ({attn['local'] / max(attn['sdpa'], 1e-12):.2f}x)"
+            + (" (dry run: CPU math path)" if args.dry_run else "")
+        )
     print(f"wrote {Path(args.out)}")
     return 0
 

@@ -61,10 +61,33 @@ class PaperConfig:
         """`kareus plan` workload flags of this configuration."""
         first, last = self.first_last
         return [
-            "--gpu", GPU, "--model", self.model, "--tp", str(self.tp), "--cp", str(self.cp), "--pp", "2",
-            "--mbs", str(self.mbs), "--seq", str(self.seq), "--microbatches", "8", "--recompute", "full",
-            "--nodes", "2", "--gpus-per-node", "8", "--first-stage-layers", str(first),
-            "--last-stage-layers", str(last), *(["--sp"] if self.sp else []),
+            "--gpu",
+            GPU,
+            "--model",
+            self.model,
+            "--tp",
+            str(self.tp),
+            "--cp",
+            str(self.cp),
+            "--pp",
+            "2",
+            "--mbs",
+            str(self.mbs),
+            "--seq",
+            str(self.seq),
+            "--microbatches",
+            "8",
+            "--recompute",
+            "full",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--first-stage-layers",
+            str(first),
+            "--last-stage-layers",
+            str(last),
+            *(["--sp"] if self.sp else []),
         ]
 
 
@@ -82,10 +105,18 @@ CONFIGS: tuple[PaperConfig, ...] = (
     PaperConfig("70b", "llama3.3-70b", 8, 1, 8, 4096, first_last=(40, 40)),
 )
 VARIANTS: dict[str, tuple[bool, bool]] = {  # name -> (sequence parallelism, cross-layer overlap)
-    "published": (False, False), "sp": (True, False), "cross": (False, True), "sp+cross": (True, True),
+    "published": (False, False),
+    "sp": (True, False),
+    "cross": (False, True),
+    "sp+cross": (True, True),
 }
-LABEL = {"megatron": "Megatron", "perseus": "Perseus", "nanobatch_perseus": "NB+Perseus", "kareus": "Kareus",
-         "powercap": "Power cap"}
+LABEL = {
+    "megatron": "Megatron",
+    "perseus": "Perseus",
+    "nanobatch_perseus": "NB+Perseus",
+    "kareus": "Kareus",
+    "powercap": "Power cap",
+}
 
 
 def workload(cfg: PaperConfig, calibration: str | None = None):
@@ -137,19 +168,27 @@ def tables(rows: list[tuple[PaperConfig, dict]], markdown: bool, dominance: bool
     ]
     iso = (POWERCAP, NANOBATCH_PERSEUS, KAREUS)  # the power cap's fastest point is Megatron's: iso columns only
     fast = tuple(m for m in METHODS[1:] if m != POWERCAP)
-    head_b = ["#", "iso-time energy % (PC · NB+P · Kareus)", "iso-energy time % (PC · NB+P · Kareus)",
-              "time vs Megatron % (P · NB+P · K)", "energy vs Megatron % (P · NB+P · K)"]
+    head_b = [
+        "#",
+        "iso-time energy % (PC · NB+P · Kareus)",
+        "iso-energy time % (PC · NB+P · Kareus)",
+        "time vs Megatron % (P · NB+P · K)",
+        "energy vs Megatron % (P · NB+P · K)",
+    ]
     head_b += ["K dominates"] if dominance else []
     body_b = []
     for c, r in rows:
         red = r["reductions"]
-        body_b.append([
-            _tag(c),
-            " · ".join(pct(red[m]["iso_time_energy"]) for m in iso),
-            " · ".join(pct(red[m]["iso_energy_time"]) for m in iso),
-            " · ".join(pct(red[m]["max_throughput_time_vs_megatron"]) for m in fast),
-            " · ".join(pct(red[m]["max_throughput_energy_vs_megatron"]) for m in fast),
-        ] + (["yes" if r["kareus_dominates"] else "NO"] if dominance else []))
+        body_b.append(
+            [
+                _tag(c),
+                " · ".join(pct(red[m]["iso_time_energy"]) for m in iso),
+                " · ".join(pct(red[m]["iso_energy_time"]) for m in iso),
+                " · ".join(pct(red[m]["max_throughput_time_vs_megatron"]) for m in fast),
+                " · ".join(pct(red[m]["max_throughput_energy_vs_megatron"]) for m in fast),
+            ]
+            + (["yes" if r["kareus_dominates"] else "NO"] if dominance else [])
+        )
     return _render(head_a, body_a, markdown) + "\n\n" + _render(head_b, body_b, markdown)
 
 
@@ -160,8 +199,11 @@ def _tag(c: PaperConfig) -> str:
 def variant_table(rows: list[tuple[PaperConfig, dict]], markdown: bool) -> str:
     """Each variant's NB+Perseus and Kareus reductions, with the change from the published layout (points)."""
     base = {c.tag: r["reductions"] for c, r in rows if c.variant == "published"}
-    keys = (("iso_time_energy", "iso-time energy"), ("iso_energy_time", "iso-energy time"),
-            ("max_throughput_time_vs_megatron", "time vs Megatron"))
+    keys = (
+        ("iso_time_energy", "iso-time energy"),
+        ("iso_energy_time", "iso-energy time"),
+        ("max_throughput_time_vs_megatron", "time vs Megatron"),
+    )
     head = ["#", "variant", "parallelism", "K fastest s / kJ"] + [f"{label} % (NB+P · K)" for _, label in keys]
     head += [f"K {label} Δ pt" for _, label in keys]
     body = []
@@ -172,8 +214,7 @@ def variant_table(rows: list[tuple[PaperConfig, dict]], markdown: bool) -> str:
         row += [" · ".join(pct(red[m][k]) for m in (NANOBATCH_PERSEUS, KAREUS)) for k, _ in keys]
         for k, _ in keys:
             now, was = red[KAREUS][k], None if ref is None else ref[KAREUS][k]
-            row.append("—" if c.variant == "published" or now is None or was is None
-                       else f"{100 * (now - was):+.1f}")
+            row.append("—" if c.variant == "published" or now is None or was is None else f"{100 * (now - was):+.1f}")
         body.append(row)
     return _render(head, body, markdown)
 
@@ -193,8 +234,11 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (for docs/benchmarks.md)")
     ap.add_argument("--only", default=None, help="comma-separated configuration tags (1..10, 70b)")
     ap.add_argument("--calibration", default=None, help="calibration JSON (default: GPU preset only)")
-    ap.add_argument("--variants", default="published",
-                    help=f"comma-separated variants ({', '.join(VARIANTS)}) or 'all' (default: published)")
+    ap.add_argument(
+        "--variants",
+        default="published",
+        help=f"comma-separated variants ({', '.join(VARIANTS)}) or 'all' (default: published)",
+    )
     args = ap.parse_args()
     want = set(args.only.split(",")) if args.only else None
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
@@ -208,16 +252,22 @@ def main() -> None:
         for v in variants:
             cfg = replace(base, sp=VARIANTS[v][0], cross_layer=VARIANTS[v][1])
             r = evaluate(cfg, args.calibration)
-            print(f"  planned #{cfg.tag} {v} {cfg.model} {cfg.layout} MBS {cfg.mbs} seq {cfg.seq}: "
-                  f"{r['seconds']:.1f} s", flush=True)
+            print(
+                f"  planned #{cfg.tag} {v} {cfg.model} {cfg.layout} MBS {cfg.mbs} seq {cfg.seq}: {r['seconds']:.1f} s",
+                flush=True,
+            )
             rows.append((cfg, r))
     cal = f"calibration {args.calibration}" if args.calibration else "GPU preset, uncalibrated"
-    print(f"\nMODEL PREDICTIONS ({GPU}, 2 nodes × 8 GPUs, {cal}); energy = all 16 GPUs per iteration; "
-          f"reductions use Perseus's frontier as the reference (+ = better).\n")
+    print(
+        f"\nMODEL PREDICTIONS ({GPU}, 2 nodes × 8 GPUs, {cal}); energy = all 16 GPUs per iteration; "
+        f"reductions use Perseus's frontier as the reference (+ = better).\n"
+    )
     print(tables(rows, args.markdown))
     if len(variants) > 1:
-        print("\nVariants: reductions (%) of NB+Perseus and Kareus, and Kareus's change from the published layout "
-              "(percentage points; + = better).\n")
+        print(
+            "\nVariants: reductions (%) of NB+Perseus and Kareus, and Kareus's change from the published layout "
+            "(percentage points; + = better).\n"
+        )
         print(variant_table(rows, args.markdown))
     print(f"\n{len(rows)} configurations planned in {time.perf_counter() - t0:.1f} s (shared CPU; timings are noisy)")
 

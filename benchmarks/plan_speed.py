@@ -28,8 +28,20 @@ CASES = (
     ("default (llama3.2-3b, 16 GPUs, PP=2, M=8)", [], 10.0),
     (
         "llama3.3-70b, TP=8 PP=8, M=64, 64 A100-80GB",
-        ["--model", "llama3.3-70b", "--tp", "8", "--pp", "8", "--microbatches", "64", "--nodes", "8",
-         "--gpu", "a100-sxm4-80gb"],
+        [
+            "--model",
+            "llama3.3-70b",
+            "--tp",
+            "8",
+            "--pp",
+            "8",
+            "--microbatches",
+            "64",
+            "--nodes",
+            "8",
+            "--gpu",
+            "a100-sxm4-80gb",
+        ],
         60.0,
     ),
 )
@@ -41,7 +53,8 @@ def run_case(argv: list[str], out: Path) -> tuple[float, float, dict]:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "kareus_megatron.cli.main", "plan", *argv, "--out", str(out)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -56,8 +69,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=1, help="runs per case; the best wall time counts")
     args = ap.parse_args()
-    print(f"kareus plan speed; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "
-          "(shared machine: wall times are noisy)")
+    print(
+        f"kareus plan speed; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start "
+        "(shared machine: wall times are noisy)"
+    )
     print(f"{'case':<44} {'wall s':>8} {'CPU s':>8} {'target s':>9} {'plans':>6} {'kareus pts':>11}  verdict")
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,8 +84,10 @@ def main() -> None:
             plans = sum(len(m["points"]) for m in doc["methods"].values())
             ok = best_wall <= target
             failed |= not ok
-            print(f"{name:<44} {best_wall:>8.1f} {best_cpu:>8.1f} {target:>9.0f} {plans:>6} "
-                  f"{len(doc['methods']['kareus']['points']):>11}  {'ok' if ok else 'SLOWER THAN TARGET'}")
+            print(
+                f"{name:<44} {best_wall:>8.1f} {best_cpu:>8.1f} {target:>9.0f} {plans:>6} "
+                f"{len(doc['methods']['kareus']['points']):>11}  {'ok' if ok else 'SLOWER THAN TARGET'}"
+            )
     print(f"load average at end {os.getloadavg()[0]:.1f}")
     if failed:
         print("note: a wall time above its target on a loaded machine may be contention; compare the CPU time")

@@ -44,8 +44,13 @@ def _metrics(result: PlanningResult, method: str, index: int) -> dict[str, float
     plan, _ = build_plan(result, method, index)
     p = plan.predicted.power
     assert p is not None
-    return {"swing": p.swing_w / p.peak_power_w, "ramp_w_per_s": p.ramp_w_per_s, "band": p.band_fraction,
-            "energy_j": plan.predicted.iteration_energy_j, "time_s": plan.predicted.iteration_time_s}
+    return {
+        "swing": p.swing_w / p.peak_power_w,
+        "ramp_w_per_s": p.ramp_w_per_s,
+        "band": p.band_fraction,
+        "energy_j": plan.predicted.iteration_energy_j,
+        "time_s": plan.predicted.iteration_time_s,
+    }
 
 
 def evaluate(cfg: PaperConfig, max_swing: float) -> dict[str, Any]:
@@ -58,27 +63,39 @@ def evaluate(cfg: PaperConfig, max_swing: float) -> dict[str, Any]:
     for m in METHODS:
         pts = {name: _metrics(free, m, i) for name, i in _points(free, m).items()}
         fb, lb = bounded.methods[m], free.methods[m]
-        out[m] = {**pts, "bound_fastest": float(fb.energy_j[0]) / float(lb.energy_j[0]) - 1,
-                  "bound_least": float(fb.energy_j.min()) / float(lb.energy_j.min()) - 1}
+        out[m] = {
+            **pts,
+            "bound_fastest": float(fb.energy_j[0]) / float(lb.energy_j[0]) - 1,
+            "bound_least": float(fb.energy_j.min()) / float(lb.energy_j.min()) - 1,
+        }
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
 def table(rows: list[tuple[PaperConfig, dict[str, Any]]], markdown: bool, max_swing: float) -> str:
     """One row per configuration and method."""
-    head = ["#", "method", "swing % (fast · iso · least)", "ramp kW/s (fast · iso · least)",
-            "band % (fast · iso · least)", f"energy +% under {max_swing:g}×peak (fast · least)"]
+    head = [
+        "#",
+        "method",
+        "swing % (fast · iso · least)",
+        "ramp kW/s (fast · iso · least)",
+        "band % (fast · iso · least)",
+        f"energy +% under {max_swing:g}×peak (fast · least)",
+    ]
     body = []
     for c, r in rows:
         for m in METHODS:
             d = r[m]
-            body.append([
-                c.tag if m == METHODS[0] else "", LABEL[m],
-                " · ".join(f"{100 * d[p]['swing']:.0f}" for p in POINTS),
-                " · ".join(f"{d[p]['ramp_w_per_s'] / 1e3:.0f}" for p in POINTS),
-                " · ".join(f"{100 * d[p]['band']:.1f}" for p in POINTS),
-                f"{100 * d['bound_fastest']:.1f} · {100 * d['bound_least']:.1f}",
-            ])
+            body.append(
+                [
+                    c.tag if m == METHODS[0] else "",
+                    LABEL[m],
+                    " · ".join(f"{100 * d[p]['swing']:.0f}" for p in POINTS),
+                    " · ".join(f"{d[p]['ramp_w_per_s'] / 1e3:.0f}" for p in POINTS),
+                    " · ".join(f"{100 * d[p]['band']:.1f}" for p in POINTS),
+                    f"{100 * d['bound_fastest']:.1f} · {100 * d['bound_least']:.1f}",
+                ]
+            )
     return _render(head, body, markdown)
 
 
@@ -88,8 +105,10 @@ def verdicts(rows: list[tuple[PaperConfig, dict[str, Any]]]) -> str:
     for c, r in rows:
         k, mg = r[KAREUS]["iso-time"]["swing"], r[MEGATRON]["fastest"]["swing"]
         word = "smaller" if k < mg - 5e-3 else "larger" if k > mg + 5e-3 else "about the same"
-        lines.append(f"config {c.tag} ({c.model}, {c.layout}, MBS {c.mbs}, seq {c.seq}): Kareus iso-time swing "
-                     f"{100 * k:.0f}% vs Megatron {100 * mg:.0f}% of peak: {word}; planned in {r['seconds']:.1f} s")
+        lines.append(
+            f"config {c.tag} ({c.model}, {c.layout}, MBS {c.mbs}, seq {c.seq}): Kareus iso-time swing "
+            f"{100 * k:.0f}% vs Megatron {100 * mg:.0f}% of peak: {word}; planned in {r['seconds']:.1f} s"
+        )
     return "\n".join(lines)
 
 

@@ -29,8 +29,9 @@ def main() -> None:
         if out.returncode != 0:
             raise SystemExit(f"kareus predict failed: {out.stderr.strip()}")
     rows = len(out.stdout.splitlines()) - 1
-    print(f"kareus predict (subprocess, imports included): best {min(runs):.3f} s, worst {max(runs):.3f} s, "
-          f"{rows} rows")
+    print(
+        f"kareus predict (subprocess, imports included): best {min(runs):.3f} s, worst {max(runs):.3f} s, {rows} rows"
+    )
     inproc = []
     for _ in range(5):
         t0 = time.perf_counter()

@@ -80,40 +80,82 @@ def main() -> None:
         t = time.perf_counter()
         doc = plan_one(cfg, out / f"config-{cfg.tag}", args.points, args.calibration)
         docs.append((cfg, doc))
-        print(f"  #{cfg.tag:<3} {cfg.model:<13} {cfg.layout:<11} MBS {cfg.mbs:<2} seq {cfg.seq:<5} "
-              f"-> {out}/config-{cfg.tag}/  ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(
+            f"  #{cfg.tag:<3} {cfg.model:<13} {cfg.layout:<11} MBS {cfg.mbs:<2} seq {cfg.seq:<5} "
+            f"-> {out}/config-{cfg.tag}/  ({time.perf_counter() - t:.1f} s)",
+            flush=True,
+        )
 
-    rows = [(cfg, {"fastest": {m: (d["methods"][m]["points"][0]["time_s"], d["methods"][m]["points"][0]["energy_j"])
-                               for m in METHODS},
-                   "reductions": d["reductions"]}) for cfg, d in docs]
+    rows = [
+        (
+            cfg,
+            {
+                "fastest": {
+                    m: (d["methods"][m]["points"][0]["time_s"], d["methods"][m]["points"][0]["energy_j"])
+                    for m in METHODS
+                },
+                "reductions": d["reductions"],
+            },
+        )
+        for cfg, d in docs
+    ]
     cal = f"calibration {args.calibration}" if args.calibration else "GPU preset, uncalibrated"
-    header = (f"# Simulated reproduction (MODEL PREDICTIONS, not measurements)\n\n{GPU}, 2 nodes × 8 GPUs, {cal}. "
-              "Energy = GPU energy of all 16 GPUs per iteration; reductions use Perseus's frontier as the "
-              "reference (+ = better). Per-configuration outputs: config-TAG/ (`kareus plan` output) and "
-              "logs/config-TAG.txt (its table).\n\n")
+    header = (
+        f"# Simulated reproduction (MODEL PREDICTIONS, not measurements)\n\n{GPU}, 2 nodes × 8 GPUs, {cal}. "
+        "Energy = GPU energy of all 16 GPUs per iteration; reductions use Perseus's frontier as the "
+        "reference (+ = better). Per-configuration outputs: config-TAG/ (`kareus plan` output) and "
+        "logs/config-TAG.txt (its table).\n\n"
+    )
     _write_text(out / "comparison.md", header + tables(rows, markdown=True, dominance=False) + "\n")
-    write_json_atomic(out / "comparison.json", [
-        {"tag": c.tag, "model": c.model, "tp": c.tp, "cp": c.cp, "mbs": c.mbs, "seq": c.seq,
-         "fastest": {m: {"time_s": r["fastest"][m][0], "energy_j": r["fastest"][m][1]} for m in METHODS},
-         "reductions": r["reductions"]}
-        for c, r in rows
-    ])
+    write_json_atomic(
+        out / "comparison.json",
+        [
+            {
+                "tag": c.tag,
+                "model": c.model,
+                "tp": c.tp,
+                "cp": c.cp,
+                "mbs": c.mbs,
+                "seq": c.seq,
+                "fastest": {m: {"time_s": r["fastest"][m][0], "energy_j": r["fastest"][m][1]} for m in METHODS},
+                "reductions": r["reductions"],
+            }
+            for c, r in rows
+        ],
+    )
     tags = [f"#{c.tag}" for c, _ in docs]
-    save_grid_png(out / "frontiers.png", [
-        (lambda ax, c=c, d=d, k=k: plot_frontier(
-            d, ax, title=f"#{c.tag} {c.model} {c.layout} MBS {c.mbs} seq {c.seq}", legend=k == 0))
-        for k, (c, d) in enumerate(docs)
-    ], ncols=3)
-    save_grid_png(out / "reductions.png", [
-        (lambda ax, key=key, what=what: plot_reductions(
-            tags, {m: [d["reductions"][m][key] for _, d in docs] for m in METHODS[1:]}, ax, title=what))
-        for key, what in REDUCTIONS.items()
-    ], ncols=2, panel=(7.0, 3.4))
+    save_grid_png(
+        out / "frontiers.png",
+        [
+            (
+                lambda ax, c=c, d=d, k=k: plot_frontier(
+                    d, ax, title=f"#{c.tag} {c.model} {c.layout} MBS {c.mbs} seq {c.seq}", legend=k == 0
+                )
+            )
+            for k, (c, d) in enumerate(docs)
+        ],
+        ncols=3,
+    )
+    save_grid_png(
+        out / "reductions.png",
+        [
+            (
+                lambda ax, key=key, what=what: plot_reductions(
+                    tags, {m: [d["reductions"][m][key] for _, d in docs] for m in METHODS[1:]}, ax, title=what
+                )
+            )
+            for key, what in REDUCTIONS.items()
+        ],
+        ncols=2,
+        panel=(7.0, 3.4),
+    )
     print()
     print(tables(rows, markdown=False, dominance=False))
-    print(f"\nwrote {out}/comparison.md, comparison.json, frontiers.png, reductions.png and {len(docs)} "
-          f"config-TAG/ directories in {time.perf_counter() - t0:.1f} s (model predictions; "
-          f"{', '.join(LABEL[m] for m in METHODS)})")
+    print(
+        f"\nwrote {out}/comparison.md, comparison.json, frontiers.png, reductions.png and {len(docs)} "
+        f"config-TAG/ directories in {time.perf_counter() - t0:.1f} s (model predictions; "
+        f"{', '.join(LABEL[m] for m in METHODS)})"
+    )
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def _timed_arms(schedules, originals: dict, records: dict) -> dict:
                 return fn(*a, **k)
             finally:
                 inner[0] += tt() - t0
+
         return call
 
     def timed_outside(fn, key):
@@ -87,6 +88,7 @@ def _timed_arms(schedules, originals: dict, records: dict) -> dict:
             finally:
                 records.setdefault(key, []).append(tt() - t0 - inner[0])
                 inner[0] = saved
+
         return call
 
     def patched(name, fn):
@@ -98,14 +100,19 @@ def _timed_arms(schedules, originals: dict, records: dict) -> dict:
 
     arms = {}
     for arm in ("with", "without"):
-        arms[arm] = {name: timed_outside(patched(name, timed_inside(fn)) if arm == "with" else timed_inside(fn),
-                                         f"{arm}_{'step' if name.endswith('_step') else 'schedule'}_ns")
-                     for name, fn in originals.items()}
+        arms[arm] = {
+            name: timed_outside(
+                patched(name, timed_inside(fn)) if arm == "with" else timed_inside(fn),
+                f"{arm}_{'step' if name.endswith('_step') else 'schedule'}_ns",
+            )
+            for name, fn in originals.items()
+        }
     return arms
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, iterations: int, controller: str, rounds: int,
-            hook_iterations: int) -> None:
+def _worker(
+    rank: int, world: int, port: int, out_dir: str, iterations: int, controller: str, rounds: int, hook_iterations: int
+) -> None:
     import plans
     import tiny_gpt
     import torch
@@ -184,12 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=ITERATIONS, help="iterations per arm and round (default 20)")
     ap.add_argument("--rounds", type=int, default=30, help="rounds of --iterations per arm (default 30)")
     ap.add_argument("--latency-ms", type=float, default=15.0, help="simulated NVML latency (default 15)")
-    ap.add_argument("--controller", choices=("process", "thread"), default="process",
-                    help="clock controller as a side process per GPU (default, as in production) or a thread")
-    ap.add_argument("--coalesce-ms", type=float, default=None,
-                    help="clock messages gathered per write on CPU (KAREUS_CLOCK_COALESCE_MS; default 100)")
-    ap.add_argument("--hook-iterations", type=int, default=40,
-                    help="iterations per arm timing the patch's path on the training thread (default 40)")
+    ap.add_argument(
+        "--controller",
+        choices=("process", "thread"),
+        default="process",
+        help="clock controller as a side process per GPU (default, as in production) or a thread",
+    )
+    ap.add_argument(
+        "--coalesce-ms",
+        type=float,
+        default=None,
+        help="clock messages gathered per write on CPU (KAREUS_CLOCK_COALESCE_MS; default 100)",
+    )
+    ap.add_argument(
+        "--hook-iterations",
+        type=int,
+        default=40,
+        help="iterations per arm timing the patch's path on the training thread (default 40)",
+    )
     ap.add_argument("--strict", action="store_true", help="exit 1 when the overhead exceeds 2%%")
     args = ap.parse_args(argv)
     if args.iterations < 1 or args.rounds < 1 or args.hook_iterations < 1:
@@ -205,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        mp.spawn(_worker, args=(2, port, tmp, args.iterations, args.controller, args.rounds, args.hook_iterations),
-                 nprocs=2, join=True)
+        mp.spawn(
+            _worker,
+            args=(2, port, tmp, args.iterations, args.controller, args.rounds, args.hook_iterations),
+            nprocs=2,
+            join=True,
+        )
         times = [json.loads((Path(tmp) / f"times{r}.json").read_text()) for r in range(2)]
         rank0_log = Path(tmp) / "run.jsonl" / "rank-00000.jsonl"
         logged = sum(1 for line in rank0_log.read_text().splitlines() if '"iteration"' in line)
@@ -222,38 +245,58 @@ def main(argv: list[str] | None = None) -> int:
     cpu = {side: statistics.median(times[0]["cpu_" + side] + times[1]["cpu_" + side]) for side in ARMS}
     ctl = sum(t["controller_cpu_s"][0] for t in times) / (2 * len(arm["with"]))
     n = len(arm["with"])
-    print(f"tiny GPT, PP={PP}, {M} microbatches, {n} iterations per arm ({args.rounds} rounds of {args.iterations}, "
-          f"arms in random order per block), simulated NVML latency {args.latency_ms:g} ms, controller as a "
-          f"{args.controller}, clock messages gathered for {times[0]['coalesce_ms'][0]:g} ms, {os.cpu_count()} CPUs "
-          f"(load average {os.getloadavg()[0]:.1f}; timings on a shared machine are noisy)")
+    print(
+        f"tiny GPT, PP={PP}, {M} microbatches, {n} iterations per arm ({args.rounds} rounds of {args.iterations}, "
+        f"arms in random order per block), simulated NVML latency {args.latency_ms:g} ms, controller as a "
+        f"{args.controller}, clock messages gathered for {times[0]['coalesce_ms'][0]:g} ms, {os.cpu_count()} CPUs "
+        f"(load average {os.getloadavg()[0]:.1f}; timings on a shared machine are noisy)"
+    )
     print(f"best iteration time: without {min(unpatched) * 1e3:.2f} ms, with {min(arm['with']) * 1e3:.2f} ms")
-    print(f"median iteration time without patch: {statistics.median(unpatched) * 1e3:8.2f} ms "
-          f"(arms: without {statistics.median(arm['without']) * 1e3:.2f}, control "
-          f"{statistics.median(arm['control']) * 1e3:.2f})")
+    print(
+        f"median iteration time without patch: {statistics.median(unpatched) * 1e3:8.2f} ms "
+        f"(arms: without {statistics.median(arm['without']) * 1e3:.2f}, control "
+        f"{statistics.median(arm['control']) * 1e3:.2f})"
+    )
     print(f"median iteration time with patch:    {statistics.median(arm['with']) * 1e3:8.2f} ms")
-    print(f"overhead: {overhead * 100:+.2f}% (95% interval {lo * 100:+.2f}% .. {hi * 100:+.2f}%; target: within 2%) "
-          f"-> {'PASS' if overhead <= 0.02 else 'FAIL'}")
-    print(f"A/A control (unpatched vs unpatched; resolution of this run): {null * 100:+.2f}% "
-          f"(95% interval {nlo * 100:+.2f}% .. {nhi * 100:+.2f}%)")
-    print(f"paired by block (median of per-block ratios; drift cancels): overhead {paired * 100:+.2f}% "
-          f"({plo * 100:+.2f}% .. {phi * 100:+.2f}%), A/A {pnull * 100:+.2f}% "
-          f"({pnlo * 100:+.2f}% .. {pnhi * 100:+.2f}%)")
-    print(f"CPU time per iteration and trainer process (median): without {cpu['without'] * 1e3:.2f} ms, control "
-          f"{cpu['control'] * 1e3:.2f} ms, with {cpu['with'] * 1e3:.2f} ms; clock controller process: "
-          f"{ctl * 1e3:.3f} ms per patched iteration")
+    print(
+        f"overhead: {overhead * 100:+.2f}% (95% interval {lo * 100:+.2f}% .. {hi * 100:+.2f}%; target: within 2%) "
+        f"-> {'PASS' if overhead <= 0.02 else 'FAIL'}"
+    )
+    print(
+        f"A/A control (unpatched vs unpatched; resolution of this run): {null * 100:+.2f}% "
+        f"(95% interval {nlo * 100:+.2f}% .. {nhi * 100:+.2f}%)"
+    )
+    print(
+        f"paired by block (median of per-block ratios; drift cancels): overhead {paired * 100:+.2f}% "
+        f"({plo * 100:+.2f}% .. {phi * 100:+.2f}%), A/A {pnull * 100:+.2f}% "
+        f"({pnlo * 100:+.2f}% .. {pnhi * 100:+.2f}%)"
+    )
+    print(
+        f"CPU time per iteration and trainer process (median): without {cpu['without'] * 1e3:.2f} ms, control "
+        f"{cpu['control'] * 1e3:.2f} ms, with {cpu['with'] * 1e3:.2f} ms; clock controller process: "
+        f"{ctl * 1e3:.3f} ms per patched iteration"
+    )
     thread = {side: statistics.median(times[0]["thread_" + side] + times[1]["thread_" + side]) for side in ARMS}
-    print(f"training-thread CPU time per iteration (median of both ranks): without {thread['without'] * 1e3:.2f} ms, "
-          f"control {thread['control'] * 1e3:.2f} ms, with {thread['with'] * 1e3:.2f} ms")
-    hook = {k: statistics.median(times[0][k] + times[1][k]) / 1e3 for k in
-            ("with_step_ns", "without_step_ns", "with_schedule_ns", "without_schedule_ns")}  # µs
-    per_instr, per_call = hook["with_step_ns"] - hook["without_step_ns"], \
-        hook["with_schedule_ns"] - hook["without_schedule_ns"]
+    print(
+        f"training-thread CPU time per iteration (median of both ranks): without {thread['without'] * 1e3:.2f} ms, "
+        f"control {thread['control'] * 1e3:.2f} ms, with {thread['with'] * 1e3:.2f} ms"
+    )
+    hook = {
+        k: statistics.median(times[0][k] + times[1][k]) / 1e3
+        for k in ("with_step_ns", "without_step_ns", "with_schedule_ns", "without_schedule_ns")
+    }  # µs
+    per_instr, per_call = (
+        hook["with_step_ns"] - hook["without_step_ns"],
+        hook["with_schedule_ns"] - hook["without_schedule_ns"],
+    )
     n_instr = len(times[0]["with_step_ns"]) + len(times[1]["with_step_ns"])
-    print(f"training-thread CPU time of the patch's own path (medians over {n_instr} instructions, timers' own cost "
-          f"{hook['without_step_ns']:.1f} us subtracted): {per_instr:.1f} us per instruction, {per_call:.1f} us per "
-          f"schedule call; {2 * M} instructions per iteration and rank: {(2 * M * per_instr + per_call) / 1e3:.3f} ms "
-          f"per iteration ({(2 * M * per_instr + per_call) / 1e3 / (thread['without'] * 1e3) * 100:.2f}% of the "
-          f"unpatched training thread's CPU)")
+    print(
+        f"training-thread CPU time of the patch's own path (medians over {n_instr} instructions, timers' own cost "
+        f"{hook['without_step_ns']:.1f} us subtracted): {per_instr:.1f} us per instruction, {per_call:.1f} us per "
+        f"schedule call; {2 * M} instructions per iteration and rank: {(2 * M * per_instr + per_call) / 1e3:.3f} ms "
+        f"per iteration ({(2 * M * per_instr + per_call) / 1e3 / (thread['without'] * 1e3) * 100:.2f}% of the "
+        f"unpatched training thread's CPU)"
+    )
     print(f"measurement log lines written with the patch: {logged}")
     return 1 if (args.strict and overhead > 0.02) else 0
 

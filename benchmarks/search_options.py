@@ -27,8 +27,19 @@ from kareus_megatron.workload.parallel import make_parallel
 
 def _config():
     gpu, model = gpu_spec("a100-sxm4-40gb"), model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", nodes=2, gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     return gpu, model, par
 
 
@@ -58,11 +69,15 @@ def main() -> None:
     tracemalloc.stop()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     gpu, _, _ = _config()
-    print("search_options: llama3.2-3b, a100-sxm4-40gb, TP=8 PP=2 MBS=8 seq=4096, 2x8 GPUs, "
-          f"{len(gpu.clock_grid_mhz())} clocks")
+    print(
+        "search_options: llama3.2-3b, a100-sxm4-40gb, TP=8 PP=2 MBS=8 seq=4096, 2x8 GPUs, "
+        f"{len(gpu.clock_grid_mhz())} clocks"
+    )
     for label, (times, _) in runs.items():
-        print(f"  {label:17s} wall time: median {statistics.median(times):.3f} s, min {min(times):.3f} s "
-              f"({args.repeat} runs)")
+        print(
+            f"  {label:17s} wall time: median {statistics.median(times):.3f} s, min {min(times):.3f} s "
+            f"({args.repeat} runs)"
+        )
     print(f"  peak memory: {peak / 2**20:.1f} MiB traced (computation), {rss_mb:.0f} MiB max RSS (process)")
     for m, opts in result.items():
         sizes = ", ".join(f"{k[0]}/{k[2][0]}:{len(o)}" for k, o in opts.items())

@@ -131,8 +131,9 @@ def compare(m: int, progress: bool) -> tuple[bool, dict[str, float]]:
     lt_t, lt_e = np.array(lt_t), np.array(lt_e)
     o_t = np.array([p.time_s for p in ours])
     o_e = np.array([p.energy_j for p in ours])
-    print(f"M={m}: lowtime {lt_s:.1f} s, {len(lt_plans)} iterations; "
-          f"wall-time ratio lowtime/ours = {lt_s / ours_s:.1f}x")
+    print(
+        f"M={m}: lowtime {lt_s:.1f} s, {len(lt_plans)} iterations; wall-time ratio lowtime/ours = {lt_s / ours_s:.1f}x"
+    )
     print(f"{'t (s)':>9} {'ours (J)':>10} {'lowtime (J)':>12} {'ours vs lowtime':>16}")
     ok = True
     worst = -np.inf
@@ -142,8 +143,10 @@ def compare(m: int, progress: bool) -> tuple[bool, dict[str, float]]:
         ok &= bool(eo <= el * 1.005)
         worst = max(worst, rel)
         print(f"{t:9.4f} {eo:10.1f} {el:12.1f} {100 * rel:+15.3f}%")
-    print(f"M={m}: fastest ours {o_t[0]:.4f} s vs lowtime {lt_t.min():.4f} s; "
-          f"min energy ours {o_e.min():.1f} J vs lowtime {lt_e.min():.1f} J; within +0.5% everywhere: {ok}")
+    print(
+        f"M={m}: fastest ours {o_t[0]:.4f} s vs lowtime {lt_t.min():.4f} s; "
+        f"min energy ours {o_e.min():.1f} J vs lowtime {lt_e.min():.1f} J; within +0.5% everywhere: {ok}"
+    )
     return ok, {"m": m, "ours_s": ours_s, "lowtime_s": lt_s, "worst": worst}
 
 
@@ -162,8 +165,10 @@ def main() -> int:
     print("\nsummary (S=8, GPT-3 175B A100 profile, 83.64 W blocked power; wall times are noisy)")
     print(f"{'M':>3} {'ours (s)':>9} {'lowtime (s)':>12} {'speed-up':>9} {'worst energy vs lowtime':>24}")
     for r in rows:
-        print(f"{r['m']:>3} {r['ours_s']:9.2f} {r['lowtime_s']:12.1f} {r['lowtime_s'] / r['ours_s']:8.0f}x "
-              f"{100 * r['worst']:+23.2f}%")
+        print(
+            f"{r['m']:>3} {r['ours_s']:9.2f} {r['lowtime_s']:12.1f} {r['lowtime_s'] / r['ours_s']:8.0f}x "
+            f"{100 * r['worst']:+23.2f}%"
+        )
     return 0 if ok else 1
 
 

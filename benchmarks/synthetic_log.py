@@ -34,22 +34,67 @@ from kareus_megatron.search.planner import pipeline_comm_times_s
 from kareus_megatron.search.simulate import simulate
 
 GPU = "a100-sxm4-40gb"
-TINY = ["--model", str(Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt.yaml"), "--gpu", GPU, "--tp", "1",
-        "--pp", "2", "--mbs", "2", "--seq", "16", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
-        "--precision", "fp32", "--recompute", "none"]
+TINY = [
+    "--model",
+    str(Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt.yaml"),
+    "--gpu",
+    GPU,
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--mbs",
+    "2",
+    "--seq",
+    "16",
+    "--microbatches",
+    "4",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "2",
+    "--precision",
+    "fp32",
+    "--recompute",
+    "none",
+]
 # A bigger preset: llama3.2-3b, PP=4, 8 microbatches, one GPU per stage.
-BIG = ["--model", "llama3.2-3b", "--gpu", GPU, "--tp", "1", "--pp", "4", "--mbs", "1", "--seq", "2048",
-       "--microbatches", "8", "--nodes", "1", "--gpus-per-node", "4", "--recompute", "full"]
+BIG = [
+    "--model",
+    "llama3.2-3b",
+    "--gpu",
+    GPU,
+    "--tp",
+    "1",
+    "--pp",
+    "4",
+    "--mbs",
+    "1",
+    "--seq",
+    "2048",
+    "--microbatches",
+    "8",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "4",
+    "--recompute",
+    "full",
+]
 CLOCKS = (1410, 1230, 1050, 870, 690, 510)
 
 # Truth: 15-30% off the preset in every power parameter and the time parameters a clock sweep reveals.
 _PRESET = gpu_spec(GPU)
 _KP = KernelParams()
 TRUTH_PARAMS = {
-    "launch_overhead_s": _KP.launch_overhead_s * 1.25, "time_scale": 1.2,
-    "static_power_w": _PRESET.static_power_w * 1.25, "idle_dynamic_w": _PRESET.idle_dynamic_w * 0.80,
-    "compute_dynamic_w": _PRESET.compute_dynamic_w * 1.20, "memory_dynamic_w": _PRESET.memory_dynamic_w * 0.78,
-    "voltage_floor": _PRESET.voltage_floor * 1.15, "voltage_knee_mhz": _PRESET.voltage_knee_mhz * 0.85,
+    "launch_overhead_s": _KP.launch_overhead_s * 1.25,
+    "time_scale": 1.2,
+    "static_power_w": _PRESET.static_power_w * 1.25,
+    "idle_dynamic_w": _PRESET.idle_dynamic_w * 0.80,
+    "compute_dynamic_w": _PRESET.compute_dynamic_w * 1.20,
+    "memory_dynamic_w": _PRESET.memory_dynamic_w * 0.78,
+    "voltage_floor": _PRESET.voltage_floor * 1.15,
+    "voltage_knee_mhz": _PRESET.voltage_knee_mhz * 0.85,
     "p_blocked_w": _PRESET.p_blocked_w * 1.20,
 }
 
@@ -65,9 +110,19 @@ def make_plan(out: Path, flags: list[str], method: str = "megatron") -> Path:
     return out / "plans" / f"{method}-00.json"
 
 
-def write_log(out: Path, plan_path: Path, truth: Calibration, clocks=CLOCKS, iters_per_clock: int = 4,
-              warmup: int = 2, noise: float = 0.01, seed: int = 0, instructions: bool = True, tags: bool = False,
-              energy_quantum_s: float = 0.0) -> Path:
+def write_log(
+    out: Path,
+    plan_path: Path,
+    truth: Calibration,
+    clocks=CLOCKS,
+    iters_per_clock: int = 4,
+    warmup: int = 2,
+    noise: float = 0.01,
+    seed: int = 0,
+    instructions: bool = True,
+    tags: bool = False,
+    energy_quantum_s: float = 0.0,
+) -> Path:
     """Write the rank files of a run of `plan_path` under `truth` into directory `out`; return `out`.
 
     `clocks` (MHz) in profile order, `iters_per_clock` iterations each after `warmup` at clocks[0]; `tags` and
@@ -89,10 +144,29 @@ def write_log(out: Path, plan_path: Path, truth: Calibration, clocks=CLOCKS, ite
                 cost[(s, c, kind)] = {int(f): (t[j], e[j] / t[j]) for j, f in enumerate(fs)}
     out.mkdir(parents=True, exist_ok=True)
     sha = plan_sha256(plan)
-    files = {s: [json.dumps({"kind": "header", "format": "kareus-rank-log/1", "rank": s, "world": par.pp,
-                             "pp_rank": s, "pp": par.pp, "tp": 1, "cp": 1, "dp": 1, "plan": str(plan_path),
-                             "plan_sha256": sha, "gpu": gpu.name, "backend": "simulated", "clock_control": True})]
-             for s in range(par.pp)}
+    files = {
+        s: [
+            json.dumps(
+                {
+                    "kind": "header",
+                    "format": "kareus-rank-log/1",
+                    "rank": s,
+                    "world": par.pp,
+                    "pp_rank": s,
+                    "pp": par.pp,
+                    "tp": 1,
+                    "cp": 1,
+                    "dp": 1,
+                    "plan": str(plan_path),
+                    "plan_sha256": sha,
+                    "gpu": gpu.name,
+                    "backend": "simulated",
+                    "clock_control": True,
+                }
+            )
+        ]
+        for s in range(par.pp)
+    }
     schedule = [int(clocks[0])] * warmup + [int(f) for f in clocks for _ in range(iters_per_clock)]
     records: dict[int, list[dict]] = {s: [] for s in range(par.pp)}
     t_now = 0.0
@@ -107,16 +181,28 @@ def write_log(out: Path, plan_path: Path, truth: Calibration, clocks=CLOCKS, ite
         for s, order in enumerate(dag.rank_orders):
             busy = float(dur[list(order)].sum())
             energy = float(en[list(order)].sum()) + km.p_blocked_w * (sim.time_s - busy)
-            rec = {"kind": "iteration", "iteration": it, "t_start": t_now, "t_end": t_now + sim.time_s,
-                   "time_s": sim.time_s, "energy_j": energy * (1.0 + noise * rng.standard_normal()),
-                   "temperature_c": 55.0, "sm_clock_mhz": f, "clock_stale": 0, "clock_errors": 0}
+            rec = {
+                "kind": "iteration",
+                "iteration": it,
+                "t_start": t_now,
+                "t_end": t_now + sim.time_s,
+                "time_s": sim.time_s,
+                "energy_j": energy * (1.0 + noise * rng.standard_normal()),
+                "temperature_c": 55.0,
+                "sm_clock_mhz": f,
+                "clock_stale": 0,
+                "clock_errors": 0,
+            }
             if instructions:
                 rec["instructions"] = {
-                    "index": list(range(len(order))), "chunk": [dag.keys[n][3] for n in order],
+                    "index": list(range(len(order))),
+                    "chunk": [dag.keys[n][3] for n in order],
                     "microbatch": [dag.keys[n][2] for n in order],
                     "kind": "".join("F" if dag.keys[n][1] == "forward" else "B" for n in order),
-                    "sm_clock_mhz": [f] * len(order), "t_start_s": [float(sim.start_s[n]) for n in order],
-                    "time_s": [float(dur[n]) for n in order]}
+                    "sm_clock_mhz": [f] * len(order),
+                    "t_start_s": [float(sim.start_s[n]) for n in order],
+                    "time_s": [float(dur[n]) for n in order],
+                }
             if tags:
                 rec.update(phase="warmup" if it < warmup else "profile", profile_mhz=f)
             records[s].append(rec)
@@ -150,8 +236,9 @@ def plan_prediction(plan_path: Path, cal: Calibration) -> tuple[float, float]:
     orders = [[(i.kind, i.microbatch, i.chunk) for i in st.instructions] for st in plan.stages]
     p2p, dp = pipeline_comm_times_s(model, par, km)
     dag = build_dag(orders, p2p, dp)
-    clock = {(s, i.kind, i.microbatch, i.chunk): i.sm_clock_mhz for s, st in enumerate(plan.stages)
-             for i in st.instructions}
+    clock = {
+        (s, i.kind, i.microbatch, i.chunk): i.sm_clock_mhz for s, st in enumerate(plan.stages) for i in st.instructions
+    }
     dur, en = np.empty(dag.n), np.empty(dag.n)
     for n, key in enumerate(dag.keys):
         s, kind, _mb, c = key

@@ -25,8 +25,10 @@ def pre(torch_release: str, out: str) -> str | None:
 
     have = _torch_version()
     if Version(have).base_version != torch_release:
-        return (f"base image torch {have} is not a build of torch {torch_release} (pyproject.toml's pin); "
-                "choose an NGC_PYTORCH_TAG whose torch matches, or update pyproject.toml and the Dockerfile")
+        return (
+            f"base image torch {have} is not a build of torch {torch_release} (pyproject.toml's pin); "
+            "choose an NGC_PYTORCH_TAG whose torch matches, or update pyproject.toml and the Dockerfile"
+        )
     Path(out).write_text(f"torch=={have}\n")
     return None
 

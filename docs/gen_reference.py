@@ -244,10 +244,12 @@ def environment_page() -> str:
     """Every KAREUS_* variable (kareus_megatron/environment.py)."""
     from kareus_megatron.environment import environment_table
 
-    return ("# Environment variables\n\nEvery `KAREUS_*` variable kareus reads (generated from "
-            "`kareus_megatron/environment.py`; a test keeps it equal to the package's spellings). Flags win over "
-            "variables where both exist, except `KAREUS_GPU_READ_ONLY`, which wins over every flag.\n\n"
-            + environment_table())
+    return (
+        "# Environment variables\n\nEvery `KAREUS_*` variable kareus reads (generated from "
+        "`kareus_megatron/environment.py`; a test keeps it equal to the package's spellings). Flags win over "
+        "variables where both exist, except `KAREUS_GPU_READ_ONLY`, which wins over every flag.\n\n"
+        + environment_table()
+    )
 
 
 def _write_pages() -> None:

@@ -57,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1, help="context parallel size (default 1)")
     p.add_argument("--dp", type=int, default=None, help="data parallel size (default: the world size left)")
     p.add_argument("--sp", "--sequence-parallel", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    p.add_argument("--layer-spec", choices=LAYER_SPECS, default="local",
-                   help="transformer layer: megatron's local spec, kareus's sdpa or partitioned spec (default local)")
+    p.add_argument(
+        "--layer-spec",
+        choices=LAYER_SPECS,
+        default="local",
+        help="transformer layer: megatron's local spec, kareus's sdpa or partitioned spec (default local)",
+    )
     p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default 0.5)")
     p.add_argument("--seed", type=int, default=1234, help="weights and data seed (default 1234)")
     p.add_argument("--model", type=Path, default=HERE / "tiny-gpt.yaml", help="model shape file (YAML)")
@@ -71,13 +75,21 @@ def model_config(args: argparse.Namespace, shape: dict[str, Any]) -> Any:
 
     vp = args.vp if args.vp > 1 else None
     return TransformerConfig(
-        num_layers=shape["num_layers"], hidden_size=shape["hidden_size"],
-        num_attention_heads=shape["num_attention_heads"], num_query_groups=shape.get("num_query_groups"),
-        ffn_hidden_size=shape["ffn_hidden_size"], use_cpu_initialization=True, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-        virtual_pipeline_model_parallel_size=vp, context_parallel_size=args.cp, sequence_parallel=args.sp,
+        num_layers=shape["num_layers"],
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_query_groups=shape.get("num_query_groups"),
+        ffn_hidden_size=shape["ffn_hidden_size"],
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=vp,
+        context_parallel_size=args.cp,
+        sequence_parallel=args.sp,
         batch_p2p_comm=vp is None,  # the interleaved schedule on gloo needs unbatched p2p
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
 
 
@@ -124,12 +136,18 @@ def build_model(args: argparse.Namespace, shape: dict[str, Any]) -> list[torch.n
     chunks = []
     for c in range(args.vp):
         stage = c if vp else None
-        chunks.append(GPTModel(
-            config=cfg, transformer_layer_spec=block_spec(cfg, layer, stage, args.layer_spec),
-            vocab_size=shape["vocab_size"], max_sequence_length=args.seq, vp_stage=stage,
-            share_embeddings_and_output_weights=False,  # tied weights on two stages need megatron's grad sync
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)))
+        chunks.append(
+            GPTModel(
+                config=cfg,
+                transformer_layer_spec=block_spec(cfg, layer, stage, args.layer_spec),
+                vocab_size=shape["vocab_size"],
+                max_sequence_length=args.seq,
+                vp_stage=stage,
+                share_embeddings_and_output_weights=False,  # tied weights on two stages need megatron's grad sync
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            )
+        )
     return chunks
 
 
@@ -143,15 +161,17 @@ def mock_batches(args: argparse.Namespace, vocab: int, dp_rank: int) -> Iterator
     for mb in range(args.microbatches):
         g = torch.Generator().manual_seed(args.seed * 1_000 + dp_rank * 100_000 + mb)
         tokens = torch.randint(0, vocab, (args.mbs, args.seq + 1), generator=g)
-        batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-                 "position_ids": positions}
+        batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "position_ids": positions}
         yield get_batch_on_this_cp_rank(batch) if args.cp > 1 else batch
 
 
 def make_forward_step(args: argparse.Namespace) -> Any:
     # with CP the mask is None (causal mask type): each rank's queries are two chunks of the sequence
-    causal_mask = None if args.cp > 1 else torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1).view(
-        1, 1, args.seq, args.seq)
+    causal_mask = (
+        None
+        if args.cp > 1
+        else torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1).view(1, 1, args.seq, args.seq)
+    )
 
     def loss_func(per_token_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         # (sum, tokens, report): megatron divides by the tokens, so a CP rank's loss is its own tokens' mean
@@ -198,28 +218,43 @@ def main(argv: list[str] | None = None) -> int:
     world, dp = dist.get_world_size(), args.dp or 1
     if args.dp is not None and world != args.tp * args.pp * args.cp * dp:
         if dist.get_rank() == 0:
-            print(f"tiny_train.py: --tp {args.tp} × --pp {args.pp} × --cp {args.cp} × --dp {dp} is not the "
-                  f"world size {world}", file=sys.stderr)
+            print(
+                f"tiny_train.py: --tp {args.tp} × --pp {args.pp} × --cp {args.cp} × --dp {dp} is not the "
+                f"world size {world}",
+                file=sys.stderr,
+            )
         return 2
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                 virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
-                                 context_parallel_size=args.cp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vp if args.vp > 1 else None,
+        context_parallel_size=args.cp,
+    )
     chunks = build_model(args, shape)
     params = [p for c in chunks for p in c.parameters()]
     optimizer = torch.optim.SGD(params, lr=args.lr)
     forward_step = make_forward_step(args)
     last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    reports = last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
+    reports = (
+        last
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
         and ps.get_context_parallel_rank() == 0
+    )
     dp_rank = ps.get_data_parallel_rank()
     for it in range(1, args.iterations + 1):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         data: Any = [mock_batches(args, shape["vocab_size"], dp_rank) for _ in chunks]
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0],
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.microbatches,
-            seq_length=args.seq, micro_batch_size=args.mbs, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=data if len(chunks) > 1 else data[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=args.microbatches,
+            seq_length=args.seq,
+            micro_batch_size=args.mbs,
+            forward_only=False,
+        )
         sync_grads(params)
         optimizer.step()
         if last:  # the mean over the DP×CP group (every rank of that group is on the last stage)
@@ -227,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
             loss /= ps.get_data_parallel_world_size(with_context_parallel=True)
             if reports:
-                print(f"iteration {it}/{args.iterations}  loss {float(loss):.4f}  "
-                      f"time {time.perf_counter() - t0:.3f} s", flush=True)
+                print(
+                    f"iteration {it}/{args.iterations}  loss {float(loss):.4f}  time {time.perf_counter() - t0:.3f} s",
+                    flush=True,
+                )
     return 0
 
 

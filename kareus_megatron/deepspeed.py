@@ -66,28 +66,47 @@ class DeepSpeedSession(RuntimeSession):
 _slot = SessionSlot(DeepSpeedSession)
 
 
-def _resolve_plan(plan: Plan | str | os.PathLike[str], point: str | int | None = None,
-                  method: str | None = None) -> tuple[Plan, str]:
+def _resolve_plan(
+    plan: Plan | str | os.PathLike[str], point: str | int | None = None, method: str | None = None
+) -> tuple[Plan, str]:
     """The Plan itself, a plan file, or the plan `point`/`method` names in a plan directory (plan/points.py)."""
     if isinstance(plan, Plan):
         return plan, "the plan"
     return load_point_plan(plan, point, method=method, flag="point", path_flag="plan")
 
 
-def install(plan: Plan | str | os.PathLike[str] | None, *, log_path: str | os.PathLike[str] | None = None,
-            on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
-            local_rank: int | None = None, controller: Controller = "process",
-            clock_log: str | None = None, point: str | int | None = None,
-            method: str | None = None, log_mode: str = "new") -> DeepSpeedSession:
+def install(
+    plan: Plan | str | os.PathLike[str] | None,
+    *,
+    log_path: str | os.PathLike[str] | None = None,
+    on_error: OnError = "fail",
+    backend: str | None = None,
+    gpu: str | None = None,
+    local_rank: int | None = None,
+    controller: Controller = "process",
+    clock_log: str | None = None,
+    point: str | int | None = None,
+    method: str | None = None,
+    log_mode: str = "new",
+) -> DeepSpeedSession:
     """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session.
 
     For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: iso-time of
     the kareus method, the least predicted energy no slower than Megatron's max-clock plan). `log_path` is a
     directory of per-rank logs; `log_mode`: new (refuse an existing rank log), append or overwrite."""
     resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
-    return _slot.install(resolved, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                         log_path=log_path, on_error=on_error, controller=controller, clock_log=clock_log,
-                         log_mode=log_mode)
+    return _slot.install(
+        resolved,
+        source=source,
+        backend=backend,
+        gpu=gpu,
+        local_rank=local_rank,
+        log_path=log_path,
+        on_error=on_error,
+        controller=controller,
+        clock_log=clock_log,
+        log_mode=log_mode,
+    )
 
 
 def uninstall() -> None:
@@ -118,11 +137,18 @@ def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) 
         raise ConfigError(f'the "kareus" config section must be an object with keys {", ".join(CONFIG_KEYS)}')
     unknown = sorted(set(section) - set(CONFIG_KEYS))
     if unknown:
-        raise ConfigError(f'unknown key(s) {", ".join(unknown)} in the "kareus" config section; '
-                          f'allowed: {", ".join(CONFIG_KEYS)}')
-    install(section.get("plan"), log_path=section.get("log"), on_error=section.get("on_error", "fail"),
-            log_mode=section.get("log_mode", "new"),
-            point=section.get("point"), method=section.get("method"), **kwargs)
+        raise ConfigError(
+            f'unknown key(s) {", ".join(unknown)} in the "kareus" config section; allowed: {", ".join(CONFIG_KEYS)}'
+        )
+    install(
+        section.get("plan"),
+        log_path=section.get("log"),
+        on_error=section.get("on_error", "fail"),
+        log_mode=section.get("log_mode", "new"),
+        point=section.get("point"),
+        method=section.get("method"),
+        **kwargs,
+    )
     return cleaned
 
 
@@ -133,8 +159,13 @@ def install_from_env(**kwargs: Any) -> DeepSpeedSession | None:
     plan, log_path = env.plan or None, env.log or None
     if plan is None and log_path is None:
         return None
-    return install(plan, log_path=log_path, on_error=env.on_error or "fail",  # type: ignore[arg-type]
-                   log_mode=env.log_mode or "new", **kwargs)
+    return install(
+        plan,
+        log_path=log_path,
+        on_error=env.on_error or "fail",  # type: ignore[arg-type]
+        log_mode=env.log_mode or "new",
+        **kwargs,
+    )
 
 
 PROG = "python -m kareus_megatron.deepspeed"
@@ -146,8 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kareus_megatron.runtime.frameworks import entry
 
     try:
-        return entry.launch_script(PROG, list(sys.argv[1:] if argv is None else argv),
-                                   (__doc__ or "").split("\n\n")[1], slot=_slot, allow_module=False)
+        return entry.launch_script(
+            PROG,
+            list(sys.argv[1:] if argv is None else argv),
+            (__doc__ or "").split("\n\n")[1],
+            slot=_slot,
+            allow_module=False,
+        )
     finally:
         _slot.session = None  # closed or aborted by then
 

@@ -24,46 +24,137 @@ class EnvVar:
 
 
 ENVIRONMENT: tuple[EnvVar, ...] = (
-    EnvVar("KAREUS_GPU_BACKEND", "`nvml` \\| `simulated`", "nvml when NVML initialises",
-           "The GPU backend of the runtime and the GPU commands; `simulated` runs everything on a CPU.",
-           "hardware/device/__init__.py"),
-    EnvVar("KAREUS_GPU_READ_ONLY", "`1`", "unset", "Every device opens read-only: real readings, no clock, limit "
-           "or reset call (wins over every flag; the guard for shared GPUs).", "hardware/device/base.py"),
-    EnvVar("KAREUS_GPU", "a GPU preset name", "the plan's GPU", "The preset of the simulated GPU when no plan "
-           "names one.", "runtime/session.py"),
-    EnvVar("KAREUS_CLOCK_LOG", "a file path", "unset", "The clock controller appends every clock change it applies "
-           "(or skips) to this JSONL file.", "runtime/session.py"),
-    EnvVar("KAREUS_CLOCK_COALESCE_MS", "milliseconds", "the client's default", "How long the training thread's "
-           "clock messages gather before one pipe write.", "runtime/clock/transport.py"),
-    EnvVar("KAREUS_PLAN", "a plan file or directory", "unset", "The plan of a DeepSpeed job's "
-           "`kareus_megatron.deepspeed.install_from_env()` (set by `kareus launch`).", "deepspeed.py"),
-    EnvVar("KAREUS_LOG", "a directory", "unset", "The run log directory of that job (set by `kareus launch`).",
-           "deepspeed.py"),
-    EnvVar("KAREUS_LOG_MODE", "`new` \\| `append` \\| `overwrite`", "`new`", "What that job does with an existing run "
-           "log (as `--kareus-log-mode`).", "deepspeed.py"),
-    EnvVar("KAREUS_ON_ERROR", "`fail` \\| `warn`", "`fail`", "What that job does when clocks cannot be controlled "
-           "(as `--kareus-on-error`).", "deepspeed.py"),
-    EnvVar("KAREUS_LOG_INSTRUCTIONS", "`1` \\| `0`", "`1`", "Per-instruction times in the run log (CUDA events "
-           "read off the training thread); `0` turns the columns off.", "runtime/measure/instruction_times.py"),
-    EnvVar("KAREUS_OVERLAP_TRACE", "a directory", "unset", "Each rank writes the overlap engine's trace "
-           "(collectives, partners, comm SMs, launch slot) as `overlap_trace.rankN.json`.",
-           "runtime/overlap/engine.py"),
-    EnvVar("KAREUS_DEBUG", "any non-empty value", "unset", "Tracebacks instead of the one-line errors (as "
-           "`--debug` / `--kareus-debug`).", "cli/main.py, runtime/frameworks/entry.py"),
-    EnvVar("KAREUS_ERROR_DIR", "a directory", "unset", "Each rank appends its one-line error to "
-           "`rank-RANK.err` there, so `kareus torchrun` / `kareus launch` print the first failing rank's line "
-           "last (they set it; set it yourself under another launcher).", "errors.py"),
-    EnvVar("KAREUS_LAUNCH_DIR", "a directory", "launch/ of this checkout", "Where `kareus launch` finds the drop-in "
-           "entry points (set in the container image).", "jobs/commands.py"),
-    EnvVar("KAREUS_SIMULATED_TRUTH", "a truth or calibration JSON file", "unset", "The simulated GPU obeys these "
-           "cost-model parameters (time_scale included) instead of the preset's; `make try-runtime` writes one.",
-           "runtime/closed_loop/truth.py"),
-    EnvVar("KAREUS_SIMULATED_LATENCY_MS", "milliseconds", "15", "The simulated NVML call latency of a clock change.",
-           "hardware/device/sim.py"),
-    EnvVar("KAREUS_SIMULATED_NO_PERMISSION", "`1`", "unset", "The simulated GPU refuses clock control as NVML does "
-           "without permission.", "hardware/device/sim.py"),
-    EnvVar("KAREUS_SIMULATED_LOG", "a file path", "unset", "The simulated GPU appends every clock change to this "
-           "JSONL file.", "hardware/device/sim.py"),
+    EnvVar(
+        "KAREUS_GPU_BACKEND",
+        "`nvml` \\| `simulated`",
+        "nvml when NVML initialises",
+        "The GPU backend of the runtime and the GPU commands; `simulated` runs everything on a CPU.",
+        "hardware/device/__init__.py",
+    ),
+    EnvVar(
+        "KAREUS_GPU_READ_ONLY",
+        "`1`",
+        "unset",
+        "Every device opens read-only: real readings, no clock, limit "
+        "or reset call (wins over every flag; the guard for shared GPUs).",
+        "hardware/device/base.py",
+    ),
+    EnvVar(
+        "KAREUS_GPU",
+        "a GPU preset name",
+        "the plan's GPU",
+        "The preset of the simulated GPU when no plan names one.",
+        "runtime/session.py",
+    ),
+    EnvVar(
+        "KAREUS_CLOCK_LOG",
+        "a file path",
+        "unset",
+        "The clock controller appends every clock change it applies (or skips) to this JSONL file.",
+        "runtime/session.py",
+    ),
+    EnvVar(
+        "KAREUS_CLOCK_COALESCE_MS",
+        "milliseconds",
+        "the client's default",
+        "How long the training thread's clock messages gather before one pipe write.",
+        "runtime/clock/transport.py",
+    ),
+    EnvVar(
+        "KAREUS_PLAN",
+        "a plan file or directory",
+        "unset",
+        "The plan of a DeepSpeed job's `kareus_megatron.deepspeed.install_from_env()` (set by `kareus launch`).",
+        "deepspeed.py",
+    ),
+    EnvVar(
+        "KAREUS_LOG",
+        "a directory",
+        "unset",
+        "The run log directory of that job (set by `kareus launch`).",
+        "deepspeed.py",
+    ),
+    EnvVar(
+        "KAREUS_LOG_MODE",
+        "`new` \\| `append` \\| `overwrite`",
+        "`new`",
+        "What that job does with an existing run log (as `--kareus-log-mode`).",
+        "deepspeed.py",
+    ),
+    EnvVar(
+        "KAREUS_ON_ERROR",
+        "`fail` \\| `warn`",
+        "`fail`",
+        "What that job does when clocks cannot be controlled (as `--kareus-on-error`).",
+        "deepspeed.py",
+    ),
+    EnvVar(
+        "KAREUS_LOG_INSTRUCTIONS",
+        "`1` \\| `0`",
+        "`1`",
+        "Per-instruction times in the run log (CUDA events read off the training thread); `0` turns the columns off.",
+        "runtime/measure/instruction_times.py",
+    ),
+    EnvVar(
+        "KAREUS_OVERLAP_TRACE",
+        "a directory",
+        "unset",
+        "Each rank writes the overlap engine's trace "
+        "(collectives, partners, comm SMs, launch slot) as `overlap_trace.rankN.json`.",
+        "runtime/overlap/engine.py",
+    ),
+    EnvVar(
+        "KAREUS_DEBUG",
+        "any non-empty value",
+        "unset",
+        "Tracebacks instead of the one-line errors (as `--debug` / `--kareus-debug`).",
+        "cli/main.py, runtime/frameworks/entry.py",
+    ),
+    EnvVar(
+        "KAREUS_ERROR_DIR",
+        "a directory",
+        "unset",
+        "Each rank appends its one-line error to "
+        "`rank-RANK.err` there, so `kareus torchrun` / `kareus launch` print the first failing rank's line "
+        "last (they set it; set it yourself under another launcher).",
+        "errors.py",
+    ),
+    EnvVar(
+        "KAREUS_LAUNCH_DIR",
+        "a directory",
+        "launch/ of this checkout",
+        "Where `kareus launch` finds the drop-in entry points (set in the container image).",
+        "jobs/commands.py",
+    ),
+    EnvVar(
+        "KAREUS_SIMULATED_TRUTH",
+        "a truth or calibration JSON file",
+        "unset",
+        "The simulated GPU obeys these "
+        "cost-model parameters (time_scale included) instead of the preset's; `make try-runtime` writes one.",
+        "runtime/closed_loop/truth.py",
+    ),
+    EnvVar(
+        "KAREUS_SIMULATED_LATENCY_MS",
+        "milliseconds",
+        "15",
+        "The simulated NVML call latency of a clock change.",
+        "hardware/device/sim.py",
+    ),
+    EnvVar(
+        "KAREUS_SIMULATED_NO_PERMISSION",
+        "`1`",
+        "unset",
+        "The simulated GPU refuses clock control as NVML does without permission.",
+        "hardware/device/sim.py",
+    ),
+    EnvVar(
+        "KAREUS_SIMULATED_LOG",
+        "a file path",
+        "unset",
+        "The simulated GPU appends every clock change to this JSONL file.",
+        "hardware/device/sim.py",
+    ),
 )
 
 

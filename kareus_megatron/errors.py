@@ -94,8 +94,10 @@ def record_rank_error(line: str) -> None:
 def describe_validation_error(e: Any, limit: int = 3) -> str:
     """One line naming the first `limit` bad fields of a pydantic ValidationError ("a.b: msg; ...")."""
     errs = e.errors()
-    parts = [f"{'.'.join(str(x) for x in err.get('loc', ())) or '(top level)'}: {err.get('msg', 'invalid')}"
-             for err in errs[:limit]]
+    parts = [
+        f"{'.'.join(str(x) for x in err.get('loc', ())) or '(top level)'}: {err.get('msg', 'invalid')}"
+        for err in errs[:limit]
+    ]
     more = f" (and {len(errs) - limit} more)" if len(errs) > limit else ""
     return "; ".join(parts) + more
 

@@ -45,5 +45,6 @@ def check_writable_location(path: str | Path, flag: str, *, directory: bool) -> 
     try:
         os.rmdir(tempfile.mkdtemp(dir=base, prefix=".kareus-probe-"))
     except OSError as e:
-        raise ConfigError(f"{flag} {str(p)!r}: cannot create files in {str(base)!r} "
-                          f"({e.strerror or e}); choose another {flag}.") from None
+        raise ConfigError(
+            f"{flag} {str(p)!r}: cannot create files in {str(base)!r} ({e.strerror or e}); choose another {flag}."
+        ) from None

@@ -29,11 +29,21 @@ __all__ = ["current_session", "install", "megatron_lm_hook", "transformer_layer_
 _slot = MEGATRON_SESSIONS
 
 
-def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[str] | None = None,
-            on_error: OnError = "fail", backend: str | None = None, gpu: str | None = None,
-            local_rank: int | None = None, controller: Controller = "process",
-            source: str | None = None, log_mode: str = "new", workload: Plan | str | os.PathLike[str] | None = None,
-            objective: str = "iso-time", point: str | None = None) -> RuntimeSession:
+def install(
+    plan: Plan | str | os.PathLike[str],
+    *,
+    log_path: str | os.PathLike[str] | None = None,
+    on_error: OnError = "fail",
+    backend: str | None = None,
+    gpu: str | None = None,
+    local_rank: int | None = None,
+    controller: Controller = "process",
+    source: str | None = None,
+    log_mode: str = "new",
+    workload: Plan | str | os.PathLike[str] | None = None,
+    objective: str = "iso-time",
+    point: str | None = None,
+) -> RuntimeSession:
     """Run `plan` (a Plan, a plan file or a `kareus plan` directory) in this process; return the started session.
 
     For a directory, `point` picks the plan (plan/points.py's syntax; default iso-time: the least predicted
@@ -46,23 +56,45 @@ def install(plan: Plan | str | os.PathLike[str], *, log_path: str | os.PathLike[
 
         if workload is None:
             raise ConfigError("install('auto') needs workload=: a plan of this job that says what to re-plan")
-        base, src = (workload, "workload") if isinstance(workload, Plan) else load_point_plan(
-            workload, None, flag="point", path_flag="workload")
-        return install_auto(_slot, base, source or src, parse_objective(objective, "objective"),
-                            log_path=os.fspath(log_path) if log_path else None, backend=backend, gpu=gpu,
-                            local_rank=local_rank, on_error=on_error, controller=controller, log_mode=log_mode)
+        base, src = (
+            (workload, "workload")
+            if isinstance(workload, Plan)
+            else load_point_plan(workload, None, flag="point", path_flag="workload")
+        )
+        return install_auto(
+            _slot,
+            base,
+            source or src,
+            parse_objective(objective, "objective"),
+            log_path=os.fspath(log_path) if log_path else None,
+            backend=backend,
+            gpu=gpu,
+            local_rank=local_rank,
+            on_error=on_error,
+            controller=controller,
+            log_mode=log_mode,
+        )
     source = source or "the plan"
     if not isinstance(plan, Plan):
         from kareus_megatron.plan.points import load_point_plan
 
         plan, source = load_point_plan(plan, point, flag="point", path_flag="plan")
-    return _slot.install(plan, source=source, backend=backend, gpu=gpu, local_rank=local_rank,
-                         log_path=log_path, on_error=on_error, controller=controller,
-                         log_mode=log_mode)
+    return _slot.install(
+        plan,
+        source=source,
+        backend=backend,
+        gpu=gpu,
+        local_rank=local_rank,
+        log_path=log_path,
+        on_error=on_error,
+        controller=controller,
+        log_mode=log_mode,
+    )
 
 
-def transformer_layer_spec(config: Any, plan: Plan | None = None, vp_stage: int | None = None,
-                           pp_rank: int | None = None) -> Any:
+def transformer_layer_spec(
+    config: Any, plan: Plan | None = None, vp_stage: int | None = None, pp_rank: int | None = None
+) -> Any:
     """The layer spec for ``GPTModel`` that runs the installed plan (or `plan`): kareus's partitioned layer when
     it runs 2-nanobatch instructions (or ``install("auto")`` may switch to such plans), megatron-core's local
     layer otherwise, from `config` (megatron_spec.transformer_layer_spec; rank 0 says which in one line)."""

@@ -114,17 +114,25 @@ def _layers_per_stage() -> int:
         raise InfeasibleConfigError(
             f"this pipeline rank's virtual stages hold {sorted(counts)} layers; the block spec with an SP-capable "
             "torch norm needs the same number in each (install Apex or Transformer Engine for their SP norms, "
-            f"then use --spec {__name__} partitioned_layer_spec)")
+            f"then use --spec {__name__} partitioned_layer_spec)"
+        )
     return counts.pop()
 
 
 partitioned_block_spec = ModuleSpec(module=TransformerBlock, submodules=StageBlockSubmodules(partitioned_layer_spec))
 partitioned_block_spec_local_attention = ModuleSpec(
-    module=TransformerBlock, submodules=StageBlockSubmodules(partitioned_layer_spec_local_attention))
+    module=TransformerBlock, submodules=StageBlockSubmodules(partitioned_layer_spec_local_attention)
+)
 
 
-def transformer_layer_spec(config: Any, plan: Any, vp_stage: int | None = None, pp_rank: int | None = None,
-                           auto: bool = False, core_attention: str = CORE_ATTENTION_SDPA) -> Any:
+def transformer_layer_spec(
+    config: Any,
+    plan: Any,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
+    auto: bool = False,
+    core_attention: str = CORE_ATTENTION_SDPA,
+) -> Any:
     """``GPTModel(transformer_layer_spec=...)`` for code that builds megatron-core's model itself: kareus's
     partitioned layer when `plan` needs it (layer_choice.partitioned_reason), megatron's local layer spec
     otherwise, both from `config` (norms, QK-norm). With sequence parallelism and megatron's torch-norm
@@ -137,16 +145,19 @@ def transformer_layer_spec(config: Any, plan: Any, vp_stage: int | None = None, 
 
     why = partitioned_reason(plan, auto)
     if why is None:
-        spec = get_gpt_layer_local_spec(qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
-                                        normalization=getattr(config, "normalization", "LayerNorm"),
-                                        qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)))
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+            normalization=getattr(config, "normalization", "LayerNorm"),
+            qk_l2_norm=bool(getattr(config, "qk_l2_norm", False)),
+        )
         line = "kareus: model built with megatron-core's local layer: every instruction of the plan runs 1 nanobatch"
     else:
         spec = spec_for_config(config, core_attention)
         line = f"kareus: model built with kareus's partitioned layer (core attention {core_attention}): {why}"
         if getattr(config, "sequence_parallel", False) and torch_norm_fallback():
-            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank),
-                                              layer_norm=SPTorchNorm)
+            spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * get_num_layers_to_build(config, vp_stage, pp_rank), layer_norm=SPTorchNorm
+            )
             line += "; final norm: SP-capable torch norm"
     if _rank() == 0 and not vp_stage:
         print(line, flush=True)

@@ -31,10 +31,20 @@ class SupportedSeries:
 
 SUPPORTED: Final[tuple[SupportedSeries, ...]] = (
     SupportedSeries("megatron-core", "0.15", "0.15.3", "PyPI (megatron-core==0.15.3)"),
-    SupportedSeries("megatron-core", "0.16", "0.16.1", "PyPI (megatron-core==0.16.1); Megatron-LM core_v0.16.1",
-                    megatron_lm_tag="core_v0.16.1"),
-    SupportedSeries("megatron-core", "0.19", "0.19.1", "Megatron-LM core_v0.19.0 snapshot (no PyPI release here)",
-                    megatron_lm_tag="core_v0.19.0"),
+    SupportedSeries(
+        "megatron-core",
+        "0.16",
+        "0.16.1",
+        "PyPI (megatron-core==0.16.1); Megatron-LM core_v0.16.1",
+        megatron_lm_tag="core_v0.16.1",
+    ),
+    SupportedSeries(
+        "megatron-core",
+        "0.19",
+        "0.19.1",
+        "Megatron-LM core_v0.19.0 snapshot (no PyPI release here)",
+        megatron_lm_tag="core_v0.19.0",
+    ),
     SupportedSeries("deepspeed", "0.18", "0.18.9", "PyPI (deepspeed==0.18.9)"),
     SupportedSeries("deepspeed", "0.19", "0.19.8", "PyPI (deepspeed==0.19.8)"),
 )
@@ -70,6 +80,8 @@ def supported_text(package: Package) -> str:
 def unsupported_message(package: Package, version: str, what: str) -> str:
     """One line: `version` of `package` is not supported by `what`, and which are."""
     newest = supported_series(package)[-1]
-    return (f"{package} {version} is not supported by {what}; supported: {supported_text(package)} "
-            f"(tested: {', '.join(s.tested for s in supported_series(package))}). "
-            f"Install {package}=={newest.tested} or a release of a supported series")
+    return (
+        f"{package} {version} is not supported by {what}; supported: {supported_text(package)} "
+        f"(tested: {', '.join(s.tested for s in supported_series(package))}). "
+        f"Install {package}=={newest.tested} or a release of a supported series"
+    )

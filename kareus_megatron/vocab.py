@@ -70,8 +70,6 @@ Partition names: ``fwd_attn``, ``fwd_mlp``, ``bwd_attn``, ``bwd_mlp``, with CP `
 uses the forward partition names.
 """
 
-
-
 from __future__ import annotations
 
 from typing import Final, Literal
@@ -109,7 +107,6 @@ FRAMEWORK_OF_SCHEDULE: Final[dict[ScheduleName, FrameworkName]] = {
 }
 # Schedules without virtual chunks (what a measured Perseus profile can describe: kareus solve).
 FLAT_SCHEDULES: Final[tuple[ScheduleName, ...]] = (SCHEDULE_1F1B, SCHEDULE_DEEPSPEED)
-
 
 
 def schedule_for(framework: str, vp: int) -> ScheduleName:
@@ -208,6 +205,7 @@ def partitions_for(phase: str, cp: int, recompute: bool = False, sp: bool = Fals
         raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
     fwd = ("fwd_attn", "fwd_mlp", *cp_names) if recompute else ()
     return (*fwd, "bwd_mlp", "bwd_attn", *(("bwd_cp_kv",) if cp > 1 else ()))
+
 
 # ---- power readings (issue 26): where a GPU's power samples come from (runtime/clock/power_samples.py) --------
 POWER_READING_MODEL: Final = "model"  # a simulated GPU's power model

@@ -41,16 +41,22 @@ PROG = "pretrain_gpt.py (kareus)"
 
 
 def _extra(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--megatron-lm-dir", default=None, metavar="DIR",
-                        help="Megatron-LM checkout holding pretrain_gpt.py (default: $MEGATRON_LM_DIR)")
+    parser.add_argument(
+        "--megatron-lm-dir",
+        default=None,
+        metavar="DIR",
+        help="Megatron-LM checkout holding pretrain_gpt.py (default: $MEGATRON_LM_DIR)",
+    )
 
 
 def megatron_lm_script(directory: str | None) -> str:
     """Path of Megatron-LM's pretrain_gpt.py from --megatron-lm-dir or MEGATRON_LM_DIR; ConfigError if absent."""
     d = directory or os.environ.get("MEGATRON_LM_DIR")
     if not d:
-        raise ConfigError("Megatron-LM not found: pass --megatron-lm-dir DIR or set MEGATRON_LM_DIR to a "
-                          "Megatron-LM checkout (the directory holding pretrain_gpt.py)")
+        raise ConfigError(
+            "Megatron-LM not found: pass --megatron-lm-dir DIR or set MEGATRON_LM_DIR to a "
+            "Megatron-LM checkout (the directory holding pretrain_gpt.py)"
+        )
     script = os.path.join(os.path.abspath(d), "pretrain_gpt.py")
     if not os.path.isfile(script):
         raise ConfigError(f"--megatron-lm-dir {d} has no pretrain_gpt.py; point it at a Megatron-LM checkout")
@@ -61,10 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Install the plan and run Megatron-LM's pretrain_gpt.py; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if help_requested(argv):  # the kareus flags; Megatron-LM's own are listed by its pretrain_gpt.py --help
-        return print_kareus_help(PROG, "torchrun ... launch/pretrain_gpt.py --kareus-plan PATH [--kareus-* ...] "
-                                 "[--megatron-lm-dir DIR] <pretrain_gpt.py arguments>", __doc__.split("\n\n")[0],
-                                 epilog="Every other argument goes to Megatron-LM's pretrain_gpt.py; for those, "
-                                        "run python $MEGATRON_LM_DIR/pretrain_gpt.py --help.", extra=_extra)
+        return print_kareus_help(
+            PROG,
+            "torchrun ... launch/pretrain_gpt.py --kareus-plan PATH [--kareus-* ...] "
+            "[--megatron-lm-dir DIR] <pretrain_gpt.py arguments>",
+            __doc__.split("\n\n")[0],
+            epilog="Every other argument goes to Megatron-LM's pretrain_gpt.py; for those, "
+            "run python $MEGATRON_LM_DIR/pretrain_gpt.py --help.",
+            extra=_extra,
+        )
     debug = debug_requested(argv)
 
     def body() -> int:

@@ -20,10 +20,18 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_SESSION_DIRS = ("megatron_lm",)  # test directories whose files share session fixtures: one worker each
 # The slowest files of the suite (measured with --durations: together about three quarters of its time).
 END_TO_END = (
-    "tests/megatron_lm/", "tests/examples/", "tests/runtime/deepspeed/", "tests/runtime/overlap/",
-    "tests/runtime/test_auto_run.py", "tests/runtime/test_framework_versions.py", "tests/runtime/test_durable_log.py",
-    "tests/runtime/test_truth.py", "tests/runtime/test_selfcheck.py", "tests/hardware/test_read_only_paths.py",
-    "tests/hardware/test_gpu_check.py", "tests/cost/test_fidelity_bench.py",
+    "tests/megatron_lm/",
+    "tests/examples/",
+    "tests/runtime/deepspeed/",
+    "tests/runtime/overlap/",
+    "tests/runtime/test_auto_run.py",
+    "tests/runtime/test_framework_versions.py",
+    "tests/runtime/test_durable_log.py",
+    "tests/runtime/test_truth.py",
+    "tests/runtime/test_selfcheck.py",
+    "tests/hardware/test_read_only_paths.py",
+    "tests/hardware/test_gpu_check.py",
+    "tests/cost/test_fidelity_bench.py",
 )
 
 

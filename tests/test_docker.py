@@ -30,8 +30,11 @@ def setup_constants() -> dict[str, str]:
         found = [r for r in reqs if re.match(rf"{re.escape(name)}\s*[=<>!~]", r)]
         assert len(found) == 1, f"pyproject.toml's test extra pins {name} {len(found)} times"
         out[key] = found[0]
-    for extra, members in (("megatron", ("TORCH", "MEGATRON_CORE")), ("deepspeed", ("TORCH", "DEEPSPEED")),
-                           ("nvml", ("NVML",))):
+    for extra, members in (
+        ("megatron", ("TORCH", "MEGATRON_CORE")),
+        ("deepspeed", ("TORCH", "DEEPSPEED")),
+        ("nvml", ("NVML",)),
+    ):
         for key in members:  # every extra pins what the tests run against
             assert out[key] in project["optional-dependencies"][extra], f"extra {extra} does not pin {out[key]}"
     return out
@@ -105,7 +108,7 @@ def test_pip_never_installs_torch_and_always_uses_the_torch_constraint():
     joined = " ".join(installs)
     for name in ("MEGATRON_CORE_VERSION", "DEEPSPEED_VERSION", "NVML_SPEC"):
         assert f"${{{name}}}" in joined, f"{name} is declared but not installed"
-    assert args["TORCH_VERSION"] and "check_versions.py pre \"${TORCH_VERSION}\"" in " ".join(runs)
+    assert args["TORCH_VERSION"] and 'check_versions.py pre "${TORCH_VERSION}"' in " ".join(runs)
 
 
 def test_image_runs_unprivileged():
@@ -149,7 +152,10 @@ def test_entrypoint_drops_root_but_keeps_only_cap_sys_admin():
     env = {**os.environ, "KAREUS_USER": "daemon"}
     out = subprocess.run(
         [str(ENTRYPOINT), "bash", "-c", "id -u; grep -E '^Cap(Eff|Amb):' /proc/self/status"],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     uid, eff, amb = int(out[0]), int(out[2], 16), int(out[4], 16)
     assert uid != 0

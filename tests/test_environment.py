@@ -43,6 +43,9 @@ READ = re.compile(r"(?:environ\.get|getenv)\(\s*[\"']KAREUS_|environ\[\s*[\"']KA
 
 
 def test_no_module_but_environment_py_reads_a_kareus_variable():
-    readers = [str(f.relative_to(ROOT)) for f in (ROOT / "kareus_megatron").rglob("*.py")
-               if f.name != "environment.py" and READ.search(f.read_text())]
+    readers = [
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "kareus_megatron").rglob("*.py")
+        if f.name != "environment.py" and READ.search(f.read_text())
+    ]
     assert readers == []

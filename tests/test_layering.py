@@ -71,8 +71,7 @@ MODULE_ALLOWANCES: dict[str, frozenset[str]] = {
 
 # Edges that break LAYERS and are to be fixed in the code: (importing module, imported module) -> why
 # it is wrong. Each must still be in the graph (remove the entry once the import is gone).
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,8 +120,9 @@ def module_imports(module: str, path: Path, modules: dict[str, Path]) -> tuple[l
     strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     # Module names in strings are imports only where the module imports by name; elsewhere they are
     # command lines (jobs/ writes `python -m kareus_megatron.launch ...`), not imports.
-    imports_by_name = any(isinstance(n, ast.Call) and _callee(n) in ("import_module", "__import__")
-                          for n in ast.walk(tree))
+    imports_by_name = any(
+        isinstance(n, ast.Call) and _callee(n) in ("import_module", "__import__") for n in ast.walk(tree)
+    )
 
     def add(dst: str, line: int, lazy: bool = False) -> None:
         if dst != module:
@@ -287,9 +287,13 @@ def test_import_graph_has_no_cycle():
     report = []
     for comp in components:
         cycle = cycle_in(comp, by_pair)
-        report.append(f"cycle among {len(comp)} modules ({', '.join(_short(m) for m in comp)}):\n" + "\n".join(
-            f"    {_short(e.src)} -> {_short(e.dst)}{' (lazy)' if e.lazy else ''}   [{e.where(files)}]"
-            for e in cycle))
+        report.append(
+            f"cycle among {len(comp)} modules ({', '.join(_short(m) for m in comp)}):\n"
+            + "\n".join(
+                f"    {_short(e.src)} -> {_short(e.dst)}{' (lazy)' if e.lazy else ''}   [{e.where(files)}]"
+                for e in cycle
+            )
+        )
     if components:
         pytest.fail("import cycles in kareus_megatron:\n" + "\n".join(report), pytrace=False)
 
@@ -298,17 +302,26 @@ def test_every_layer_is_in_the_table():
     files = package_modules()
     unknown = sorted({layer_of(m) for m in files} - set(LAYERS))
     if unknown:
-        pytest.fail(f"layers {unknown} of kareus_megatron are not in LAYERS (tests/test_layering.py): add each "
-                    "with the layers it may import, following the data flow described there", pytrace=False)
-    assert set(BOTTOM) <= set(LAYERS) and not set(LAYERS) - {layer_of(m) for m in files}, \
+        pytest.fail(
+            f"layers {unknown} of kareus_megatron are not in LAYERS (tests/test_layering.py): add each "
+            "with the layers it may import, following the data flow described there",
+            pytrace=False,
+        )
+    assert set(BOTTOM) <= set(LAYERS) and not set(LAYERS) - {layer_of(m) for m in files}, (
         f"LAYERS names layers that no longer exist: {sorted(set(LAYERS) - {layer_of(m) for m in files})}"
+    )
 
 
 def _top_level(path: Path, line: int) -> bool:
     """Whether the statement at `line` of `path` is at module level (not inside a function)."""
     tree = ast.parse(path.read_text())
-    inner = {n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-             for n in ast.walk(f) if hasattr(n, "lineno")}
+    inner = {
+        n.lineno
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+        if hasattr(n, "lineno")
+    }
     return line not in inner
 
 
@@ -329,11 +342,14 @@ def test_imports_follow_the_layer_table():
             seen_known.add((e.src, e.dst))
             continue
         may = sorted(LAYERS[src]) + ([] if src in BOTTOM or src == PACKAGE_ROOT else [*BOTTOM])
-        bad.append(f"{e.where(files)}: {_short(e.src)} ({src}) imports {_short(e.dst)} ({dst})"
-                   f"{' lazily' if e.lazy else ''}; {src} may import only {', '.join(may) or 'nothing of the package'}")
+        bad.append(
+            f"{e.where(files)}: {_short(e.src)} ({src}) imports {_short(e.dst)} ({dst})"
+            f"{' lazily' if e.lazy else ''}; {src} may import only {', '.join(may) or 'nothing of the package'}"
+        )
     if bad:
-        pytest.fail("imports against the layer table (LAYERS in tests/test_layering.py):\n" + "\n".join(bad),
-                    pytrace=False)
+        pytest.fail(
+            "imports against the layer table (LAYERS in tests/test_layering.py):\n" + "\n".join(bad), pytrace=False
+        )
     stale = sorted(set(KNOWN_VIOLATIONS) - seen_known)
     assert not stale, f"KNOWN_VIOLATIONS entries no longer in the graph (remove them): {stale}"
 
@@ -343,10 +359,10 @@ def test_imports_follow_the_layer_table():
 
 
 def _loaded_after(imports: list[str], then: str = "") -> set[str]:
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in imports) + then
-            + "print('\\n'.join(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, cwd=ROOT,
-                         capture_output=True, text=True).stdout
+    code = "import sys\n" + "".join(f"import {m}\n" for m in imports) + then + "print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], check=True, cwd=ROOT, capture_output=True, text=True
+    ).stdout
     return set(out.split())
 
 
@@ -364,8 +380,9 @@ def _under(loaded: set[str], *layers: str) -> set[str]:
 
 def test_planner_never_imports_torch_or_the_runtime():
     """Every planner module and every `kareus` command module, with the parser built (which imports them)."""
-    loaded = _loaded_after(_modules_of("hardware", "workload", "cost", "search", "plan", "cli"),
-                           then=f"{PKG}.cli.main.build_parser()\n")
+    loaded = _loaded_after(
+        _modules_of("hardware", "workload", "cost", "search", "plan", "cli"), then=f"{PKG}.cli.main.build_parser()\n"
+    )
     assert not _top(loaded, "torch", "megatron", "deepspeed")
     assert not _under(loaded, "runtime", "megatron", "deepspeed", "launch")
     assert "matplotlib" not in loaded  # plotting is imported lazily, by the commands that draw

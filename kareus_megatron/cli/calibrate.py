@@ -39,29 +39,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--profile", default=None, help="measured profile CSV: stage,instruction,frequency,time,energy")
-    src.add_argument("--from-log", action="append", default=None, metavar="RUN",
-                     help="a run log (--kareus-log directory or run directory) to fit to; repeat for several runs")
-    src.add_argument("--run", action="store_true", help="run microbenchmarks on this machine's GPU (needs NVML and "
-                     "permission to lock clocks)")
-    parser.add_argument("--device", "--gpu-index", dest="device", type=int, default=0,
-                        help="GPU index for --run (default 0)")
-    parser.add_argument("--seconds", type=float, default=1.0,
-                        help="shortest measurement window for --run (s; default 1; windows also span >= 10 energy "
-                        "counter updates)")
-    parser.add_argument("--plan", action="append", default=None, metavar="PLAN",
-                        help="with --from-log: the plan file the run executed (one per --from-log, or one for all)")
-    parser.add_argument("--iterations", default=None, metavar="A:B",
-                        help="with --from-log: fit iterations A..B only (inclusive; e.g. a profile phase of the "
-                             "closed loop)")
-    parser.add_argument("--force", action="store_true",
-                        help="with --from-log: accept a plan whose sha256 differs from the one the log recorded")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="with --run: the simulated GPU and tiny CPU kernels (seconds; no GPU needed)")
-    parser.add_argument("--ratios-only", action="store_true",
-                        help="fit time ratios and power only, not absolute times (profiles in scaled units)")
-    parser.add_argument("-o", "--out", "--output", dest="output", default=None, metavar="FILE",
-                        help="write the calibration JSON to FILE and the fit table to stdout (default, or '-': "
-                        "the JSON to stdout and the fit table to stderr)")
+    src.add_argument(
+        "--from-log",
+        action="append",
+        default=None,
+        metavar="RUN",
+        help="a run log (--kareus-log directory or run directory) to fit to; repeat for several runs",
+    )
+    src.add_argument(
+        "--run",
+        action="store_true",
+        help="run microbenchmarks on this machine's GPU (needs NVML and permission to lock clocks)",
+    )
+    parser.add_argument(
+        "--device", "--gpu-index", dest="device", type=int, default=0, help="GPU index for --run (default 0)"
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=1.0,
+        help="shortest measurement window for --run (s; default 1; windows also span >= 10 energy counter updates)",
+    )
+    parser.add_argument(
+        "--plan",
+        action="append",
+        default=None,
+        metavar="PLAN",
+        help="with --from-log: the plan file the run executed (one per --from-log, or one for all)",
+    )
+    parser.add_argument(
+        "--iterations",
+        default=None,
+        metavar="A:B",
+        help="with --from-log: fit iterations A..B only (inclusive; e.g. a profile phase of the closed loop)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="with --from-log: accept a plan whose sha256 differs from the one the log recorded",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --run: the simulated GPU and tiny CPU kernels (seconds; no GPU needed)",
+    )
+    parser.add_argument(
+        "--ratios-only",
+        action="store_true",
+        help="fit time ratios and power only, not absolute times (profiles in scaled units)",
+    )
+    parser.add_argument(
+        "-o",
+        "--out",
+        "--output",
+        dest="output",
+        default=None,
+        metavar="FILE",
+        help="write the calibration JSON to FILE and the fit table to stdout (default, or '-': "
+        "the JSON to stdout and the fit table to stderr)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,22 +107,28 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run and not args.run:
         raise ConfigError("--dry-run goes with --run (it simulates the GPU measurements).")
     if not args.profile and not args.run and not args.from_log:
-        raise ConfigError("give --profile FILE.csv (a measured Perseus profile), --from-log RUN --plan PLAN (a "
-                          "training run's log) or --run (microbenchmarks on a GPU).")
+        raise ConfigError(
+            "give --profile FILE.csv (a measured Perseus profile), --from-log RUN --plan PLAN (a "
+            "training run's log) or --run (microbenchmarks on a GPU)."
+        )
     if (args.plan or args.force or args.iterations) and not args.from_log:
         raise ConfigError("--plan, --force and --iterations go with --from-log (the run log they describe).")
     if args.from_log and not args.plan:
         raise ConfigError("--from-log needs --plan PLAN, the plan file the run executed.")
     if args.from_log and len(args.plan) not in (1, len(args.from_log)):
-        raise ConfigError(f"{len(args.from_log)} --from-log runs but {len(args.plan)} --plan files; give one --plan "
-                          "per run, or one for all.")
+        raise ConfigError(
+            f"{len(args.from_log)} --from-log runs but {len(args.plan)} --plan files; give one --plan "
+            "per run, or one for all."
+        )
     if args.run:
         from kareus_megatron.hardware.device import READ_ONLY_ENV, read_only_from_env
 
         if read_only_from_env():
-            raise ConfigError(f"kareus calibrate --run locks the SM clock at each clock it measures, and "
-                              f"{READ_ONLY_ENV} is set (change nothing on the GPU); unset it to calibrate, or check "
-                              "the GPU read-only with kareus validate --no-clock-control.")
+            raise ConfigError(
+                f"kareus calibrate --run locks the SM clock at each clock it measures, and "
+                f"{READ_ONLY_ENV} is set (change nothing on the GPU); unset it to calibrate, or check "
+                "the GPU read-only with kareus validate --no-clock-control."
+            )
     if not 0 <= args.device < 1024:
         raise ConfigError(f"--device {args.device} must be a GPU index from 0 to 1023.")
     if not 0 < args.seconds <= MAX_SECONDS:
@@ -131,8 +173,14 @@ def _fitting(what: str) -> Any:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    progress = Progress(TextColumn(what), BarColumn(), TimeElapsedColumn(), console=console, transient=True,
-                        disable=not console.is_terminal)
+    progress = Progress(
+        TextColumn(what),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
     progress.add_task(what, total=None)
     return progress
 
@@ -163,15 +211,27 @@ def _from_run(args: argparse.Namespace):
     except DeviceUnavailableError as e:  # also ClockControlError: one line, exit 2
         raise type(e)(f"kareus calibrate --run needs an NVIDIA GPU with NVML and clock-lock permission: {e}") from e
     console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                   disable=not console.is_terminal)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
     task = bar.add_task("energy counter", total=None)
     try:
         with bar:
-            cal, _ = calibrate_run(dev, dry_run=args.dry_run, sim=simulation_of(dev), seconds=args.seconds,
-                                   progress=lambda desc: bar.update(task, advance=1, description=desc),
-                                   on_plan=lambda n: bar.update(task, total=n, description="warm-up"))
+            cal, _ = calibrate_run(
+                dev,
+                dry_run=args.dry_run,
+                sim=simulation_of(dev),
+                seconds=args.seconds,
+                progress=lambda desc: bar.update(task, advance=1, description=desc),
+                on_plan=lambda n: bar.update(task, total=n, description="warm-up"),
+            )
     finally:
         dev.close()
     return cal
@@ -179,8 +239,9 @@ def _from_run(args: argparse.Namespace):
 
 # ---- --from-log: a training run's own measurements (the fit is cost.calibrate_log.fit_from_logs) -----------
 
-NO_MEASUREMENTS = ("has no per-instruction measurements; run with a current kareus runtime (KAREUS_LOG_INSTRUCTIONS "
-                   "not 0)")
+NO_MEASUREMENTS = (
+    "has no per-instruction measurements; run with a current kareus runtime (KAREUS_LOG_INSTRUCTIONS not 0)"
+)
 
 
 def _read_log(path: str) -> Any:
@@ -199,13 +260,17 @@ def _check_plan(path: str, log: Any, plan: Any, plan_path: str, force: bool) -> 
 
     logged = log.header.get("plan_sha256")
     if logged and logged != plan_sha256(plan) and not force:
-        raise PlanMismatchError(f"--plan {plan_path} is not the plan run {path} executed (the log records plan "
-                                f"sha256 {str(logged)[:12]}, this plan's is {plan_sha256(plan)[:12]}); give that "
-                                "plan, or --force.")
+        raise PlanMismatchError(
+            f"--plan {plan_path} is not the plan run {path} executed (the log records plan "
+            f"sha256 {str(logged)[:12]}, this plan's is {plan_sha256(plan)[:12]}); give that "
+            "plan, or --force."
+        )
     pp = log.header.get("pp")
     if isinstance(pp, int) and pp != plan.parallel.pp:
-        raise PlanMismatchError(f"run {path} has {pp} pipeline stages but --plan {plan_path} has "
-                                f"{plan.parallel.pp}; give the plan the run executed.")
+        raise PlanMismatchError(
+            f"run {path} has {pp} pipeline stages but --plan {plan_path} has "
+            f"{plan.parallel.pp}; give the plan the run executed."
+        )
 
 
 def _check_samples(path: str, samples: Any, plan: Any, plan_path: str) -> None:
@@ -214,13 +279,17 @@ def _check_samples(path: str, samples: Any, plan: Any, plan_path: str) -> None:
         if s.pp_rank is None:
             continue  # left out of the fit
         if not 0 <= s.pp_rank < len(plan.stages) or not 0 <= s.index < len(plan.stages[s.pp_rank].instructions):
-            raise PlanMismatchError(f"run {path}: instruction {s.index} of stage {s.pp_rank} is outside --plan "
-                                    f"{plan_path}; give the plan the run executed.")
+            raise PlanMismatchError(
+                f"run {path}: instruction {s.index} of stage {s.pp_rank} is outside --plan "
+                f"{plan_path}; give the plan the run executed."
+            )
         ins = plan.stages[s.pp_rank].instructions[s.index]
         if (ins.kind, ins.chunk, ins.microbatch) != (s.kind, s.chunk, s.microbatch):
-            raise PlanMismatchError(f"run {path}: stage {s.pp_rank} instruction {s.index} is a {s.kind} of "
-                                    f"microbatch {s.microbatch}, --plan {plan_path} has a {ins.kind} of microbatch "
-                                    f"{ins.microbatch} there; give the plan the run executed.")
+            raise PlanMismatchError(
+                f"run {path}: stage {s.pp_rank} instruction {s.index} is a {s.kind} of "
+                f"microbatch {s.microbatch}, --plan {plan_path} has a {ins.kind} of microbatch "
+                f"{ins.microbatch} there; give the plan the run executed."
+            )
 
 
 def _iteration_range(text: str | None) -> tuple[float, float]:
@@ -255,13 +324,18 @@ def _from_logs(args: argparse.Namespace) -> Any:
         gpus.add(gpu.name)
         lo, hi = _iteration_range(args.iterations)
         samples = [x for x in meas.instruction_samples(log) if lo <= x.iteration <= hi]
-        windows = [w for w in meas.energy_windows(log, min_window_s=args.seconds)
-                   if lo <= min(w.iterations) and max(w.iterations) <= hi]
+        windows = [
+            w
+            for w in meas.energy_windows(log, min_window_s=args.seconds)
+            if lo <= min(w.iterations) and max(w.iterations) <= hi
+        ]
         if not samples:
             raise ConfigError(f"run log {path} {NO_MEASUREMENTS}")
         if not windows:
-            raise ConfigError(f"run log {path} has no energy window of >= {args.seconds} s after the warm-up "
-                              "iterations; run longer or give a smaller --seconds")
+            raise ConfigError(
+                f"run log {path} has no energy window of >= {args.seconds} s after the warm-up "
+                "iterations; run longer or give a smaller --seconds"
+            )
         _check_samples(path, samples, plan, plan_path)
         runs.append(LogRun(label=str(path), model=model, par=par, samples=samples, windows=windows))
     if len(gpus) > 1:

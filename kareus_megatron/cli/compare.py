@@ -24,9 +24,15 @@ HELP = "reductions table and frontier plot from measured logs (same formulas and
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus compare` flags."""
     parser.add_argument("log_dir", help="directory of measured runs, one NAME-NN/ sub-directory each")
-    parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
-                        help=f"warm-up iterations left out of each run's figures ({STATISTICS_TEXT}) "
-                        f"(default {DEFAULT_SKIP_ITERATIONS})")
+    parser.add_argument(
+        "--skip-iterations",
+        "--skip",
+        type=int,
+        default=DEFAULT_SKIP_ITERATIONS,
+        metavar="N",
+        help=f"warm-up iterations left out of each run's figures ({STATISTICS_TEXT}) "
+        f"(default {DEFAULT_SKIP_ITERATIONS})",
+    )
     parser.add_argument("--out", default=None, help="output directory (default LOG_DIR/compare)")
     parser.add_argument("--no-plot", action="store_true", help="write frontier.json only")
 
@@ -44,23 +50,42 @@ def print_tables(doc: dict[str, Any], runs: list[Any]) -> None:
     console = Console(width=max(Console().width, 110))  # keep run names whole in logs and pipes
     sim = "simulated GPU: " if doc["config"].get("simulated") else ""
     skip = doc["config"]["skip_iterations"]
-    t = Table(title=f"{sim}measured runs ({STATISTICS_TEXT} after {skip} warm-up iterations; "
-                    "energy = all GPUs per iteration)", box=box.SIMPLE)
-    for col, right in (("run", False), ("iters", True), ("time (s)", True), ("energy (J)", True),
-                       ("predicted (s)", True), ("predicted (J)", True)):
+    t = Table(
+        title=f"{sim}measured runs ({STATISTICS_TEXT} after {skip} warm-up iterations; "
+        "energy = all GPUs per iteration)",
+        box=box.SIMPLE,
+    )
+    for col, right in (
+        ("run", False),
+        ("iters", True),
+        ("time (s)", True),
+        ("energy (J)", True),
+        ("predicted (s)", True),
+        ("predicted (J)", True),
+    ):
         t.add_column(col, justify="right" if right else "left", no_wrap=True)
     for r in runs:
         p = r.predicted or {}
-        t.add_row(r.name, str(r.iterations), f"{r.time_s:.4g}", f"{r.energy_j:.4g}",
-                  f"{p['iteration_time_s']:.4g}" if "iteration_time_s" in p else "-",
-                  f"{p['iteration_energy_j']:.4g}" if "iteration_energy_j" in p else "-")
+        t.add_row(
+            r.name,
+            str(r.iterations),
+            f"{r.time_s:.4g}",
+            f"{r.energy_j:.4g}",
+            f"{p['iteration_time_s']:.4g}" if "iteration_time_s" in p else "-",
+            f"{p['iteration_energy_j']:.4g}" if "iteration_energy_j" in p else "-",
+        )
     red = Table(title="reductions (measured; Perseus = reference; + is better)", box=box.SIMPLE)
     red.add_column("method", no_wrap=True)
     for col in ("iso-time E", "iso-energy T", "T vs Megatron", "E vs Megatron"):
         red.add_column(col, justify="right")
     for name, r in doc["reductions"].items():
-        red.add_row(name, _pct(r["iso_time_energy"]), _pct(r["iso_energy_time"]),
-                    _pct(r["max_throughput_time_vs_megatron"]), _pct(r["max_throughput_energy_vs_megatron"]))
+        red.add_row(
+            name,
+            _pct(r["iso_time_energy"]),
+            _pct(r["iso_energy_time"]),
+            _pct(r["max_throughput_time_vs_megatron"]),
+            _pct(r["max_throughput_energy_vs_megatron"]),
+        )
     console.print(t)
     console.print(red)
 
@@ -83,9 +108,13 @@ def run(args: argparse.Namespace) -> int:
             from kareus_megatron.plotting.frontier import save_frontier_png
 
             gpu = doc["config"]["gpu"]
-            save_frontier_png(tmp / "frontier.png", doc,
-                              title=("simulated, " if doc["config"].get("simulated") else "") +
-                              f"measured: {len(runs)} runs in {args.log_dir}" + (f" on {gpu}" if gpu else ""))
+            save_frontier_png(
+                tmp / "frontier.png",
+                doc,
+                title=("simulated, " if doc["config"].get("simulated") else "")
+                + f"measured: {len(runs)} runs in {args.log_dir}"
+                + (f" on {gpu}" if gpu else ""),
+            )
     print_tables(doc, runs)
     print(f"wrote {out / 'frontier.json'}" + ("" if args.no_plot else f" and {out / 'frontier.png'}"))
     return 0

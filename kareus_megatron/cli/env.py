@@ -31,14 +31,21 @@ _PACKAGES = ("kareus-megatron", "torch", "megatron-core", "deepspeed", "nvidia-m
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus env` flags."""
-    parser.add_argument("--gpu-index", "--device", dest="gpu_index", type=int, default=0,
-                        help="local GPU index to inspect (default 0)")
-    parser.add_argument("--check-permission", action="store_true",
-                        help="tell whether this user may lock clocks from what can be read (capabilities, a clock "
-                        "setting in force); changes nothing on the GPU")
-    parser.add_argument("--try-lock", action="store_true",
-                        help="with --check-permission: also lock the current clock once and reset that lock (not "
-                        "when a clock setting is in force, nor with KAREUS_GPU_READ_ONLY)")
+    parser.add_argument(
+        "--gpu-index", "--device", dest="gpu_index", type=int, default=0, help="local GPU index to inspect (default 0)"
+    )
+    parser.add_argument(
+        "--check-permission",
+        action="store_true",
+        help="tell whether this user may lock clocks from what can be read (capabilities, a clock "
+        "setting in force); changes nothing on the GPU",
+    )
+    parser.add_argument(
+        "--try-lock",
+        action="store_true",
+        help="with --check-permission: also lock the current clock once and reset that lock (not "
+        "when a clock setting is in force, nor with KAREUS_GPU_READ_ONLY)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -98,8 +105,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.check_permission:
             raise ConfigError("--try-lock goes with --check-permission.")
         if read_only_from_env():
-            raise ConfigError(f"--try-lock locks and resets the SM clock, and {READ_ONLY_ENV} is set (change nothing "
-                              "on the GPU); drop --try-lock, or unset it.")
+            raise ConfigError(
+                f"--try-lock locks and resets the SM clock, and {READ_ONLY_ENV} is set (change nothing "
+                "on the GPU); drop --try-lock, or unset it."
+            )
     rep = environment(args.gpu_index, args.check_permission, args.try_lock)
     if args.json:
         print(json.dumps(rep, indent=1))
@@ -122,10 +131,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'NVML driver':16s} {n.get('driver_version')} ({n.get('device_count')} GPUs)")
         if "name" in n:
             print(f"{'GPU ' + str(n['index']):16s} {n['name']} (preset: {n['preset'] or 'none; pass --gpu'})")
-            print(f"{'SM clocks':16s} {_clock_range(n['supported_sm_clocks_mhz'])} at memory clock "
-                  f"{n['memory_clock_mhz']} MHz; now {n['sm_clock_mhz']} MHz")
-            print(f"{'energy counter':16s} "
-                  f"{'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}")
+            print(
+                f"{'SM clocks':16s} {_clock_range(n['supported_sm_clocks_mhz'])} at memory clock "
+                f"{n['memory_clock_mhz']} MHz; now {n['sm_clock_mhz']} MHz"
+            )
+            print(
+                f"{'energy counter':16s} "
+                f"{'readable' if n.get('energy_counter_mj') is not None else n.get('energy_error')}"
+            )
         if "power_w" in n and n["power_w"] is not None:
             print(f"{'power':16s} {n['power_w']:.1f} W (limit {n['power_limit_w']:.0f} W)")
         if "clock_permission" in n:
@@ -134,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
             if in_force:
                 print(f"{'clock settings':16s} {in_force}")
         else:
-            print(f"{'lock clocks':16s} {'likely (running as root)' if rep['root'] else 'needs root or CAP_SYS_ADMIN'}"
-                  " (test with --check-permission)")
+            print(
+                f"{'lock clocks':16s} {'likely (running as root)' if rep['root'] else 'needs root or CAP_SYS_ADMIN'}"
+                " (test with --check-permission)"
+            )
         if n.get("error"):
             print(f"{'NVML error':16s} {n['error']}")
     if rep["read_only"]:

@@ -36,9 +36,10 @@ HELP = "run a plan directory's frontier points on a cluster (torchrun or Slurm),
 
 class _LaunchParser(OneLineParser):
     """A `kareus launch` subcommand: one-line usage errors; arguments after '--' go to the training command."""
+
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         args = list(sys.argv[1:] if args is None else args)
-        own, extra = (args[: args.index("--")], args[args.index("--") + 1:]) if "--" in args else (args, [])
+        own, extra = (args[: args.index("--")], args[args.index("--") + 1 :]) if "--" in args else (args, [])
         ns, rest = super().parse_known_args(own, namespace)
         ns.extra_args = extra
         ns.launch_argv = [self.prog.rsplit(" ", 1)[-1], *args]  # resubmitted as is by sbatch
@@ -47,9 +48,12 @@ class _LaunchParser(OneLineParser):
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan-dir", required=True, help="a `kareus plan --out` directory (frontier.json, plans/)")
-    p.add_argument("--point", default=None,
-                   help="iso-time, fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax; "
-                        "run: iso-time, the least energy no slower than Megatron; comparison: all)")
+    p.add_argument(
+        "--point",
+        default=None,
+        help="iso-time, fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax; "
+        "run: iso-time, the least energy no slower than Megatron; comparison: all)",
+    )
     p.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
     p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: the plan's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the plan's)")
@@ -57,37 +61,68 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=29500)
     p.add_argument("--rdzv-id", default=None, help="rendezvous id prefix (default $SLURM_JOB_ID, else kareus)")
     p.add_argument("--container-image", default=None, help="Slurm+pyxis: srun --container-image")
-    p.add_argument("--container-mounts", default=None,
-                   help="Slurm+pyxis: srun --container-mounts (default: this directory at the same path)")
+    p.add_argument(
+        "--container-mounts",
+        default=None,
+        help="Slurm+pyxis: srun --container-mounts (default: this directory at the same path)",
+    )
     p.add_argument("--log-dir", default="runs", help="measured logs go to LOG_DIR/NAME-NN/ (default ./runs)")
     p.add_argument("--train-iters", type=int, default=20, help="iterations per run (default 20)")
-    p.add_argument("--script", default=None,
-                   help="training script instead of Megatron-LM pretrain_gpt.py (required for DeepSpeed plans)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="torchrun without Slurm: 0 on the node that plans, writes run.json and compares; "
-                        "1.. on the others (default 0)")
+    p.add_argument(
+        "--script",
+        default=None,
+        help="training script instead of Megatron-LM pretrain_gpt.py (required for DeepSpeed plans)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="torchrun without Slurm: 0 on the node that plans, writes run.json and compares; "
+        "1.. on the others (default 0)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace measurement logs left by earlier runs")
     p.add_argument("--dry-run", action="store_true", help="print the exact commands; run nothing")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus launch run` and `kareus launch comparison`."""
-    sub = parser.add_subparsers(dest="launch_command", required=True, metavar="{run,comparison}",
-                                parser_class=_LaunchParser)
-    run_p = sub.add_parser("run", help="run one method at one or more frontier points",
-                           description="run one method at one or more frontier points (default: iso-time, the least "
-                                       "predicted energy no slower than Megatron's max-clock plan)")
-    run_p.add_argument("--method", default=None, choices=METHODS,
-                       help="the method (default: the point's METHOD-, else kareus)")
+    sub = parser.add_subparsers(
+        dest="launch_command", required=True, metavar="{run,comparison}", parser_class=_LaunchParser
+    )
+    run_p = sub.add_parser(
+        "run",
+        help="run one method at one or more frontier points",
+        description="run one method at one or more frontier points (default: iso-time, the least "
+        "predicted energy no slower than Megatron's max-clock plan)",
+    )
+    run_p.add_argument(
+        "--method", default=None, choices=METHODS, help="the method (default: the point's METHOD-, else kareus)"
+    )
     _add_job_args(run_p)
-    cmp_p = sub.add_parser("comparison", help="plan, run every method, collect logs, kareus compare",
-                           description="plan, run every point of every method, collect logs, kareus compare")
-    cmp_p.add_argument("--methods", default=",".join(METHODS),
-                       help=f"comma-separated methods out of {', '.join(METHODS)} (default: all)")
-    cmp_p.add_argument("--plan-arg", action="append", default=[], metavar="ARG",
-                       help="argument for `kareus plan` when DIR has no frontier.json (repeatable; use --plan-arg=--x)")
-    cmp_p.add_argument("--skip-iterations", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
-                       help=f"passed to kareus compare (default {DEFAULT_SKIP_ITERATIONS})")
+    cmp_p = sub.add_parser(
+        "comparison",
+        help="plan, run every method, collect logs, kareus compare",
+        description="plan, run every point of every method, collect logs, kareus compare",
+    )
+    cmp_p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated methods out of {', '.join(METHODS)} (default: all)",
+    )
+    cmp_p.add_argument(
+        "--plan-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="argument for `kareus plan` when DIR has no frontier.json (repeatable; use --plan-arg=--x)",
+    )
+    cmp_p.add_argument(
+        "--skip-iterations",
+        type=int,
+        default=DEFAULT_SKIP_ITERATIONS,
+        metavar="N",
+        help=f"passed to kareus compare (default {DEFAULT_SKIP_ITERATIONS})",
+    )
     _add_job_args(cmp_p)
 
 
@@ -109,32 +144,51 @@ def run(args: argparse.Namespace) -> int:
     from kareus_megatron.jobs.commands import JobSpec
     from kareus_megatron.jobs.orchestrate import Launch, launch_jobs
 
-    for flag, v, low in (("--train-iters", args.train_iters, 1), ("--node-rank", args.node_rank, 0),
-                         ("--skip-iterations", getattr(args, "skip_iterations", 0), 0)):
+    for flag, v, low in (
+        ("--train-iters", args.train_iters, 1),
+        ("--node-rank", args.node_rank, 0),
+        ("--skip-iterations", getattr(args, "skip_iterations", 0), 0),
+    ):
         if not low <= v <= MAX_ITERATIONS:
             raise ConfigError(f"{flag} {v} must be an integer from {low} to {MAX_ITERATIONS}")
-    job = JobSpec(nodes=1 if args.nodes is None else args.nodes,  # left out: the plans' (jobs/orchestrate.py)
-                  gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
-                  master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "localhost",
-                  master_port=args.master_port, rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID") or "kareus",
-                  container_image=args.container_image, container_mounts=args.container_mounts, workdir=os.getcwd())
+    job = JobSpec(
+        nodes=1 if args.nodes is None else args.nodes,  # left out: the plans' (jobs/orchestrate.py)
+        gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
+        master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "localhost",
+        master_port=args.master_port,
+        rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID") or "kareus",
+        container_image=args.container_image,
+        container_mounts=args.container_mounts,
+        workdir=os.getcwd(),
+    )
     comparison = args.launch_command == "comparison"
     launch = Launch(
-        command=args.launch_command, plan_dir=args.plan_dir, job=job, method=getattr(args, "method", None),
+        command=args.launch_command,
+        plan_dir=args.plan_dir,
+        job=job,
+        method=getattr(args, "method", None),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if comparison else METHODS,
-        point=args.point, launcher=args.launcher, log_dir=args.log_dir, train_iters=args.train_iters,
-        script=args.script, extra_args=tuple(args.extra_args), node_rank=args.node_rank, overwrite=args.overwrite,
-        dry_run=args.dry_run, plan_args=tuple(getattr(args, "plan_arg", ())),
-        skip_iterations=getattr(args, "skip_iterations", DEFAULT_SKIP_ITERATIONS), argv=tuple(args.launch_argv),
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        point=args.point,
+        launcher=args.launcher,
+        log_dir=args.log_dir,
+        train_iters=args.train_iters,
+        script=args.script,
+        extra_args=tuple(args.extra_args),
+        node_rank=args.node_rank,
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+        plan_args=tuple(getattr(args, "plan_arg", ())),
+        skip_iterations=getattr(args, "skip_iterations", DEFAULT_SKIP_ITERATIONS),
+        argv=tuple(args.launch_argv),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
     )
     in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
     previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main_thread else None
     try:
         return launch_jobs(launch)  # KeyboardInterrupt: the boundary in cli/main.py, one line and exit 130
     except subprocess.CalledProcessError as e:
-        sys.stderr.write(f"kareus launch: error: command failed with exit status {e.returncode}: "
-                         f"{shlex.join(e.cmd)}\n")
+        sys.stderr.write(f"kareus launch: error: command failed with exit status {e.returncode}: {shlex.join(e.cmd)}\n")
         return 1
     finally:
         if in_main_thread:

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the top-level parser with every subcommand registered."""
     parser = OneLineParser(prog="kareus", description="Energy-aware planning for megatron-core training.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
-                        help="print the installed version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the installed version and exit"
+    )
     sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"kareus_megatron.cli.{module_name}")
@@ -127,8 +128,11 @@ def run_command(args: argparse.Namespace, prog: str, debug: bool) -> int:
     except UnicodeDecodeError as e:
         if debug:
             raise
-        return print_error(prog, f"an input file is not UTF-8 text ({e.reason} at byte {e.start}); give a "
-                           "text file (rerun with --debug to see which).")
+        return print_error(
+            prog,
+            f"an input file is not UTF-8 text ({e.reason} at byte {e.start}); give a "
+            "text file (rerun with --debug to see which).",
+        )
     except OSError as e:
         if debug:
             raise

@@ -28,8 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument("--freq", type=int, default=None, help="SM clock (MHz); default: the GPU's max clock")
     parser.add_argument("--nanobatches", type=int, default=2, help="nanobatches per microbatch (1 or 2; default 2)")
-    parser.add_argument("--overlap", default=None,
-                        help="overlap configuration to evaluate: NAME=SMS@SLOT,... e.g. fwd_attn=12@qkv,fwd_mlp=21@fc1")
+    parser.add_argument(
+        "--overlap",
+        default=None,
+        help="overlap configuration to evaluate: NAME=SMS@SLOT,... e.g. fwd_attn=12@qkv,fwd_mlp=21@fc1",
+    )
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output format")
 
 
@@ -56,10 +59,20 @@ def run(args: argparse.Namespace) -> int:
             for kind in ("forward", "backward"):
                 rows.append(_instruction_row(tables, stage, chunk, kind, freq, nb, config))
     doc = {
-        "gpu": gpu.name, "model": model.name, "clock_mhz": int(freq), "nanobatches": nb,
-        "parallel": {"tp": par.tp, "cp": par.cp, "pp": par.pp, "vp": par.vp, "dp": par.dp,
-                     "micro_batch_size": par.micro_batch_size, "seq_length": par.seq_length,
-                     "recompute": par.recompute},
+        "gpu": gpu.name,
+        "model": model.name,
+        "clock_mhz": int(freq),
+        "nanobatches": nb,
+        "parallel": {
+            "tp": par.tp,
+            "cp": par.cp,
+            "pp": par.pp,
+            "vp": par.vp,
+            "dp": par.dp,
+            "micro_batch_size": par.micro_batch_size,
+            "seq_length": par.seq_length,
+            "recompute": par.recompute,
+        },
         "default_comm_sms": tables.adapter.default_sms,
         "partitions": [_frontier_dict(f) for f in frontiers],
         "instructions": rows,
@@ -89,8 +102,9 @@ def parse_overlap(text: str) -> dict[str, tuple[int, str]]:
         if not eq or not at or not name or not slot:
             raise ConfigError(f"--overlap item {item!r} is malformed; write NAME=SMS@SLOT, e.g. fwd_attn=12@qkv.")
         if not sms.isdecimal() or not sms.isascii():
-            raise ConfigError(f"--overlap item {item!r}: comm SMs {sms!r} must be a positive integer, "
-                              "e.g. fwd_attn=12@qkv.")
+            raise ConfigError(
+                f"--overlap item {item!r}: comm SMs {sms!r} must be a positive integer, e.g. fwd_attn=12@qkv."
+            )
         if name in out:
             raise ConfigError(f"--overlap names partition {name!r} twice; give each partition once.")
         out[name] = (int(sms), slot)
@@ -109,8 +123,7 @@ def check_overlap(
     for name, (sms, slot) in config.items():
         if name not in slots:
             raise ConfigError(
-                f"--overlap names partition {name!r}, which this layout does not have; "
-                f"partitions: {', '.join(slots)}."
+                f"--overlap names partition {name!r}, which this layout does not have; partitions: {', '.join(slots)}."
             )
         if slot not in slots[name]:
             raise ConfigError(
@@ -131,9 +144,17 @@ def _point(t: float, e: float, **extra) -> dict:
 def _frontier_dict(f) -> dict:
     pts = [_point(t, e, comm_sms=int(s), slot=sl) for t, e, s, sl in zip(f.time_s, f.energy_j, f.comm_sms, f.slot)]
     default = _point(f.default_time_s, f.default_energy_j, comm_sms=f.default_knob[0], slot=f.default_knob[1])
-    return {"phase": f.phase, "partition": f.name, "instances_per_layer": f.instances, "slots": list(f.slots),
-            "comm_sms_range": list(f.comm_sms_range), "frontier": pts, "fastest": pts[0], "least_energy": pts[-1],
-            "nccl_default": default}
+    return {
+        "phase": f.phase,
+        "partition": f.name,
+        "instances_per_layer": f.instances,
+        "slots": list(f.slots),
+        "comm_sms_range": list(f.comm_sms_range),
+        "frontier": pts,
+        "fastest": pts[0],
+        "least_energy": pts[-1],
+        "nccl_default": default,
+    }
 
 
 def _instruction_row(tables, stage: int, chunk: int, kind: str, freq: int, nb: int, config) -> dict:
@@ -163,9 +184,11 @@ def _print_tables(doc: dict) -> None:
     from rich.table import Table
 
     p = doc["parallel"]
-    head = (f"{doc['model']} on {doc['gpu']} at {doc['clock_mhz']} MHz: TP={p['tp']} CP={p['cp']} PP={p['pp']} "
-            f"MBS={p['micro_batch_size']} seq={p['seq_length']} recompute={p['recompute']}, "
-            f"{doc['nanobatches']} nanobatch(es); NCCL default {doc['default_comm_sms']} comm SMs")
+    head = (
+        f"{doc['model']} on {doc['gpu']} at {doc['clock_mhz']} MHz: TP={p['tp']} CP={p['cp']} PP={p['pp']} "
+        f"MBS={p['micro_batch_size']} seq={p['seq_length']} recompute={p['recompute']}, "
+        f"{doc['nanobatches']} nanobatch(es); NCCL default {doc['default_comm_sms']} comm SMs"
+    )
     console = Console(width=130)
     if doc["partitions"]:
         table = Table(title=f"{head}\npartition knob frontiers, one layer, one GPU (fastest first)")
@@ -176,12 +199,27 @@ def _print_tables(doc: dict) -> None:
                 mark = "fastest" if i == 0 else ("least energy" if i == len(f["frontier"]) - 1 else "")
                 if i == 0 and len(f["frontier"]) == 1:
                     mark = "fastest, least energy"
-                table.add_row(f["phase"] if i == 0 else "", f["partition"] if i == 0 else "",
-                              str(f["instances_per_layer"]) if i == 0 else "", str(pt["comm_sms"]), pt["slot"],
-                              f"{pt['time_s'] * 1e3:.3f}", f"{pt['energy_j']:.4f}", mark)
+                table.add_row(
+                    f["phase"] if i == 0 else "",
+                    f["partition"] if i == 0 else "",
+                    str(f["instances_per_layer"]) if i == 0 else "",
+                    str(pt["comm_sms"]),
+                    pt["slot"],
+                    f"{pt['time_s'] * 1e3:.3f}",
+                    f"{pt['energy_j']:.4f}",
+                    mark,
+                )
             d = f["nccl_default"]
-            table.add_row("", "", "", str(d["comm_sms"]), d["slot"], f"{d['time_s'] * 1e3:.3f}",
-                          f"{d['energy_j']:.4f}", "[dim]NCCL default (nanobatching baseline)[/dim]")
+            table.add_row(
+                "",
+                "",
+                "",
+                str(d["comm_sms"]),
+                d["slot"],
+                f"{d['time_s'] * 1e3:.3f}",
+                f"{d['energy_j']:.4f}",
+                "[dim]NCCL default (nanobatching baseline)[/dim]",
+            )
         console.print(table)
     else:
         console.print(head + "\nwith 1 nanobatch the layer has no partitions (every collective is exposed).")

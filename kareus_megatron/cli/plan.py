@@ -44,50 +44,109 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the workload flags and `kareus plan`'s own."""
     add_workload_arguments(parser)
     g = parser.add_argument_group("planning")
-    g.add_argument("--points", type=int, default=10, help="plans written per method, spread along its frontier "
-                   "(always the fastest and the lowest-energy one; default 10)")
+    g.add_argument(
+        "--points",
+        type=int,
+        default=10,
+        help="plans written per method, spread along its frontier "
+        "(always the fastest and the lowest-energy one; default 10)",
+    )
     g.add_argument("--out", default="kareus-out", help="output directory (default ./kareus-out)")
-    g.add_argument("--max-time", type=float, default=None, metavar="S",
-                   help="write only plans with iteration time <= S seconds")
-    g.add_argument("--methods", default=None,
-                   help=f"comma-separated methods out of {', '.join(METHODS)} (default: all {len(METHODS)}; "
-                   "megatron and perseus are always planned: the reductions are measured against them)")
-    g.add_argument("--framework", choices=FRAMEWORKS, default=FRAMEWORK_MEGATRON,
-                   help="pipeline schedule of the framework: megatron 1F1B (interleaved with --vp > 1) or "
-                   "DeepSpeed TrainSchedule (default megatron)")
-    g.add_argument("--freqs", default=None, help="comma-separated SM clocks (MHz) to plan with (default: every "
-                   f"{CLOCK_GRID_STEP_MHZ} MHz from the max clock down to "
-                   f"{CLOCK_GRID_LOWEST_FRACTION * 100:.0f}%% of it)")
-    g.add_argument("--timeline", default=None, metavar="NAME-NN",
-                   help="plan drawn in timeline.png (default: the suggested plan, iso-time: the kareus plan with the "
-                   "least energy no slower than Megatron's max-clock plan, as --kareus-point's default)")
-    g.add_argument("--distributed-optimizer", action="store_true", help="the memory estimate shards the optimizer "
-                   "state over DP×CP (Megatron's --use-distributed-optimizer; default off)")
-    g.add_argument("--cross-layer", action="store_true", help="model cross-layer overlap: each layer's last "
-                   "collective beside the other nanobatch's first segment of the next layer (the overlap engine "
-                   "runs it with and without --sp; with --cp such plans are refused at run time; default off)")
-    g.add_argument("--max-swing", type=float, default=None, metavar="FRACTION",
-                   help="write only plans whose job power swings by at most FRACTION of its peak over an "
-                   "iteration (e.g. 0.3), holding blocked GPUs at a costed power floor where the clocks cannot "
-                   "(docs/power.md)")
-    g.add_argument("--max-ramp", type=float, default=None, metavar="W_PER_S",
-                   help="write only plans whose job power rises or falls by at most W_PER_S watts per second "
-                   "over any 100 ms (docs/power.md)")
-    g.add_argument("--clock-latency-ms", type=float, default=None, metavar="MS",
-                   help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
-                   "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
-                   "0: changes take effect at once; docs/clock_latency.md)")
-    g.add_argument("--band-samples", type=int, default=BAND_DRAWS, metavar="N",
-                   help="draws of the cost model's parameters for the prediction bands (5th-95th percentile of every "
-                   f"point's time and energy and of every reduction; default {BAND_DRAWS}; 0: no bands)")
-    g.add_argument("--objective", default=None, metavar="OBJ",
-                   help="what the suggested plan (drawn in timeline.png) meets: iso-time (default), min-energy, "
-                   "max-time=S or energy=J, as --kareus-objective")
-    g.add_argument("--robust", action="store_true",
-                   help="the suggested plan meets --objective across the band (its 95th percentile), not at the point "
-                   "estimate")
-    g.add_argument("--no-memory-check", action="store_true", help="plan even if the memory estimate exceeds the "
-                   "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)")
+    g.add_argument(
+        "--max-time", type=float, default=None, metavar="S", help="write only plans with iteration time <= S seconds"
+    )
+    g.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated methods out of {', '.join(METHODS)} (default: all {len(METHODS)}; "
+        "megatron and perseus are always planned: the reductions are measured against them)",
+    )
+    g.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default=FRAMEWORK_MEGATRON,
+        help="pipeline schedule of the framework: megatron 1F1B (interleaved with --vp > 1) or "
+        "DeepSpeed TrainSchedule (default megatron)",
+    )
+    g.add_argument(
+        "--freqs",
+        default=None,
+        help="comma-separated SM clocks (MHz) to plan with (default: every "
+        f"{CLOCK_GRID_STEP_MHZ} MHz from the max clock down to "
+        f"{CLOCK_GRID_LOWEST_FRACTION * 100:.0f}%% of it)",
+    )
+    g.add_argument(
+        "--timeline",
+        default=None,
+        metavar="NAME-NN",
+        help="plan drawn in timeline.png (default: the suggested plan, iso-time: the kareus plan with the "
+        "least energy no slower than Megatron's max-clock plan, as --kareus-point's default)",
+    )
+    g.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="the memory estimate shards the optimizer "
+        "state over DP×CP (Megatron's --use-distributed-optimizer; default off)",
+    )
+    g.add_argument(
+        "--cross-layer",
+        action="store_true",
+        help="model cross-layer overlap: each layer's last "
+        "collective beside the other nanobatch's first segment of the next layer (the overlap engine "
+        "runs it with and without --sp; with --cp such plans are refused at run time; default off)",
+    )
+    g.add_argument(
+        "--max-swing",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="write only plans whose job power swings by at most FRACTION of its peak over an "
+        "iteration (e.g. 0.3), holding blocked GPUs at a costed power floor where the clocks cannot "
+        "(docs/power.md)",
+    )
+    g.add_argument(
+        "--max-ramp",
+        type=float,
+        default=None,
+        metavar="W_PER_S",
+        help="write only plans whose job power rises or falls by at most W_PER_S watts per second "
+        "over any 100 ms (docs/power.md)",
+    )
+    g.add_argument(
+        "--clock-latency-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
+        "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
+        "0: changes take effect at once; docs/clock_latency.md)",
+    )
+    g.add_argument(
+        "--band-samples",
+        type=int,
+        default=BAND_DRAWS,
+        metavar="N",
+        help="draws of the cost model's parameters for the prediction bands (5th-95th percentile of every "
+        f"point's time and energy and of every reduction; default {BAND_DRAWS}; 0: no bands)",
+    )
+    g.add_argument(
+        "--objective",
+        default=None,
+        metavar="OBJ",
+        help="what the suggested plan (drawn in timeline.png) meets: iso-time (default), min-energy, "
+        "max-time=S or energy=J, as --kareus-objective",
+    )
+    g.add_argument(
+        "--robust",
+        action="store_true",
+        help="the suggested plan meets --objective across the band (its 95th percentile), not at the point estimate",
+    )
+    g.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="plan even if the memory estimate exceeds the "
+        "GPU's (an emulated job, e.g. the published Llama 3.3 70B case)",
+    )
 
 
 def _parse_list(flag: str, text: str, cast: Any) -> list[Any]:
@@ -121,8 +180,10 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     if args.max_time is not None and not args.max_time > 0:
         raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
     if args.clock_latency_ms is not None and not 0 <= args.clock_latency_ms <= 1000:
-        raise ConfigError(f"--clock-latency-ms {args.clock_latency_ms} must be a number of milliseconds in 0..1000 "
-                          "(a locked-clock call takes 10-20 ms; `kareus validate` measures it).")
+        raise ConfigError(
+            f"--clock-latency-ms {args.clock_latency_ms} must be a number of milliseconds in 0..1000 "
+            "(a locked-clock call takes 10-20 ms; `kareus validate` measures it)."
+        )
     if args.timeline is not None:
         method, _, nn = args.timeline.rpartition("-")
         if method not in methods or not (len(nn) == 2 and nn.isascii() and nn.isdigit()) or int(nn) >= args.points:
@@ -131,8 +192,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
                 f"{', '.join(methods)} and NN below --points {args.points} (e.g. kareus-00)."
             )
     if args.band_samples < 0 or args.band_samples == 1:
-        raise ConfigError(f"--band-samples {args.band_samples}: use 0 (no bands) or at least 2 draws "
-                          f"(default {BAND_DRAWS}).")
+        raise ConfigError(
+            f"--band-samples {args.band_samples}: use 0 (no bands) or at least 2 draws (default {BAND_DRAWS})."
+        )
     if args.robust and args.band_samples == 0:
         raise ConfigError("--robust picks by the bands, but --band-samples 0 turns them off; drop one of them.")
     if args.timeline is not None and (args.robust or args.objective is not None):
@@ -151,8 +213,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     gpu, model, par = workload_from_args(args)
     from kareus_megatron.cost.memory import check_fits, memory_summary
 
-    stages = check_fits(gpu, model, par, distributed_optimizer=args.distributed_optimizer,
-                        refuse=not args.no_memory_check)  # refuses a job that does not fit the GPU
+    stages = check_fits(
+        gpu, model, par, distributed_optimizer=args.distributed_optimizer, refuse=not args.no_memory_check
+    )  # refuses a job that does not fit the GPU
     memory = memory_summary(gpu, stages, args.distributed_optimizer)
     cal = load_calibration(args.calibration) if args.calibration else None
     kernel = KernelModel(gpu, cal)
@@ -165,15 +228,20 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         why = no_overlap or f"2 nanobatches do not divide --mbs {par.micro_batch_size}"
         notes.append(f"note: {NANOBATCH_PERSEUS} skipped: {why}; kareus plans 1 nanobatch only.")
     if no_overlap and KAREUS in methods:
-        notes.append(f"note: kareus plans SM clocks only (1 nanobatch) for {args.framework} until it has an "
-                     "overlap engine.")
+        notes.append(
+            f"note: kareus plans SM clocks only (1 nanobatch) for {args.framework} until it has an overlap engine."
+        )
     from kareus_megatron.search.segments import ClockLatency
 
     latency = None if args.clock_latency_ms is None else ClockLatency(args.clock_latency_ms / 1000.0)
     console = _progress_console()
     with Progress(
-        TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
-        console=console, transient=True, disable=not console.is_terminal,
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
     ) as bar:
         task = bar.add_task("planning", total=1.0)
 
@@ -181,9 +249,20 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
             bar.update(task, description=msg, completed=min(max(frac, 0.0), 1.0))
 
         result = plan_methods(
-            gpu, model, par, kernel, methods=methods, points=args.points, schedule=schedule,
-            max_time_s=args.max_time, clocks_mhz=freqs, calibration_sha256=cal.sha256 if cal else None,
-            progress=report, cross_layer=args.cross_layer, bound=bound, clock_latency=latency,
+            gpu,
+            model,
+            par,
+            kernel,
+            methods=methods,
+            points=args.points,
+            schedule=schedule,
+            max_time_s=args.max_time,
+            clocks_mhz=freqs,
+            calibration_sha256=cal.sha256 if cal else None,
+            progress=report,
+            cross_layer=args.cross_layer,
+            bound=bound,
+            clock_latency=latency,
         )
         draws = None
         if args.band_samples:
@@ -194,11 +273,15 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         bar.update(task, description="building plans")
         doc, built = build_outputs(result, memory=memory, draws=draws)
     if args.cross_layer and par.cp > 1:
-        notes.append("note: --cross-layer with --cp is a model only: the overlap engine runs cross-layer overlap "
-                     "without context parallelism and refuses these plans.")
+        notes.append(
+            "note: --cross-layer with --cp is a model only: the overlap engine runs cross-layer overlap "
+            "without context parallelism and refuses these plans."
+        )
     if args.cross_layer and par.recompute == "full":
-        notes.append("note: with --cross-layer and full recompute, run with --recompute-num-layers ≥ 2 (uniform): "
-                     "the overlap engine links layers only inside one recompute group.")
+        notes.append(
+            "note: with --cross-layer and full recompute, run with --recompute-num-layers ≥ 2 (uniform): "
+            "the overlap engine links layers only inside one recompute group."
+        )
     for note in notes:
         console.print(note)
     return result, doc, built
@@ -239,9 +322,11 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
         for b in built:
             save_plan(b.plan, tmp / b.relpath)
         cfg = doc["config"]
-        title = (f"{cfg['model']} on {cfg['nodes']}×{cfg['gpus_per_node']} {cfg['gpu']}, TP={cfg['tp']} "
-                 f"CP={cfg['cp']} PP={cfg['pp']}, MBS={cfg['micro_batch_size']}, seq {cfg['seq_length']},\n"
-                 f"{cfg['num_microbatches']} microbatches (model predictions)")
+        title = (
+            f"{cfg['model']} on {cfg['nodes']}×{cfg['gpus_per_node']} {cfg['gpu']}, TP={cfg['tp']} "
+            f"CP={cfg['cp']} PP={cfg['pp']}, MBS={cfg['micro_batch_size']}, seq {cfg['seq_length']},\n"
+            f"{cfg['num_microbatches']} microbatches (model predictions)"
+        )
         curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
         save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
         opts = result.methods[chosen.method].options
@@ -249,15 +334,26 @@ def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen
         for ti in chosen.timeline:
             kind, mb, chunk = ti.key
             o = opts[(ti.rank, chunk, kind)]
-            bars.append(Bar(rank=ti.rank, start_s=ti.start_s, end_s=ti.end_s, clock_mhz=int(o.clock_mhz[ti.option]),
-                            kind=kind, microbatch=mb, chunk=chunk, nanobatches=int(o.nanobatches[ti.option])))
+            bars.append(
+                Bar(
+                    rank=ti.rank,
+                    start_s=ti.start_s,
+                    end_s=ti.end_s,
+                    clock_mhz=int(o.clock_mhz[ti.option]),
+                    kind=kind,
+                    microbatch=mb,
+                    chunk=chunk,
+                    nanobatches=int(o.nanobatches[ti.option]),
+                )
+            )
         write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
         from kareus_megatron.plotting.power import save_power_png
 
         save_power_png(tmp / "power.png", power_curves(result, built, chosen), title=title)
         p = chosen.plan.predicted
         save_timeline_png(
-            tmp / "timeline.png", bars,
+            tmp / "timeline.png",
+            bars,
             title=f"{chosen.name} ({method_label(chosen.method)}): {quantity(p.iteration_time_s, time_unit)}, "
             f"{quantity(p.iteration_energy_j, energy_unit)} per iteration; hatched = 2 nanobatches",
         )
@@ -297,12 +393,23 @@ def run(args: argparse.Namespace) -> int:
                 )
     previous = _previous_output(out)
     _write(out, doc, built, result, chosen)
-    print_summary(doc, out, built, chosen, time.perf_counter() - t0, suggested=args.timeline is None,
-                  objective=args.objective or "iso-time", robust=args.robust)
+    print_summary(
+        doc,
+        out,
+        built,
+        chosen,
+        time.perf_counter() - t0,
+        suggested=args.timeline is None,
+        objective=args.objective or "iso-time",
+        robust=args.robust,
+    )
     sys.stdout.flush()
     if previous is not None:
-        _progress_console().print(f"note: replaced the earlier output in {out} ({previous}); give --out another "
-                                  "directory to keep both.", highlight=False, soft_wrap=True)
+        _progress_console().print(
+            f"note: replaced the earlier output in {out} ({previous}); give --out another directory to keep both.",
+            highlight=False,
+            soft_wrap=True,
+        )
     return 0
 
 

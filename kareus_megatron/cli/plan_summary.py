@@ -24,6 +24,7 @@ def _fmt_pct(x: float | None) -> str:
 
 def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
     """Predicted power swing of the fastest and the least-energy plan, as % of each one's peak."""
+
     def pct(p: dict[str, Any]) -> str:
         return f"{100 * p['swing_w'] / p['peak_power_w']:.0f}" if p.get("peak_power_w") else "n/a"
 
@@ -59,15 +60,22 @@ def _bands_table(doc: dict[str, Any], tf: float, tu: str, ef: float, eu: str) ->
     if not record:
         return None
     lo, hi = record["percentiles"]
-    table = Table(title=f"bands: {lo:g}th-{hi:g}th percentile over {record['draws']} draws of the model's parameters",
-                  box=box.SIMPLE)
+    table = Table(
+        title=f"bands: {lo:g}th-{hi:g}th percentile over {record['draws']} draws of the model's parameters",
+        box=box.SIMPLE,
+    )
     table.add_column("method", no_wrap=True)
     for col in (f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})"):
         table.add_column(col, justify="right")
     for name, entry in doc["methods"].items():
         fast, slow = entry["points"][0], entry["points"][-1]
-        table.add_row(name, _band_cell(fast, "time_s", tf), _band_cell(fast, "energy_j", ef),
-                      _band_cell(slow, "time_s", tf), _band_cell(slow, "energy_j", ef))
+        table.add_row(
+            name,
+            _band_cell(fast, "time_s", tf),
+            _band_cell(fast, "energy_j", ef),
+            _band_cell(slow, "time_s", tf),
+            _band_cell(slow, "energy_j", ef),
+        )
     return table
 
 
@@ -88,31 +96,48 @@ def na_notes(doc: dict[str, Any]) -> list[str]:
         pts, r = entry["points"], doc["reductions"][name]
         if r["iso_time_energy"] is None:
             dt = pts[0]["time_s"] - t_ref
-            notes.append(f"note: {name} iso-time energy n/a: its fastest plan is {quantity(dt, time_unit)} "
-                         f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time.")
+            notes.append(
+                f"note: {name} iso-time energy n/a: its fastest plan is {quantity(dt, time_unit)} "
+                f"({100 * dt / t_ref:.2g}%) slower than Perseus's fastest, so it has no plan at that time."
+            )
         if r["iso_energy_time"] is None:
             de = min(p["energy_j"] for p in pts) - e_ref
-            notes.append(f"note: {name} iso-energy time n/a: its least-energy plan uses {quantity(de, energy_unit)} "
-                         f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy.")
+            notes.append(
+                f"note: {name} iso-energy time n/a: its least-energy plan uses {quantity(de, energy_unit)} "
+                f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy."
+            )
     return notes
 
 
 def not_distinguishable_notes(doc: dict[str, Any]) -> list[str]:
     """One line per method whose advantage over a baseline is inside the band (n.d.), naming the reductions."""
-    names = {"iso_time_energy": "iso-time energy", "iso_energy_time": "iso-energy time",
-             "max_throughput_time_vs_megatron": "fastest time", "max_throughput_energy_vs_megatron": "fastest energy"}
+    names = {
+        "iso_time_energy": "iso-time energy",
+        "iso_energy_time": "iso-energy time",
+        "max_throughput_time_vs_megatron": "fastest time",
+        "max_throughput_energy_vs_megatron": "fastest energy",
+    }
     notes = []
     for name, r in doc["reductions"].items():
-        nd = [names[k] for k in REDUCTION_KEYS
-              if _not_distinguishable(r.get(f"{k}_band"))]
+        nd = [names[k] for k in REDUCTION_KEYS if _not_distinguishable(r.get(f"{k}_band"))]
         if nd:
-            notes.append(f"note: {name}: {', '.join(nd)} not distinguishable ({ND}): the band of the difference, "
-                         "draw by draw, holds 0 -- within the model's error.")
+            notes.append(
+                f"note: {name}: {', '.join(nd)} not distinguishable ({ND}): the band of the difference, "
+                "draw by draw, holds 0 -- within the model's error."
+            )
     return notes
 
 
-def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any, elapsed_s: float,
-                  suggested: bool = True, objective: str = "iso-time", robust: bool = False) -> None:
+def print_summary(
+    doc: dict[str, Any],
+    out: Path,
+    built: list[Any],
+    chosen: Any,
+    elapsed_s: float,
+    suggested: bool = True,
+    objective: str = "iso-time",
+    robust: bool = False,
+) -> None:
     """Print the per-method frontier ends, the reductions, and where the outputs went."""
     from rich import box
     from rich.console import Console
@@ -132,8 +157,11 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
     ef, eu = energy_unit(p["energy_j"] for p in ends_pts)  # J, kJ or MJ: never a column of 0.00
     for col in ("plans", f"fastest ({tu})", f"({eu})", f"min-energy ({tu})", f"({eu})", "swing (% peak)"):
         ends.add_column(col, justify="right")
-    red = Table(title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)"
-                + (" [band]" if doc.get("bands") else ""), box=box.SIMPLE)
+    red = Table(
+        title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)"
+        + (" [band]" if doc.get("bands") else ""),
+        box=box.SIMPLE,
+    )
     red.add_column("method", no_wrap=True)
     for col in ("iso-time energy", "iso-energy time", "fastest time", "fastest energy"):
         red.add_column(col, justify="right")
@@ -141,8 +169,15 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
         pts = entry["points"]
         r = doc["reductions"][name]
         fast, slow = pts[0], pts[-1]
-        ends.add_row(name, str(len(pts)), f"{fast['time_s'] * tf:.3f}", f"{fast['energy_j'] * ef:.2f}",
-                     f"{slow['time_s'] * tf:.3f}", f"{slow['energy_j'] * ef:.2f}", _swing_cell(fast, slow))
+        ends.add_row(
+            name,
+            str(len(pts)),
+            f"{fast['time_s'] * tf:.3f}",
+            f"{fast['energy_j'] * ef:.2f}",
+            f"{slow['time_s'] * tf:.3f}",
+            f"{slow['energy_j'] * ef:.2f}",
+            _swing_cell(fast, slow),
+        )
         red.add_row(name, *(_reduction_cell(r, key) for key in REDUCTION_KEYS))
     console.print(ends)
     bands = _bands_table(doc, tf, tu, ef, eu)
@@ -160,7 +195,9 @@ def print_summary(doc: dict[str, Any], out: Path, built: list[Any], chosen: Any,
     runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
     console.print(
         f"run a plan: torchrun ... -m {runner} --kareus-plan {out} --kareus-point {chosen.name} "
-        "-- your_training_script.py ...", highlight=False, soft_wrap=True,
+        "-- your_training_script.py ...",
+        highlight=False,
+        soft_wrap=True,
     )
     console.print(_suggestion(chosen.name, suggested, objective, robust), highlight=False, soft_wrap=True)
 
@@ -171,6 +208,7 @@ def _suggestion(name: str, suggested: bool, objective: str, robust: bool) -> str
         return f"{name}: the plan named by --timeline"
     across = " across the band (95th percentiles, --robust)" if robust else ""
     if objective == "iso-time":
-        return (f"{name} is the iso-time plan (Megatron's speed{across}, least predicted energy)"
-                + ("" if robust else ", which --kareus-point picks by default"))
+        return f"{name} is the iso-time plan (Megatron's speed{across}, least predicted energy)" + (
+            "" if robust else ", which --kareus-point picks by default"
+        )
     return f"{name} meets --objective {objective}{across}"

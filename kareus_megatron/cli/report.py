@@ -46,19 +46,35 @@ PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table with
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus report` flags."""
     parser.add_argument("log", help="run log directory written with --kareus-log (rank-NNNNN.jsonl files)")
-    parser.add_argument("--plan", default=None, help="the plan the run executed: a plan file, or a kareus plan "
-                        "directory (the log's point is picked); default: the plan the log header records (path and "
-                        "sha256; a moved plan is found beside the log); a --kareus-plan auto run without --plan "
-                        "reports its phases, model error and saving")
-    parser.add_argument("--skip-iterations", "--skip", type=int, default=DEFAULT_SKIP_ITERATIONS, metavar="N",
-                        help=f"warm-up iterations left out of the figures ({STATISTICS_TEXT}; "
-                             f"default {DEFAULT_SKIP_ITERATIONS})")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text table (default) or one JSON object on stdout (no plot unless --plot)")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="the plan the run executed: a plan file, or a kareus plan "
+        "directory (the log's point is picked); default: the plan the log header records (path and "
+        "sha256; a moved plan is found beside the log); a --kareus-plan auto run without --plan "
+        "reports its phases, model error and saving",
+    )
+    parser.add_argument(
+        "--skip-iterations",
+        "--skip",
+        type=int,
+        default=DEFAULT_SKIP_ITERATIONS,
+        metavar="N",
+        help=f"warm-up iterations left out of the figures ({STATISTICS_TEXT}; default {DEFAULT_SKIP_ITERATIONS})",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="text table (default) or one JSON object on stdout (no plot unless --plot)",
+    )
     parser.add_argument("--plot", default=None, help="PNG file to write (default: LOG.png beside LOG)")
     parser.add_argument("--no-plot", action="store_true", help="do not write a plot")
-    parser.add_argument("--per-gpu", action="store_true",
-                        help=f"list every GPU's energy (default: only for jobs of at most {PER_GPU_ROWS} GPUs)")
+    parser.add_argument(
+        "--per-gpu",
+        action="store_true",
+        help=f"list every GPU's energy (default: only for jobs of at most {PER_GPU_ROWS} GPUs)",
+    )
 
 
 def _fmt(x: float | None, unit: str) -> str:
@@ -96,16 +112,33 @@ def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
     stages = []
     for stage, _ in sorted(cmp.stage_energy_j.items()):
         t, e = rows[f"stage {stage} time"], rows[f"stage {stage} energy"]
-        stages.append({"stage": stage, "iterations": cmp.stage_iterations.get(stage, 0),
-                       "measured_time_s": t.measured, "measured_energy_j": e.measured,
-                       "predicted_time_s": t.predicted, "predicted_energy_j": e.predicted})
+        stages.append(
+            {
+                "stage": stage,
+                "iterations": cmp.stage_iterations.get(stage, 0),
+                "measured_time_s": t.measured,
+                "measured_energy_j": e.measured,
+                "predicted_time_s": t.predicted,
+                "predicted_energy_j": e.predicted,
+            }
+        )
     it, en = rows["iteration time"], rows["iteration energy"]
-    return {"simulated": log.simulated, "backend": log.header.get("backend"), "time_scale": cmp.time_scale,
-            "iterations": n_complete,
-            "used": cmp.used, "skipped": cmp.skipped, "partial": len(log.partial),
-            "measured_time_s": it.measured, "measured_energy_j": en.measured,
-            "predicted_time_s": it.predicted, "predicted_energy_j": en.predicted,
-            "stages": stages, "gpus": [g.as_json() for g in cmp.gpus], "notes": cmp.notes}
+    return {
+        "simulated": log.simulated,
+        "backend": log.header.get("backend"),
+        "time_scale": cmp.time_scale,
+        "iterations": n_complete,
+        "used": cmp.used,
+        "skipped": cmp.skipped,
+        "partial": len(log.partial),
+        "measured_time_s": it.measured,
+        "measured_energy_j": en.measured,
+        "predicted_time_s": it.predicted,
+        "predicted_energy_j": en.predicted,
+        "stages": stages,
+        "gpus": [g.as_json() for g in cmp.gpus],
+        "notes": cmp.notes,
+    }
 
 
 def _print_gpus(cmp: object, every: bool) -> None:
@@ -119,19 +152,25 @@ def _print_gpus(cmp: object, every: bool) -> None:
     if not every and len(gpus) > PER_GPU_ROWS:
         lo = min(gpus, key=lambda g: g.energy_j or 0.0)
         hi = max(gpus, key=lambda g: g.energy_j or 0.0)
-        print(f"per GPU energy ({ENERGY_STATISTIC} per iteration): least {_fmt(lo.energy_j, 'J')} (rank {lo.rank}, GPU "
-              f"{lo.label}), most {_fmt(hi.energy_j, 'J')} (rank {hi.rank}, GPU {hi.label}) of {len(gpus)} GPUs; "
-              "--per-gpu lists them all")
+        print(
+            f"per GPU energy ({ENERGY_STATISTIC} per iteration): least {_fmt(lo.energy_j, 'J')} (rank {lo.rank}, GPU "
+            f"{lo.label}), most {_fmt(hi.energy_j, 'J')} (rank {hi.rank}, GPU {hi.label}) of {len(gpus)} GPUs; "
+            "--per-gpu lists them all"
+        )
         return
     print(f"per GPU ({ENERGY_STATISTIC} energy, median time per iteration; share of the job's energy):")
-    print(f"{'rank':>5s} {'stage':>5s} {'GPU':16s} {'energy':>10s} {'predicted':>10s} {'error':>8s} "
-          f"{'time':>10s} {'share':>7s}")
+    print(
+        f"{'rank':>5s} {'stage':>5s} {'GPU':16s} {'energy':>10s} {'predicted':>10s} {'error':>8s} "
+        f"{'time':>10s} {'share':>7s}"
+    )
     for g in gpus:
         err = f"{g.error * 100:+.1f}%" if g.error is not None else "n/a"
         share = f"{g.share * 100:.1f}%" if g.share is not None else "n/a"
         stage = str(g.pp_rank) if g.pp_rank is not None else "?"
-        print(f"{g.rank:>5d} {stage:>5s} {g.label:16.16s} {_fmt(g.energy_j, 'J'):>10s} "
-              f"{_fmt(g.predicted_energy_j, 'J'):>10s} {err:>8s} {_fmt(g.time_s, 's'):>10s} {share:>7s}")
+        print(
+            f"{g.rank:>5d} {stage:>5s} {g.label:16.16s} {_fmt(g.energy_j, 'J'):>10s} "
+            f"{_fmt(g.predicted_energy_j, 'J'):>10s} {err:>8s} {_fmt(g.time_s, 's'):>10s} {share:>7s}"
+        )
 
 
 def _print_power(power: dict[str, dict[str, object]]) -> None:
@@ -141,8 +180,14 @@ def _print_power(power: dict[str, dict[str, object]]) -> None:
     m, p = power.get("measured", {}), power.get("predicted", {})
     rate = f", {m['sample_hz']:.0f} Hz samples ({m['reading']})" if m else ", no power samples in the log"
     print(f"job power over one iteration{rate}:")
-    for key, unit in (("peak_power_w", "W"), ("min_power_w", "W"), ("mean_power_w", "W"), ("swing_w", "W"),
-                      ("ramp_w_per_s", "W/s"), ("band_fraction", "")):
+    for key, unit in (
+        ("peak_power_w", "W"),
+        ("min_power_w", "W"),
+        ("mean_power_w", "W"),
+        ("swing_w", "W"),
+        ("ramp_w_per_s", "W/s"),
+        ("band_fraction", ""),
+    ):
         cells = [f"{float(d[key]):.4g} {unit}".strip() if key in d else "n/a" for d in (m, p)]  # type: ignore[arg-type]
         print(f"{key:20s} {cells[0]:>12s} {cells[1]:>12s}")
 
@@ -174,17 +219,26 @@ def run(args: argparse.Namespace) -> int:
     sim = "simulated GPU: " if log.simulated else ""
     n_complete = sum(1 for r in log.iterations if r["iteration"] not in log.partial)
     if args.format == "json":
-        print(json.dumps({**_json(cmp, log, n_complete), "power": power,
-                          "clock_changes": None if changes is None else changes.as_json()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    **_json(cmp, log, n_complete),
+                    "power": power,
+                    "clock_changes": None if changes is None else changes.as_json(),
+                },
+                indent=2,
+            )
+        )
     else:
-        print(f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
-              f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({plan.method}, "
-              f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')}; {found})")
+        print(
+            f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
+            f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({plan.method}, "
+            f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')}; {found})"
+        )
         print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
         for row in cmp.rows:
             err = f"{row.error * 100:+.1f}%" if row.error is not None else "n/a"
-            print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} "
-                  f"{err:>8s}")
+            print(f"{row.name:20s} {_fmt(row.measured, row.unit):>12s} {_fmt(row.predicted, row.unit):>12s} {err:>8s}")
         _print_gpus(cmp, args.per_gpu)
         _print_power(power)
         if changes is not None:
@@ -197,10 +251,16 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         from kareus_megatron.plotting.report import plot_run_report
 
-        fig = plot_run_report(cmp, plan.predicted.iteration_time_s * cmp.time_scale,
-                              title=("simulated" + (f" (time scale ×{cmp.time_scale:g})" if cmp.time_scale != 1
-                                                    else "") + ": " if log.simulated else "") +
-                              f"{Path(args.log).name} vs {plan_path.name}")
+        fig = plot_run_report(
+            cmp,
+            plan.predicted.iteration_time_s * cmp.time_scale,
+            title=(
+                "simulated" + (f" (time scale ×{cmp.time_scale:g})" if cmp.time_scale != 1 else "") + ": "
+                if log.simulated
+                else ""
+            )
+            + f"{Path(args.log).name} vs {plan_path.name}",
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=110)
         print(f"wrote {out}", file=sys.stderr if args.format == "json" else sys.stdout)

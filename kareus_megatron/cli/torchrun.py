@@ -17,13 +17,18 @@ HELP = "run torchrun ARGS; a kareus error on any rank ends it with that one line
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `kareus torchrun`: everything after it goes to torchrun unchanged (cli/main.py passes it on)."""
-    parser.add_argument("torchrun_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                        help="torchrun's arguments, e.g. --nproc-per-node 8 train.py ...")
+    parser.add_argument(
+        "torchrun_args",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="torchrun's arguments, e.g. --nproc-per-node 8 train.py ...",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run torchrun with ARGS; its exit status, or 2 with the ranks' first kareus error last on stderr."""
     if not args.torchrun_args:
-        raise ConfigError("kareus torchrun needs torchrun's arguments, e.g. kareus torchrun --nproc-per-node 8 "
-                          "train.py ...")
+        raise ConfigError(
+            "kareus torchrun needs torchrun's arguments, e.g. kareus torchrun --nproc-per-node 8 train.py ..."
+        )
     return run_summarised([sys.executable, "-m", "torch.distributed.run", *args.torchrun_args])

@@ -31,17 +31,29 @@ SELFCHECK_TIMEOUT_S = {True: 120.0, False: 300.0}  # runtime checks, by --dry-ru
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register --device, --gpu, --no-clock-control, --dry-run, --seconds and --out."""
-    parser.add_argument("--device", "--gpu-index", dest="device", type=int, default=0,
-                        help="GPU index (CUDA's numbering; default 0)")
+    parser.add_argument(
+        "--device", "--gpu-index", dest="device", type=int, default=0, help="GPU index (CUDA's numbering; default 0)"
+    )
     parser.add_argument("--gpu", default=None, help="preset to compare with (default: found by the device name)")
-    parser.add_argument("--no-clock-control", dest="read_only", action="store_true",
-                        help="read-only: change nothing on the GPU (no clock lock or reset); measure as it runs "
-                        "(also when KAREUS_GPU_READ_ONLY is set)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="simulated GPU (KAREUS_GPU_BACKEND=nvml: this machine's NVML), kernels on the CPU, "
-                        "tiny sizes (seconds; no GPU needed)")
-    parser.add_argument("--seconds", type=float, default=1.0,
-                        help="shortest measurement window (s; default 1; windows also span >= 10 counter updates)")
+    parser.add_argument(
+        "--no-clock-control",
+        dest="read_only",
+        action="store_true",
+        help="read-only: change nothing on the GPU (no clock lock or reset); measure as it runs "
+        "(also when KAREUS_GPU_READ_ONLY is set)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="simulated GPU (KAREUS_GPU_BACKEND=nvml: this machine's NVML), kernels on the CPU, "
+        "tiny sizes (seconds; no GPU needed)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=1.0,
+        help="shortest measurement window (s; default 1; windows also span >= 10 counter updates)",
+    )
     parser.add_argument("--out", default="kareus-validate", help="output directory (default ./kareus-validate)")
 
 
@@ -65,8 +77,15 @@ def run(args: argparse.Namespace) -> int:
     read_only = dev.read_only  # --no-clock-control, or KAREUS_GPU_READ_ONLY (which always wins)
     try:
         with _progress() as (advance, plan):
-            report = validate_gpu(dev, read_only=read_only, dry_run=args.dry_run, sim=simulation_of(dev),
-                                  min_window_s=args.seconds, progress=advance, on_plan=plan)
+            report = validate_gpu(
+                dev,
+                read_only=read_only,
+                dry_run=args.dry_run,
+                sim=simulation_of(dev),
+                min_window_s=args.seconds,
+                progress=advance,
+                on_plan=plan,
+            )
     finally:
         close_after_validation(dev, read_only)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,8 +101,12 @@ def _runtime_checks(device: int, dry_run: bool, path: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--out", str(path), "--device", str(device)]
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd + (["--dry-run"] if dry_run else []), capture_output=True, text=True,
-                              timeout=SELFCHECK_TIMEOUT_S[dry_run])
+        proc = subprocess.run(
+            cmd + (["--dry-run"] if dry_run else []),
+            capture_output=True,
+            text=True,
+            timeout=SELFCHECK_TIMEOUT_S[dry_run],
+        )
         err = proc.stderr
     except subprocess.TimeoutExpired as e:
         err = f"timed out after {e.timeout:.0f} s"
@@ -93,8 +116,11 @@ def _runtime_checks(device: int, dry_run: bool, path: Path) -> dict[str, Any]:
         path.unlink()
     except (OSError, ValueError):
         tail = (err if isinstance(err, str) else "").strip().splitlines()[-5:]
-        return {"status": "failed", "wall_s": wall, "message": "the runtime checks did not write a report: "
-                + " | ".join(tail)}
+        return {
+            "status": "failed",
+            "wall_s": wall,
+            "message": "the runtime checks did not write a report: " + " | ".join(tail),
+        }
     report["status"] = "ok" if all(report[c]["status"] != "failed" for c in RUNTIME_CHECKS) else "failed"
     report["wall_s"] = wall
     return report
@@ -108,9 +134,16 @@ class _progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         console = Console(stderr=True)
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                             TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                             disable=not console.is_terminal)
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
         self._bar.__enter__()
         self._task = self._bar.add_task("identity, clocks, energy counter", total=None)
         return self._advance, self._plan
@@ -137,19 +170,25 @@ def _write(out: Path, report: dict[str, Any]) -> None:
 
 def _summary(out: Path, report: dict[str, Any]) -> None:
     ident, acc = report["identity"], report["accuracy"]
-    print(f"kareus validate ({report['mode']}{', dry run' if report['dry_run'] else ''}) on GPU {ident['index']} "
-          f"{ident['name']} (preset {report['gpu']}), {report['elapsed_s']:.1f} s")
-    print(f"  UUID matches CUDA: {ident['uuid_match']}; clocks {report['clocks']['min_mhz']}.."
-          f"{report['clocks']['max_mhz']} MHz ({report['clocks']['count']}); energy counter updates every "
-          f"{report['energy_counter']['update_period_s'] * 1e3:.1f} ms")
+    print(
+        f"kareus validate ({report['mode']}{', dry run' if report['dry_run'] else ''}) on GPU {ident['index']} "
+        f"{ident['name']} (preset {report['gpu']}), {report['elapsed_s']:.1f} s"
+    )
+    print(
+        f"  UUID matches CUDA: {ident['uuid_match']}; clocks {report['clocks']['min_mhz']}.."
+        f"{report['clocks']['max_mhz']} MHz ({report['clocks']['count']}); energy counter updates every "
+        f"{report['energy_counter']['update_period_s'] * 1e3:.1f} ms"
+    )
     if "lock_reset" in report:
         lr = report["lock_reset"]
         applied = lr["applied_s_median"]
         worst = lr.get("applied_s_max")
-        print(f"  locked {lr['locked_ok']}/{lr['tried']} clocks; clock change applied in "
-              f"{'n/a' if applied is None else f'{applied * 1e3:.1f} ms'} (median; max "
-              f"{'n/a' if worst is None else f'{worst * 1e3:.1f} ms'}); plans assume "
-              f"{lr.get('preset_clock_latency_s', 0.0) * 1e3:g} ms (kareus plan --clock-latency-ms)")
+        print(
+            f"  locked {lr['locked_ok']}/{lr['tried']} clocks; clock change applied in "
+            f"{'n/a' if applied is None else f'{applied * 1e3:.1f} ms'} (median; max "
+            f"{'n/a' if worst is None else f'{worst * 1e3:.1f} ms'}); plans assume "
+            f"{lr.get('preset_clock_latency_s', 0.0) * 1e3:g} ms (kareus plan --clock-latency-ms)"
+        )
     for label, m in acc.items():
         parts = [f"{k.removesuffix('_pct').replace('_', ' ')} {v:.1f}%" for k, v in m.items() if k.endswith("_pct")]
         print(f"  {label}: " + ", ".join(parts))

@@ -21,9 +21,20 @@ from kareus_megatron.workload.models import ModelSpec, model_names, model_spec
 from kareus_megatron.workload.parallel import PRECISION_BYTES, RECOMPUTE, ParallelConfig, make_parallel
 
 DEFAULT_JOB: dict[str, Any] = {
-    "gpu": "a100-sxm4-40gb", "model": "llama3.2-3b", "tp": 8, "cp": 1, "pp": 2, "vp": 1, "mbs": 8, "seq": 4096,
-    "microbatches": 8, "recompute": "full", "gpus_per_node": 8, "precision": "bf16",
-    "first_stage_layers": 15, "last_stage_layers": 13,  # nodes: derived, 16 GPUs = 2 nodes of 8
+    "gpu": "a100-sxm4-40gb",
+    "model": "llama3.2-3b",
+    "tp": 8,
+    "cp": 1,
+    "pp": 2,
+    "vp": 1,
+    "mbs": 8,
+    "seq": 4096,
+    "microbatches": 8,
+    "recompute": "full",
+    "gpus_per_node": 8,
+    "precision": "bf16",
+    "first_stage_layers": 15,
+    "last_stage_layers": 13,  # nodes: derived, 16 GPUs = 2 nodes of 8
 }
 
 
@@ -32,35 +43,66 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULT_JOB
     split = f"{d['first_stage_layers']} + {d['last_stage_layers']}"
     g = parser.add_argument_group("workload")
-    g.add_argument("--gpu", default=d["gpu"], metavar="PRESET",
-                   help=f"GPU preset, one of {', '.join(gpu_names())} (default {d['gpu']})")
-    g.add_argument("--model", default=None, metavar="PRESET|FILE",
-                   help=f"model preset, one of {', '.join(model_names())}, or a .yaml/.json file "
-                   f"(default {d['model']})")
+    g.add_argument(
+        "--gpu",
+        default=d["gpu"],
+        metavar="PRESET",
+        help=f"GPU preset, one of {', '.join(gpu_names())} (default {d['gpu']})",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET|FILE",
+        help=f"model preset, one of {', '.join(model_names())}, or a .yaml/.json file (default {d['model']})",
+    )
     g.add_argument("--tp", type=int, default=d["tp"], help=f"tensor parallel size (default {d['tp']})")
     g.add_argument("--cp", type=int, default=d["cp"], help="context parallel size (default 1)")
     g.add_argument("--pp", type=int, default=None, help=f"pipeline stages (default {d['pp']})")
     g.add_argument("--vp", type=int, default=None, help="virtual pipeline chunks per stage (default 1)")
     g.add_argument("--dp", type=int, default=None, help="data parallel size (default: GPUs / (TP×CP×PP))")
-    g.add_argument("--sp", "--sequence-parallel", dest="sequence_parallel", action="store_true",
-                   help="sequence parallelism (default off)")
+    g.add_argument(
+        "--sp",
+        "--sequence-parallel",
+        dest="sequence_parallel",
+        action="store_true",
+        help="sequence parallelism (default off)",
+    )
     g.add_argument("--mbs", type=int, default=d["mbs"], help=f"microbatch size (default {d['mbs']})")
     g.add_argument("--seq", type=int, default=d["seq"], help=f"sequence length (default {d['seq']})")
-    g.add_argument("--microbatches", type=int, default=d["microbatches"],
-                   help=f"microbatches per iteration (default {d['microbatches']})")
-    g.add_argument("--recompute", choices=RECOMPUTE, default=d["recompute"],
-                   help=f"activation recompute (default {d['recompute']})")
-    g.add_argument("--first-stage-layers", type=int, default=None,
-                   help=f"layers on the first stage (default: even split; the default job, with none of --model, "
-                   f"--pp, --vp given, splits {split})")
-    g.add_argument("--last-stage-layers", type=int, default=None,
-                   help=f"layers on the last stage (default: even split; {d['last_stage_layers']} in the default job)")
-    g.add_argument("--nodes", type=int, default=None,
-                   help="nodes (default: as many as TP×CP×PP×DP needs; 2 for the default job)")
-    g.add_argument("--gpus-per-node", type=int, default=d["gpus_per_node"],
-                   help=f"GPUs per node (default {d['gpus_per_node']})")
-    g.add_argument("--precision", choices=tuple(PRECISION_BYTES), default=d["precision"],
-                   help="training precision (default bf16)")
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=d["microbatches"],
+        help=f"microbatches per iteration (default {d['microbatches']})",
+    )
+    g.add_argument(
+        "--recompute",
+        choices=RECOMPUTE,
+        default=d["recompute"],
+        help=f"activation recompute (default {d['recompute']})",
+    )
+    g.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help=f"layers on the first stage (default: even split; the default job, with none of --model, "
+        f"--pp, --vp given, splits {split})",
+    )
+    g.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help=f"layers on the last stage (default: even split; {d['last_stage_layers']} in the default job)",
+    )
+    g.add_argument(
+        "--nodes", type=int, default=None, help="nodes (default: as many as TP×CP×PP×DP needs; 2 for the default job)"
+    )
+    g.add_argument(
+        "--gpus-per-node", type=int, default=d["gpus_per_node"], help=f"GPUs per node (default {d['gpus_per_node']})"
+    )
+    g.add_argument(
+        "--precision", choices=tuple(PRECISION_BYTES), default=d["precision"], help="training precision (default bf16)"
+    )
     g.add_argument("--calibration", default=None, help="calibration JSON from `kareus calibrate`")
 
 
@@ -80,10 +122,21 @@ def workload_from_args(args: argparse.Namespace) -> tuple[GPUSpec, ModelSpec, Pa
     if default_pipeline(args) and first is None and last is None:
         first, last = d["first_stage_layers"], d["last_stage_layers"]
     par = make_parallel(
-        model, tp=args.tp, cp=args.cp, pp=args.pp if args.pp is not None else d["pp"],
-        vp=args.vp if args.vp is not None else d["vp"], dp=args.dp, sequence_parallel=args.sequence_parallel,
-        micro_batch_size=args.mbs, seq_length=args.seq, num_microbatches=args.microbatches,
-        recompute=args.recompute, first_stage_layers=first, last_stage_layers=last, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, precision=precision,
+        model,
+        tp=args.tp,
+        cp=args.cp,
+        pp=args.pp if args.pp is not None else d["pp"],
+        vp=args.vp if args.vp is not None else d["vp"],
+        dp=args.dp,
+        sequence_parallel=args.sequence_parallel,
+        micro_batch_size=args.mbs,
+        seq_length=args.seq,
+        num_microbatches=args.microbatches,
+        recompute=args.recompute,
+        first_stage_layers=first,
+        last_stage_layers=last,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        precision=precision,
     )
     return gpu, model, par

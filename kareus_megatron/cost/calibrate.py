@@ -160,8 +160,9 @@ def fit_series(
         for what, v in (("time", s.time_s), ("energy", s.energy_j)):
             v = np.asarray(v, dtype=float)
             if not np.all(np.isfinite(v) & (v > 0)):
-                raise CalibrationError(f"series {s.label!r} has a non-positive or non-finite {what}; "
-                                       "measurements must be > 0 (s, J).")
+                raise CalibrationError(
+                    f"series {s.label!r} has a non-positive or non-finite {what}; measurements must be > 0 (s, J)."
+                )
     base = base or KernelParams()
     free = tuple(free or default_free_params(gpu))
     names = [p.name for p in free]
@@ -239,18 +240,29 @@ def fit_calibration(
     free = tuple(free or default_free_params(gpu))
     if not fit_abs_time:
         free = tuple(p for p in free if p.name != "time_scale")
-    fitted_gpu, params, values = fit_series([*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=fit_abs_time,
-                                            prior_weight=prior_weight)
+    fitted_gpu, params, values = fit_series(
+        [*series, blocked_power_series(gpu)], gpu, free, fit_abs_time=fit_abs_time, prior_weight=prior_weight
+    )
     km = KernelModel.from_params(fitted_gpu, params)
     after = series_metrics(km, series)
     if verbose:
         print_fit_report(before, after)
     return Calibration(
-        format=FORMAT, gpu=gpu.name, params=values,
+        format=FORMAT,
+        gpu=gpu.name,
+        params=values,
         fit={"uncalibrated": before, "calibrated": after, "absolute_time_fitted": fit_abs_time},
         source=f"stage profile {profile.source}",
-        workload={"model": model.name, "tp": par.tp, "cp": par.cp, "pp": par.pp, "mbs": par.micro_batch_size,
-                  "seq": par.seq_length, "recompute": par.recompute, "layers_per_stage": list(par.layers_per_stage)},
+        workload={
+            "model": model.name,
+            "tp": par.tp,
+            "cp": par.cp,
+            "pp": par.pp,
+            "mbs": par.micro_batch_size,
+            "seq": par.seq_length,
+            "recompute": par.recompute,
+            "layers_per_stage": list(par.layers_per_stage),
+        },
     )
 
 
@@ -263,9 +275,13 @@ def print_fit_report(before: dict[str, Any], after: dict[str, Any]) -> None:
     table.add_column("column")
     table.add_column("presets", justify="right")
     table.add_column("calibrated", justify="right")
-    rows = (("time ratio t(f)/t(max) MAPE", "time_ratio_mape_pct", "%"), ("power E/t MAPE", "power_mape_pct", "%"),
-            ("energy ratio MAPE", "energy_ratio_mape_pct", "%"), ("absolute time MAPE", "time_abs_mape_pct", "%"),
-            ("energy-minimising clock error, max", "argmin_clock_err_max_mhz", " MHz"))
+    rows = (
+        ("time ratio t(f)/t(max) MAPE", "time_ratio_mape_pct", "%"),
+        ("power E/t MAPE", "power_mape_pct", "%"),
+        ("energy ratio MAPE", "energy_ratio_mape_pct", "%"),
+        ("absolute time MAPE", "time_abs_mape_pct", "%"),
+        ("energy-minimising clock error, max", "argmin_clock_err_max_mhz", " MHz"),
+    )
     for label, key, unit in rows:
         table.add_row(label, f"{before[key]:.2f}{unit}", f"{after[key]:.2f}{unit}")
     Console(width=100).print(table)
@@ -287,14 +303,16 @@ def microbench_ops() -> dict[str, Op]:
     """The ops the microbenchmarks run: "gemm" (bf16) and "copy" (read + write of the buffer)."""
     m, n, k = MICROBENCH_GEMM_MNK
     return {
-        "gemm": Op(name="gemm", kind="gemm", flops=2.0 * m * n * k, hbm_bytes=2.0 * (m * k + k * n + m * n),
-                   gemm_mnk=(m, n, k)),
+        "gemm": Op(
+            name="gemm", kind="gemm", flops=2.0 * m * n * k, hbm_bytes=2.0 * (m * k + k * n + m * n), gemm_mnk=(m, n, k)
+        ),
         "copy": Op(name="copy", kind="memory", hbm_bytes=2.0 * MICROBENCH_COPY_BYTES),
     }
 
 
-def microbench_series(clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]],
-                      ops: dict[str, Op] | None = None) -> list[Series]:
+def microbench_series(
+    clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]], ops: dict[str, Op] | None = None
+) -> list[Series]:
     """Series from measured (time s, energy J) per clock of "gemm", "copy" (per call) and "idle" (a sleep);
     `ops` the kernels that ran (default microbench_ops())."""
     fs = np.asarray(clocks_mhz, dtype=float)
@@ -316,19 +334,27 @@ def microbench_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
     """Parameters the microbenchmarks determine (wide priors: the measurements identify them)."""
     lim, fmax = gpu.power_limit_w, gpu.max_sm_clock_mhz
     return (
-        FreeParam("gemm_efficiency", 0.2, 1.0, 0.3), FreeParam("memory_efficiency", 0.2, 1.0, 0.3),
+        FreeParam("gemm_efficiency", 0.2, 1.0, 0.3),
+        FreeParam("memory_efficiency", 0.2, 1.0, 0.3),
         FreeParam("sm_load_bytes_per_cycle", 2.0, 256.0, 64.0),
         FreeParam("static_power_w", 0.02 * lim, 0.5 * lim, gpu.static_power_w),
-        FreeParam("idle_dynamic_w", 0.0, 0.5 * lim, lim), FreeParam("compute_dynamic_w", 0.1 * lim, 2.0 * lim, lim),
-        FreeParam("memory_dynamic_w", 0.0, 0.6 * lim, lim), FreeParam("memory_op_compute_activity", 0.0, 1.0, 0.5),
-        FreeParam("voltage_floor", 0.4, 1.0, 0.3), FreeParam("voltage_knee_mhz", gpu.min_sm_clock_mhz, fmax - 30, fmax),
+        FreeParam("idle_dynamic_w", 0.0, 0.5 * lim, lim),
+        FreeParam("compute_dynamic_w", 0.1 * lim, 2.0 * lim, lim),
+        FreeParam("memory_dynamic_w", 0.0, 0.6 * lim, lim),
+        FreeParam("memory_op_compute_activity", 0.0, 1.0, 0.5),
+        FreeParam("voltage_floor", 0.4, 1.0, 0.3),
+        FreeParam("voltage_knee_mhz", gpu.min_sm_clock_mhz, fmax - 30, fmax),
         FreeParam("power_limit_w", 0.7 * lim, 1.3 * lim, 0.1 * lim),
     )
 
 
 def fit_microbenchmarks(
-    gpu: GPUSpec, clocks_mhz: Sequence[float], meas: dict[str, Sequence[tuple[float, float]]], source: str,
-    verbose: bool = True, ops: dict[str, Op] | None = None,
+    gpu: GPUSpec,
+    clocks_mhz: Sequence[float],
+    meas: dict[str, Sequence[tuple[float, float]]],
+    source: str,
+    verbose: bool = True,
+    ops: dict[str, Op] | None = None,
 ) -> Calibration:
     """Fit the microbenchmark series (absolute times too); p_blocked_w = the measured idle power (W)."""
     series = microbench_series(clocks_mhz, meas, ops)
@@ -340,5 +366,10 @@ def fit_microbenchmarks(
     idle = series[-1]
     values["p_blocked_w"] = float(np.median(idle.energy_j / idle.time_s))
     raw = {lab: [[float(f), float(t), float(e)] for f, (t, e) in zip(clocks_mhz, meas[lab])] for lab in meas}
-    return Calibration(format=FORMAT, gpu=gpu.name, params=values, source=source,
-                       fit={"uncalibrated": before, "calibrated": after, "measurements": raw})
+    return Calibration(
+        format=FORMAT,
+        gpu=gpu.name,
+        params=values,
+        source=source,
+        fit={"uncalibrated": before, "calibrated": after, "measurements": raw},
+    )

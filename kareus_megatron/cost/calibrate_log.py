@@ -55,10 +55,26 @@ __all__ = ["LogRun", "fit_from_logs", "log_free_params", "print_log_fit_report"]
 
 IDENTIFIED_SD_FRACTION = 1.0 / 3.0  # posterior sd / prior sd below which a parameter counts as identified
 IDENTIFIED_REL_SD = 0.05  # ... and posterior sd / value at most this: identified means pinned within 5%
-TIME_PARAMS = ("gemm_efficiency", "memory_efficiency", "attention_efficiency", "attention_bwd_efficiency",
-               "launch_overhead_s", "sm_load_bytes_per_cycle", "nvlink_efficiency", "time_scale")
-POWER_PARAMS = ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w", "voltage_floor",
-                "voltage_knee_mhz", "comm_compute_activity", "p_blocked_w")
+TIME_PARAMS = (
+    "gemm_efficiency",
+    "memory_efficiency",
+    "attention_efficiency",
+    "attention_bwd_efficiency",
+    "launch_overhead_s",
+    "sm_load_bytes_per_cycle",
+    "nvlink_efficiency",
+    "time_scale",
+)
+POWER_PARAMS = (
+    "static_power_w",
+    "idle_dynamic_w",
+    "compute_dynamic_w",
+    "memory_dynamic_w",
+    "voltage_floor",
+    "voltage_knee_mhz",
+    "comm_compute_activity",
+    "p_blocked_w",
+)
 
 
 def log_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
@@ -69,8 +85,9 @@ def log_free_params(gpu: GPUSpec) -> tuple[FreeParam, ...]:
     """
     known = {p.name: p for p in default_free_params(gpu)}
     known["time_scale"] = FreeParam("time_scale", 1e-3, 1e4, 1e3)
-    known["p_blocked_w"] = FreeParam("p_blocked_w", 0.02 * gpu.power_limit_w, 0.6 * gpu.power_limit_w,
-                                     0.5 * gpu.p_blocked_w)
+    known["p_blocked_w"] = FreeParam(
+        "p_blocked_w", 0.02 * gpu.power_limit_w, 0.6 * gpu.power_limit_w, 0.5 * gpu.p_blocked_w
+    )
     return tuple(known[n] for n in (*TIME_PARAMS, *POWER_PARAMS))
 
 
@@ -85,8 +102,15 @@ def _central_jacobian(fun: Any, u: np.ndarray, lo: np.ndarray, hi: np.ndarray, h
     return np.stack(cols, axis=1)
 
 
-def _solve(d: FitData, gpu: GPUSpec, base: KernelParams, free: Sequence[FreeParam], prior: np.ndarray,
-           x0: np.ndarray, jacobian: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+def _solve(
+    d: FitData,
+    gpu: GPUSpec,
+    base: KernelParams,
+    free: Sequence[FreeParam],
+    prior: np.ndarray,
+    x0: np.ndarray,
+    jacobian: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
     """Least squares in scaled coordinates: (x, posterior sd of x, posterior covariance of x (unscaled), the
     reduced-χ² inflation of the covariance, Σ residual² at x); without `jacobian` only x and Σ residual²."""
     names = [p.name for p in free]
@@ -102,8 +126,15 @@ def _solve(d: FitData, gpu: GPUSpec, base: KernelParams, free: Sequence[FreePara
         r = residuals(apply_params(gpu, base, names, x), d)
         return np.concatenate([r, (x - prior) / sig])
 
-    res = least_squares(fun, np.zeros(len(free)), bounds=((lo - x0) / scale, (hi - x0) / scale), method="trf",
-                        x_scale=1.0, diff_step=1e-4, max_nfev=200)
+    res = least_squares(
+        fun,
+        np.zeros(len(free)),
+        bounds=((lo - x0) / scale, (hi - x0) / scale),
+        method="trf",
+        x_scale=1.0,
+        diff_step=1e-4,
+        max_nfev=200,
+    )
     if not np.all(np.isfinite(res.x)):
         raise CalibrationError("the fit diverged (non-finite parameters); check the run log's units (s, J, MHz).")
     x = x0 + res.x * scale
@@ -133,8 +164,9 @@ def _chi2_95(k: int) -> float:
     return k * (1.0 - a + 1.645 * math.sqrt(a)) ** 3
 
 
-def _resettable(x: np.ndarray, prior: np.ndarray, cov: np.ndarray, inflate: float, ratio: np.ndarray,
-                candidates: np.ndarray) -> np.ndarray:
+def _resettable(
+    x: np.ndarray, prior: np.ndarray, cov: np.ndarray, inflate: float, ratio: np.ndarray, candidates: np.ndarray
+) -> np.ndarray:
     """Which unidentified parameters go back to their prior: the largest set, best-informed dropped first, whose
     reset the data accepts (the fit's χ² rise, from the posterior covariance, within its 95% quantile)."""
     keep = [int(i) for i in np.argsort(-ratio) if candidates[i]]  # least informed first
@@ -149,8 +181,14 @@ def _resettable(x: np.ndarray, prior: np.ndarray, cov: np.ndarray, inflate: floa
     return mask
 
 
-def fit_from_logs(runs: Sequence[LogRun], gpu: GPUSpec, *, prior: Calibration | None = None,
-                  free: Sequence[FreeParam] | None = None, source: str = "") -> Calibration:
+def fit_from_logs(
+    runs: Sequence[LogRun],
+    gpu: GPUSpec,
+    *,
+    prior: Calibration | None = None,
+    free: Sequence[FreeParam] | None = None,
+    source: str = "",
+) -> Calibration:
     """Fit the free parameters to the runs' samples and windows (module doc); the calibration with its report.
 
     `gpu`: the preset every run's plan names; `prior`: a calibration whose values are the priors (default: the
@@ -194,9 +232,17 @@ def fit_from_logs(runs: Sequence[LogRun], gpu: GPUSpec, *, prior: Calibration | 
     fit = {
         "method": "run log",
         "identified_sd_fraction": IDENTIFIED_SD_FRACTION,
-        "parameters": {n: {"value": float(v), "prior": float(p), "prior_sd": float(s), "sd": float(e),
-                           "identified": bool(ok), "status": "identified" if ok else "prior" if r else "constrained"}
-                       for n, v, p, s, e, ok, r in zip(names, values, prior_x, sig, sd, ident, reset)},
+        "parameters": {
+            n: {
+                "value": float(v),
+                "prior": float(p),
+                "prior_sd": float(s),
+                "sd": float(e),
+                "identified": bool(ok),
+                "status": "identified" if ok else "prior" if r else "constrained",
+            }
+            for n, v, p, s, e, ok, r in zip(names, values, prior_x, sig, sd, ident, reset)
+        },
         # the posterior's correlations (cost/uncertainty.py draws the prediction bands with them)
         "correlation": {"names": names, "matrix": _correlation(cov).tolist()},
         "columns": {col: {"before": before[col], "after": after[col]} for col in before},
@@ -206,11 +252,22 @@ def fit_from_logs(runs: Sequence[LogRun], gpu: GPUSpec, *, prior: Calibration | 
         "fit_time_s": time.perf_counter() - t0,
     }
     first = runs[0]
-    return Calibration(format=FORMAT, gpu=gpu.name, params=params, fit=fit,
-                       source=source or f"run log {', '.join(r.label for r in runs)}",
-                       workload={"model": first.model.name, "tp": first.par.tp, "cp": first.par.cp,
-                                 "pp": first.par.pp, "mbs": first.par.micro_batch_size,
-                                 "seq": first.par.seq_length, "layers_per_stage": list(first.par.layers_per_stage)})
+    return Calibration(
+        format=FORMAT,
+        gpu=gpu.name,
+        params=params,
+        fit=fit,
+        source=source or f"run log {', '.join(r.label for r in runs)}",
+        workload={
+            "model": first.model.name,
+            "tp": first.par.tp,
+            "cp": first.par.cp,
+            "pp": first.par.pp,
+            "mbs": first.par.micro_batch_size,
+            "seq": first.par.seq_length,
+            "layers_per_stage": list(first.par.layers_per_stage),
+        },
+    )
 
 
 def print_log_fit_report(fit: dict[str, Any]) -> None:
@@ -219,13 +276,21 @@ def print_log_fit_report(fit: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(width=110)
-    table = Table(title=f"parameters ({fit['samples']} instruction samples, {fit['windows']} energy windows; "
-                  f"identified: posterior sd < {fit['identified_sd_fraction']:.2f} × prior sd)")
+    table = Table(
+        title=f"parameters ({fit['samples']} instruction samples, {fit['windows']} energy windows; "
+        f"identified: posterior sd < {fit['identified_sd_fraction']:.2f} × prior sd)"
+    )
     for col in ("parameter", "value", "prior", "prior sd", "sd", "identified"):
         table.add_column(col, justify="left" if col == "parameter" else "right")
     for name, p in fit["parameters"].items():
-        table.add_row(name, f"{p['value']:.5g}", f"{p['prior']:.5g}", f"{p['prior_sd']:.3g}", f"{p['sd']:.3g}",
-                      {"identified": "yes", "constrained": "partly"}.get(p["status"], "no"))
+        table.add_row(
+            name,
+            f"{p['value']:.5g}",
+            f"{p['prior']:.5g}",
+            f"{p['prior_sd']:.3g}",
+            f"{p['sd']:.3g}",
+            {"identified": "yes", "constrained": "partly"}.get(p["status"], "no"),
+        )
     console.print(table)
     err = Table(title=f"fit error per column (fit took {fit['fit_time_s']:.1f} s)")
     for col in ("column", "points", "presets RMS", "presets max", "calibrated RMS", "calibrated max"):
@@ -233,6 +298,12 @@ def print_log_fit_report(fit: dict[str, Any]) -> None:
     labels = {"time": "instruction time", "ratio": "time ratio t(f)/t(f_ref)", "energy": "window energy"}
     for col, c in fit["columns"].items():
         b, a = c["before"], c["after"]
-        err.add_row(labels.get(col, col), str(a["points"]), f"{b['rms_pct']:.2f}%", f"{b['max_pct']:.2f}%",
-                    f"{a['rms_pct']:.2f}%", f"{a['max_pct']:.2f}%")
+        err.add_row(
+            labels.get(col, col),
+            str(a["points"]),
+            f"{b['rms_pct']:.2f}%",
+            f"{b['max_pct']:.2f}%",
+            f"{a['rms_pct']:.2f}%",
+            f"{a['max_pct']:.2f}%",
+        )
     console.print(err)

@@ -36,7 +36,6 @@ class LogRun:
     windows: Sequence[Any]  # .pp_rank .time_s (s) .energy_j (J) .busy_s {(chunk, kind, MHz): s}
 
 
-
 @dataclass
 class _Batch:
     """Every instruction of one workload as one op_profile call: the union of their ops at the union of clocks.
@@ -53,8 +52,9 @@ class _Batch:
     cols: np.ndarray  # clock index of each flat point
 
 
-def _batch(km: KernelModel, model: ModelSpec, par: ParallelConfig, instrs: list[tuple[int, str, int, list[int]]]
-           ) -> _Batch:
+def _batch(
+    km: KernelModel, model: ModelSpec, par: ParallelConfig, instrs: list[tuple[int, str, int, list[int]]]
+) -> _Batch:
     """The batch of instructions (stage, kind, chunk, clocks MHz) of one workload."""
     index: dict[Any, int] = {}
     ops: list[Any] = []
@@ -113,19 +113,32 @@ def prepare(runs: Sequence[LogRun], gpu: GPUSpec) -> FitData:
     def key_of(w: int, run: LogRun, stage: Any, chunk: Any, kind: Any, mhz: Any, what: str) -> tuple[tuple, int]:
         par = run.par
         if not (isinstance(stage, int) and 0 <= stage < par.pp):
-            raise CalibrationError(f"{run.label}: {what} has pp_rank {stage!r} outside the plan's {par.pp} stages; "
-                                   "give the --plan the run executed.")
+            raise CalibrationError(
+                f"{run.label}: {what} has pp_rank {stage!r} outside the plan's {par.pp} stages; "
+                "give the --plan the run executed."
+            )
         if not (isinstance(chunk, int) and 0 <= chunk < par.vp) or kind not in KINDS:
-            raise CalibrationError(f"{run.label}: {what} has chunk {chunk!r} / kind {kind!r}; the plan has chunks "
-                                   f"0..{par.vp - 1} of kinds {', '.join(KINDS)}. Give the --plan the run executed.")
+            raise CalibrationError(
+                f"{run.label}: {what} has chunk {chunk!r} / kind {kind!r}; the plan has chunks "
+                f"0..{par.vp - 1} of kinds {', '.join(KINDS)}. Give the --plan the run executed."
+            )
         f = _clock_key(mhz)
         if not lo <= f <= hi:
-            raise CalibrationError(f"{run.label}: {what} ran at {f} MHz, outside {gpu.name}'s {lo}..{hi} MHz; "
-                                   "give the --plan (and GPU) the run used.")
+            raise CalibrationError(
+                f"{run.label}: {what} ran at {f} MHz, outside {gpu.name}'s {lo}..{hi} MHz; "
+                "give the --plan (and GPU) the run used."
+            )
         ik = (w, stage, chunk, kind)
         if ik not in instr_key:
-            instr_key[ik] = (w, kind, par.chunk_layers(stage, chunk), par.is_first_chunk(stage, chunk),
-                             par.is_last_chunk(stage, chunk), stage, chunk)
+            instr_key[ik] = (
+                w,
+                kind,
+                par.chunk_layers(stage, chunk),
+                par.is_first_chunk(stage, chunk),
+                par.is_last_chunk(stage, chunk),
+                stage,
+                chunk,
+            )
             compute.setdefault(instr_key[ik][:5], set())
         compute[instr_key[ik][:5]].add(f)
         return ik, f
@@ -137,16 +150,19 @@ def prepare(runs: Sequence[LogRun], gpu: GPUSpec) -> FitData:
                 continue  # a rank that never said its stage, a clock the log does not know: nothing to model
             t = float(s.time_s)
             if not (math.isfinite(t) and t > 0):
-                raise CalibrationError(f"{run.label}: an instruction sample has time {s.time_s!r}; times must be "
-                                       "> 0 s.")
+                raise CalibrationError(
+                    f"{run.label}: an instruction sample has time {s.time_s!r}; times must be > 0 s."
+                )
             ik, f = key_of(w, run, s.pp_rank, s.chunk, s.kind, s.sm_clock_mhz, "an instruction sample")
             times.setdefault((ik, f), []).append(t)
         for win in _usable(run.windows):  # register the windows' clocks too (a clock only the windows saw)
             for chunk, kind, mhz in win.busy_s:
                 key_of(w, run, win.pp_rank, chunk, kind, mhz, "an energy window")
     if not times:
-        raise CalibrationError("the run log(s) hold no instruction samples; run with a current kareus runtime "
-                               "(KAREUS_LOG_INSTRUCTIONS not 0).")
+        raise CalibrationError(
+            "the run log(s) hold no instruction samples; run with a current kareus runtime "
+            "(KAREUS_LOG_INSTRUCTIONS not 0)."
+        )
     # compute calls: one per compute key (stages with the same layers and ends share one), over its clocks
     ckeys = sorted(compute)
     models = {w: mp for mp, w in workloads.items()}
@@ -179,17 +195,21 @@ def prepare(runs: Sequence[LogRun], gpu: GPUSpec) -> FitData:
         pairs += [(gindex[(ik, f)], gindex[(ik, ref)]) for f in fs if f != ref]
     if not pairs:
         seen = sorted({f for fs in by_instr.values() for f in fs})
-        raise CalibrationError(f"too few SM clocks to fit time ratios: every instruction ran at one clock "
-                               f"({', '.join(map(str, seen))} MHz); the fit needs each instruction at 2 or more "
-                               "clocks (profile at several clocks, or add a run at other clocks).")
+        raise CalibrationError(
+            f"too few SM clocks to fit time ratios: every instruction ran at one clock "
+            f"({', '.join(map(str, seen))} MHz); the fit needs each instruction at 2 or more "
+            "clocks (profile at several clocks, or add a run at other clocks)."
+        )
     rows, idle, emeas, wtime = [], [], [], []
     for run in runs:
         wl = workloads[(run.model, run.par)]
         for win in _usable(run.windows):
             e, t = float(win.energy_j), float(win.time_s)
             if not (math.isfinite(e) and e > 0 and math.isfinite(t) and t > 0):
-                raise CalibrationError(f"{run.label}: an energy window has time {win.time_s!r} s, energy "
-                                       f"{win.energy_j!r} J; both must be > 0.")
+                raise CalibrationError(
+                    f"{run.label}: an energy window has time {win.time_s!r} s, energy "
+                    f"{win.energy_j!r} J; both must be > 0."
+                )
             row: dict[int, float] = {}
             for (chunk, kind, mhz), b in win.busy_s.items():
                 ik, f = key_of(wl, run, win.pp_rank, chunk, kind, mhz, "an energy window")
@@ -201,15 +221,26 @@ def prepare(runs: Sequence[LogRun], gpu: GPUSpec) -> FitData:
             emeas.append(e)
             wtime.append(t)
     if not rows:
-        raise CalibrationError("the run log(s) hold no energy windows; run longer (each window spans >= the "
-                               "shortest window, after the warm-up iterations).")
+        raise CalibrationError(
+            "the run log(s) hold no energy windows; run longer (each window spans >= the "
+            "shortest window, after the warm-up iterations)."
+        )
     busy_m = np.zeros((len(rows), n))
     for i, row in enumerate(rows):
         for j, b in row.items():
             busy_m[i, j] = b
     wt = np.array(wtime)
-    return FitData(batches, time_point, time_meas, labels, np.array(pairs), busy_m, np.array(idle),
-                 np.array(emeas), np.sqrt(wt / np.median(wt)))
+    return FitData(
+        batches,
+        time_point,
+        time_meas,
+        labels,
+        np.array(pairs),
+        busy_m,
+        np.array(idle),
+        np.array(emeas),
+        np.sqrt(wt / np.median(wt)),
+    )
 
 
 def _predict(km: KernelModel, d: FitData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -232,14 +263,18 @@ def log_errors(km: KernelModel, d: FitData) -> dict[str, np.ndarray]:
     t, ratio, energy = _predict(km, d)
     meas_ratio = d.time_meas[d.ratio_pair[:, 0]] / d.time_meas[d.ratio_pair[:, 1]]
     with np.errstate(divide="ignore", invalid="ignore"):
-        return {"time": np.log(d.time_meas / t), "ratio": np.log(meas_ratio / ratio),
-                "energy": np.log(d.energy_meas / energy)}
+        return {
+            "time": np.log(d.time_meas / t),
+            "ratio": np.log(meas_ratio / ratio),
+            "energy": np.log(d.energy_meas / energy),
+        }
 
 
 def residuals(km: KernelModel, d: FitData) -> np.ndarray:
     err = log_errors(km, d)
-    r = np.concatenate([err["time"] / NOISE["time"], err["ratio"] / NOISE["ratio"],
-                        err["energy"] * d.energy_weight / NOISE["energy"]])
+    r = np.concatenate(
+        [err["time"] / NOISE["time"], err["ratio"] / NOISE["ratio"], err["energy"] * d.energy_weight / NOISE["energy"]]
+    )
     return np.where(np.isfinite(r), r, 1e6)
 
 
@@ -248,8 +283,9 @@ def column_errors(km: KernelModel, d: FitData) -> dict[str, dict[str, float]]:
     out = {}
     for col, e in log_errors(km, d).items():
         pct = 100.0 * np.abs(np.expm1(e))
-        out[col] = {"rms_pct": float(np.sqrt(np.mean(pct**2))), "max_pct": float(pct.max()) if pct.size else 0.0,
-                    "points": int(pct.size)}
+        out[col] = {
+            "rms_pct": float(np.sqrt(np.mean(pct**2))),
+            "max_pct": float(pct.max()) if pct.size else 0.0,
+            "points": int(pct.size),
+        }
     return out
-
-

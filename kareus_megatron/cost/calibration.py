@@ -94,8 +94,9 @@ def calibration_from_dict(data: Any, what: str = "calibration") -> Calibration:
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration JSON file; CalibrationError on a missing, unreadable or invalid file."""
     p = Path(path)
-    text = read_input_text(p, CalibrationError, "calibration file",
-                           not_text_fix="give a calibration JSON file from `kareus calibrate`")
+    text = read_input_text(
+        p, CalibrationError, "calibration file", not_text_fix="give a calibration JSON file from `kareus calibrate`"
+    )
     try:
         data = json.loads(text)
     except ValueError as e:

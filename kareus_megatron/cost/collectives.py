@@ -20,10 +20,7 @@ _GB = 1e9
 # algorithm (docs/sources.md#nccl-default-sms, #hopper-collectives): Ampere 24 ring channels (`NCCL INFO
 # Channel 23/24` in NVIDIA/nccl-tests#100 and NVIDIA/nccl#578); Hopper 32 ring (NVIDIA/nccl#1259 logs) and 16
 # NVLS (nvlsChannels, NCCL src/enqueue.cc) for every NVLS collective.
-DEFAULT_CHANNELS: dict[str, dict[str, int]] = {
-    "ampere": {"ring": 24},
-    "hopper": {"ring": 32, "nvls": 16},
-}
+DEFAULT_CHANNELS: dict[str, dict[str, int]] = {"ampere": {"ring": 24}, "hopper": {"ring": 32, "nvls": 16}}
 _NVSWITCH_NODE_GPUS = 8  # GPUs behind one NVSwitch fabric of an HGX/DGX node (the NVLS group the figures are for)
 
 
@@ -46,13 +43,33 @@ _N = _NVSWITCH_NODE_GPUS
 _HOPPER = DEFAULT_CHANNELS["hopper"]
 _NVLS_CTA_BYTES_PER_CYCLE = 27.6  # 480 GB/s × 95% over 16 CTAs at 1980 MHz
 _NVLS_LATENCY_S = 23e-6  # tuning.cc baseLat, NVLS/Simple (per algorithm and protocol, not per collective)
-HOPPER_RING = Algorithm("ring", 370 * _GB, 36.7 * _GB / 1980e6, None, _HOPPER["ring"],
-                        ("all_reduce", "all_gather", "reduce_scatter", "send_recv"))
-HOPPER_NVLS = Algorithm("nvls", 480 * _GB, _NVLS_CTA_BYTES_PER_CYCLE, _NVLS_LATENCY_S, _HOPPER["nvls"],
-                        ("all_reduce",), hbm_per_bus_byte=2.0 / (2 * (_N - 1) / _N))
-HOPPER_NVLS_GATHER = Algorithm("nvls", 300 * _GB, _NVLS_CTA_BYTES_PER_CYCLE, _NVLS_LATENCY_S, _HOPPER["nvls"],
-                               ("all_gather", "reduce_scatter"), hbm_per_bus_byte=(_N + 1) / (_N - 1),
-                               ceiling_scales_with_group=True)
+HOPPER_RING = Algorithm(
+    "ring",
+    370 * _GB,
+    36.7 * _GB / 1980e6,
+    None,
+    _HOPPER["ring"],
+    ("all_reduce", "all_gather", "reduce_scatter", "send_recv"),
+)
+HOPPER_NVLS = Algorithm(
+    "nvls",
+    480 * _GB,
+    _NVLS_CTA_BYTES_PER_CYCLE,
+    _NVLS_LATENCY_S,
+    _HOPPER["nvls"],
+    ("all_reduce",),
+    hbm_per_bus_byte=2.0 / (2 * (_N - 1) / _N),
+)
+HOPPER_NVLS_GATHER = Algorithm(
+    "nvls",
+    300 * _GB,
+    _NVLS_CTA_BYTES_PER_CYCLE,
+    _NVLS_LATENCY_S,
+    _HOPPER["nvls"],
+    ("all_gather", "reduce_scatter"),
+    hbm_per_bus_byte=(_N + 1) / (_N - 1),
+    ceiling_scales_with_group=True,
+)
 _SHARPNESS = 3.0  # p of the smooth minimum, as the generic model's comm_sharpness
 
 

@@ -55,8 +55,13 @@ def _cuda_identity(torch: Any, index: int, dry_run: bool) -> dict[str, Any] | No
         return None
     props = torch.cuda.get_device_properties(index)
     uuid = getattr(props, "uuid", None)
-    return {"index": index, "name": str(props.name), "uuid": str(uuid) if uuid is not None else None,
-            "memory_bytes": int(props.total_memory), "sm_count": int(props.multi_processor_count)}
+    return {
+        "index": index,
+        "name": str(props.name),
+        "uuid": str(uuid) if uuid is not None else None,
+        "memory_bytes": int(props.total_memory),
+        "sm_count": int(props.multi_processor_count),
+    }
 
 
 def _mape(measured: list[float], model: list[float]) -> float:
@@ -64,9 +69,17 @@ def _mape(measured: list[float], model: list[float]) -> float:
     return float(100 * np.mean(np.abs(p / m - 1))) if len(m) else float("nan")
 
 
-def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: SimulationHooks | None,
-                 min_window_s: float = 1.0, progress: Callable[[str], None] | None = None,
-                 on_plan: Callable[[int], None] | None = None, budget_s: float | None = None) -> dict[str, Any]:
+def validate_gpu(
+    device: GPUDevice,
+    *,
+    read_only: bool,
+    dry_run: bool,
+    sim: SimulationHooks | None,
+    min_window_s: float = 1.0,
+    progress: Callable[[str], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+    budget_s: float | None = None,
+) -> dict[str, Any]:
     """Run the kit on `device` (full, or read-only with `read_only`); return the report dict. `budget_s`: the
     time (s) the kit alone may take (default: BUDGET_S less what the runtime checks keep)."""
     t_start = time.monotonic()
@@ -77,9 +90,14 @@ def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: Simu
     kernels, sync = torch_kernels(torch, "cpu" if dry_run else f"cuda:{device.index}", sizes, KERNELS)
     ops = kernel_ops(sizes)
     preset = KernelModel(gpu)
-    report: dict[str, Any] = {"format": FORMAT, "mode": "read_only" if read_only else "full", "dry_run": dry_run,
-                              "backend": "simulated" if sim is not None else "nvml", "gpu": gpu.name,
-                              "sizes": dataclasses.asdict(sizes)}
+    report: dict[str, Any] = {
+        "format": FORMAT,
+        "mode": "read_only" if read_only else "full",
+        "dry_run": dry_run,
+        "backend": "simulated" if sim is not None else "nvml",
+        "gpu": gpu.name,
+        "sizes": dataclasses.asdict(sizes),
+    }
     report["identity"] = identity(guard, _cuda_identity(torch, device.index, dry_run))
     report["clocks"] = supported_clocks(guard)
     report["energy_counter"] = counter_period(guard, kernels["gemm"], sync, 0.1 if dry_run else 3.0)
@@ -96,8 +114,9 @@ def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: Simu
         report["lock_reset"]["preset_clock_latency_s"] = gpu.clock_latency_s  # what plans assume (gpus.toml [LAT])
         clocks = lock_grid(clock_grid_mhz(supported, 15, 0.5), SWEEP_CLOCKS)
     if dry_run:
-        policy = WindowPolicy(min_window_s=min(min_window_s, 0.02), cooldown_s=0.0, repeats=2, warmup_max_s=0.05,
-                              warmup_stable_s=0.02)
+        policy = WindowPolicy(
+            min_window_s=min(min_window_s, 0.02), cooldown_s=0.0, repeats=2, warmup_max_s=0.05, warmup_stable_s=0.02
+        )
     else:
         warmup_s = 45.0 if budget_s is None else min(45.0, budget_s / 4)
         policy = WindowPolicy(min_window_s=min_window_s, repeats=2 if clocks else 3, warmup_max_s=warmup_s)
@@ -113,8 +132,18 @@ def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: Simu
         on_plan(n_clk * len(KERNELS) * policy.repeats)
     activity = model_activity(preset, ops) if sim is not None else None
     try:
-        measured = sweep(guard, kernels, sync, clocks, policy, period, warmup_kernel="gemm", sim=sim,
-                         activity=activity, progress=progress)
+        measured = sweep(
+            guard,
+            kernels,
+            sync,
+            clocks,
+            policy,
+            period,
+            warmup_kernel="gemm",
+            sim=sim,
+            activity=activity,
+            progress=progress,
+        )
     finally:
         if not read_only:
             guard.reset_clocks()
@@ -124,18 +153,32 @@ def validate_gpu(device: GPUDevice, *, read_only: bool, dry_run: bool, sim: Simu
         cl, t, e = measured.per_clock(name)
         p_meas = [ee / tt for ee, tt in zip(e, t)]
         t_pre, p_pre = predicted(preset, ops.get(name), cl)
-        row = {"clocks_mhz": cl, "time_s": t, "energy_j": e, "power_w": p_meas, "preset_time_s": t_pre,
-               "preset_power_w": p_pre, "power_mape_pct": _mape(p_meas, p_pre)}
+        row = {
+            "clocks_mhz": cl,
+            "time_s": t,
+            "energy_j": e,
+            "power_w": p_meas,
+            "preset_time_s": t_pre,
+            "preset_power_w": p_pre,
+            "power_mape_pct": _mape(p_meas, p_pre),
+        }
         if name != "idle":
             row["time_mape_pct"] = _mape(t, t_pre)
         report["kernels"][name] = row
     if read_only:  # one clock: absolute time and power against the preset at the clock the GPU ran at
         rows = report["kernels"]
-        report["accuracy"] = {"preset": {
-            "time_abs_mape_pct": _mape([v for k in KERNELS[:3] for v in rows[k]["time_s"]],
-                                       [v for k in KERNELS[:3] for v in rows[k]["preset_time_s"]]),
-            "power_mape_pct": _mape([v for k in KERNELS for v in rows[k]["power_w"]],
-                                    [v for k in KERNELS for v in rows[k]["preset_power_w"]])}}
+        report["accuracy"] = {
+            "preset": {
+                "time_abs_mape_pct": _mape(
+                    [v for k in KERNELS[:3] for v in rows[k]["time_s"]],
+                    [v for k in KERNELS[:3] for v in rows[k]["preset_time_s"]],
+                ),
+                "power_mape_pct": _mape(
+                    [v for k in KERNELS for v in rows[k]["power_w"]],
+                    [v for k in KERNELS for v in rows[k]["preset_power_w"]],
+                ),
+            }
+        }
     else:
         report.update(_fit(gpu, ops, measured, report["kernels"]))
     report["clock_calls"] = dict(guard.calls)
@@ -158,8 +201,11 @@ def _fit(gpu: Any, ops: dict[str, Any], measured: Any, rows: dict[str, Any]) -> 
     values["p_blocked_w"] = float(np.median(idle.energy_j / idle.time_s))
     for name, row in rows.items():
         row["calibrated_time_s"], row["calibrated_power_w"] = predicted(fitted, ops.get(name), row["clocks_mhz"])
-    cal = Calibration(format=CALIBRATION_FORMAT, gpu=gpu.name, params=values,
-                      source=f"kareus validate on {gpu.name}: gemm, attention, copy, idle at "
-                             f"{len(series[0].clocks_mhz)} clocks",
-                      fit={"uncalibrated": before, "calibrated": after})
+    cal = Calibration(
+        format=CALIBRATION_FORMAT,
+        gpu=gpu.name,
+        params=values,
+        source=f"kareus validate on {gpu.name}: gemm, attention, copy, idle at {len(series[0].clocks_mhz)} clocks",
+        fit={"uncalibrated": before, "calibrated": after},
+    )
     return {"accuracy": {"preset": before, "calibrated": after}, "calibration": cal.model_dump(mode="json")}

@@ -174,8 +174,11 @@ class KernelModel:
         q = p.roofline_sharpness
         with np.errstate(divide="ignore", invalid="ignore"):
             hi = np.maximum(t_c, t_m)
-            busy = np.where(hi > 0, hi * ((t_c / np.where(hi > 0, hi, 1)) ** q + (t_m / np.where(hi > 0, hi, 1)) ** q)
-                            ** (1 / q), 0.0)
+            busy = np.where(
+                hi > 0,
+                hi * ((t_c / np.where(hi > 0, hi, 1)) ** q + (t_m / np.where(hi > 0, hi, 1)) ** q) ** (1 / q),
+                0.0,
+            )
         t = busy + kernels * p.launch_overhead_s
         safe = np.where(t > 0, t, 1.0)
         act_scale = np.where(kind == "attention", p.attention_activity, 1.0).reshape(col)
@@ -183,8 +186,11 @@ class KernelModel:
         # gemm_efficiency): SMs idle in a partial last wave or waiting on a short reduction draw no tensor power.
         eff_ref = np.where(is_gemm, p.gemm_efficiency, eff.reshape(len(ops), -1)[:, 0]).reshape(col)
         t_ref = np.where(is_gemm.reshape(col), flops / (peak * eff_ref), t_c)
-        ca = np.where(is_mem, np.maximum(p.memory_op_compute_activity, np.maximum(t_c, t_issue) / safe) * (busy / safe),
-                      act_scale * t_ref / safe)
+        ca = np.where(
+            is_mem,
+            np.maximum(p.memory_op_compute_activity, np.maximum(t_c, t_issue) / safe) * (busy / safe),
+            act_scale * t_ref / safe,
+        )
         ca = np.clip(ca * sm_frac, 0.0, 1.0) * (t > 0)
         rate = hbm / safe
         return t, ca, np.clip(rate / g.hbm_bytes_per_s, 0.0, 1.0), rate
@@ -255,8 +261,11 @@ class KernelModel:
         algos = [a for a in node_algorithms(g) if fam in a.families] if op.link != "network" else []
         if not algos:
             sms = np.maximum(np.asarray(p.default_comm_sms if comm_sms is None else comm_sms, dtype=float), 1e-9)
-            link = g.internode_bytes_per_s * p.network_efficiency if op.link == "network" else (
-                g.nvlink_bytes_per_s * p.nvlink_efficiency)
+            link = (
+                g.internode_bytes_per_s * p.network_efficiency
+                if op.link == "network"
+                else (g.nvlink_bytes_per_s * p.nvlink_efficiency)
+            )
             drive = sms * p.comm_sm_bytes_per_cycle * f * 1e6
             q = p.comm_sharpness
             bw = (link**-q + drive**-q) ** (-1.0 / q)
@@ -333,5 +342,6 @@ class KernelModel:
         layer, extra, n_layers = self.instruction_ops(model, par, stage, phase, chunk)
         prof = self.op_profile(layer + extra, sm_clock_mhz, precision=par.precision)
         weight = np.r_[np.full(len(layer), float(n_layers)), np.ones(len(extra))].reshape(
-            (-1,) + (1,) * (prof.time_s.ndim - 1))
+            (-1,) + (1,) * (prof.time_s.ndim - 1)
+        )
         return (weight * prof.time_s).sum(axis=0), (weight * prof.energy_j).sum(axis=0)

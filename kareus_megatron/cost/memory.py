@@ -67,9 +67,15 @@ class StageMemory:
 
     def as_dict(self) -> dict[str, float | int]:
         """JSON form (bytes)."""
-        return {"stage": self.stage, "weights_bytes": self.weights_bytes, "grads_bytes": self.grads_bytes,
-                "optimizer_bytes": self.optimizer_bytes, "activations_bytes": self.activations_bytes,
-                "total_bytes": self.total_bytes, "microbatches_in_flight": self.microbatches_in_flight}
+        return {
+            "stage": self.stage,
+            "weights_bytes": self.weights_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activations_bytes": self.activations_bytes,
+            "total_bytes": self.total_bytes,
+            "microbatches_in_flight": self.microbatches_in_flight,
+        }
 
 
 def state_bytes_per_param(par: ParallelConfig, distributed_optimizer: bool = False) -> tuple[float, float, float]:
@@ -83,8 +89,14 @@ def state_bytes_per_param(par: ParallelConfig, distributed_optimizer: bool = Fal
     return weight, grad, optim
 
 
-def layer_activation_bytes(model: ModelSpec, par: ParallelConfig, recompute: str | None = None, *,
-                           flash_attention: bool = True, dropout: bool = False) -> float:
+def layer_activation_bytes(
+    model: ModelSpec,
+    par: ParallelConfig,
+    recompute: str | None = None,
+    *,
+    flash_attention: bool = True,
+    dropout: bool = False,
+) -> float:
     """Bytes one transformer layer keeps for its backward, for one microbatch on one GPU.
 
     `recompute` none / selective / full (default: the layout's); for full, only the layer's input.
@@ -122,8 +134,15 @@ def chunk_microbatches_in_flight(par: ParallelConfig, stage: int) -> int:
     return min(warmup + 1, par.num_microbatches * par.vp)
 
 
-def stage_memory(model: ModelSpec, par: ParallelConfig, stage: int, *, distributed_optimizer: bool = False,
-                 flash_attention: bool = True, dropout: bool = False) -> StageMemory:
+def stage_memory(
+    model: ModelSpec,
+    par: ParallelConfig,
+    stage: int,
+    *,
+    distributed_optimizer: bool = False,
+    flash_attention: bool = True,
+    dropout: bool = False,
+) -> StageMemory:
     """Memory of one GPU of `stage` at its peak (bytes)."""
     params = stage_params(model, par, stage)
     w, g, o = state_bytes_per_param(par, distributed_optimizer)
@@ -141,8 +160,14 @@ def stage_memory(model: ModelSpec, par: ParallelConfig, stage: int, *, distribut
     if stage == par.pp - 1:
         last_mb = math.ceil(chunks / par.vp)
         act += last_mb * tokens * (2 * e * model.hidden_size / sp + FP32_BYTES * model.vocab_size / par.tp)
-    return StageMemory(stage=stage, weights_bytes=params * w, grads_bytes=params * g, optimizer_bytes=params * o,
-                       activations_bytes=act, microbatches_in_flight=layer_mb / par.layers_per_stage[stage])
+    return StageMemory(
+        stage=stage,
+        weights_bytes=params * w,
+        grads_bytes=params * g,
+        optimizer_bytes=params * o,
+        activations_bytes=act,
+        microbatches_in_flight=layer_mb / par.layers_per_stage[stage],
+    )
 
 
 def job_memory(model: ModelSpec, par: ParallelConfig, *, distributed_optimizer: bool = False) -> list[StageMemory]:
@@ -154,8 +179,9 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f}"
 
 
-def check_fits(gpu: GPUSpec, model: ModelSpec, par: ParallelConfig, *,
-               distributed_optimizer: bool = False, refuse: bool = True) -> list[StageMemory]:
+def check_fits(
+    gpu: GPUSpec, model: ModelSpec, par: ParallelConfig, *, distributed_optimizer: bool = False, refuse: bool = True
+) -> list[StageMemory]:
     """Every stage's memory; with `refuse`, InfeasibleConfigError (one line, the numbers and the fixes) if one
     exceeds the GPU's."""
     stages = job_memory(model, par, distributed_optimizer=distributed_optimizer)
@@ -172,15 +198,20 @@ def check_fits(gpu: GPUSpec, model: ModelSpec, par: ParallelConfig, *,
             f"{model.name} needs {_gb(worst.total_bytes)} GB per GPU on stage {worst.stage} (weights "
             f"{_gb(worst.weights_bytes)}, grads {_gb(worst.grads_bytes)}, optimizer {_gb(worst.optimizer_bytes)}, "
             f"activations {_gb(worst.activations_bytes)}), {gpu.name} has {_gb(gpu.memory_bytes)} GB; use "
-            + ", ".join(fixes) + "."
+            + ", ".join(fixes)
+            + "."
         )
     return stages
 
 
 def memory_summary(gpu: GPUSpec, stages: list[StageMemory], distributed_optimizer: bool) -> dict[str, object]:
     """The estimate as frontier.json's ``config.memory`` and ``kareus predict --format json``'s ``memory``."""
-    return {"gpu_memory_bytes": gpu.memory_bytes, "distributed_optimizer": distributed_optimizer,
-            "peak_bytes": max(m.total_bytes for m in stages), "stages": [m.as_dict() for m in stages]}
+    return {
+        "gpu_memory_bytes": gpu.memory_bytes,
+        "distributed_optimizer": distributed_optimizer,
+        "peak_bytes": max(m.total_bytes for m in stages),
+        "stages": [m.as_dict() for m in stages],
+    }
 
 
 def memory_line(gpu: GPUSpec, stages: list[StageMemory]) -> str:

@@ -55,10 +55,19 @@ def kernel_ops(sizes: KernelSizes, element_bytes: int = 2) -> dict[str, Op]:
     m, n, k = sizes.gemm_mnk
     b, h, s, d = sizes.attention_bhsd
     return {
-        "gemm": Op(name="gemm", kind="gemm", flops=2.0 * m * n * k,
-                   hbm_bytes=element_bytes * (m * k + k * n + m * n), gemm_mnk=(m, n, k)),
-        "attention": Op(name="attention", kind="attention", flops=4.0 * b * h * s * s * d * 0.5,  # causal
-                        hbm_bytes=element_bytes * 4.0 * b * h * s * d),  # read q, k, v; write o
+        "gemm": Op(
+            name="gemm",
+            kind="gemm",
+            flops=2.0 * m * n * k,
+            hbm_bytes=element_bytes * (m * k + k * n + m * n),
+            gemm_mnk=(m, n, k),
+        ),
+        "attention": Op(
+            name="attention",
+            kind="attention",
+            flops=4.0 * b * h * s * s * d * 0.5,  # causal
+            hbm_bytes=element_bytes * 4.0 * b * h * s * d,
+        ),  # read q, k, v; write o
         "copy": Op(name="copy", kind="memory", hbm_bytes=2.0 * sizes.copy_bytes),  # read + write
     }
 
@@ -68,11 +77,14 @@ def load_torch(cuda: bool) -> Any:
     try:
         import torch
     except ImportError as e:
-        raise DeviceUnavailableError("this command needs torch (with CUDA on a GPU machine); install the [megatron] "
-                                     "extra.") from e
+        raise DeviceUnavailableError(
+            "this command needs torch (with CUDA on a GPU machine); install the [megatron] extra."
+        ) from e
     if cuda and not torch.cuda.is_available():
-        raise DeviceUnavailableError("this command needs a CUDA GPU, and torch sees none "
-                                     "(torch.cuda.is_available() is False); use --dry-run on a CPU machine.")
+        raise DeviceUnavailableError(
+            "this command needs a CUDA GPU, and torch sees none "
+            "(torch.cuda.is_available() is False); use --dry-run on a CPU machine."
+        )
     return torch
 
 
@@ -101,9 +113,11 @@ def torch_kernels(torch: Any, device: str, sizes: KernelSizes, names: Sequence[s
 
 def model_activity(km: KernelModel, ops: dict[str, Op]) -> Callable[[str, int], tuple[float, float]]:
     """(kernel, clock MHz) -> the model's (compute, memory) activity: what the simulated GPU draws power for."""
+
     def activity(name: str, mhz: int) -> tuple[float, float]:
         prof = km.op_profile([ops[name]], np.array([float(mhz)]))
         return float(prof.compute_activity[0, 0]), float(prof.memory_activity[0, 0])
+
     return activity
 
 
@@ -124,6 +138,7 @@ def kernel_series(ops: dict[str, Op], measured: Sweep, kernels: Sequence[str]) -
         fs = np.asarray(clocks[::-1], dtype=float)
         ts, es = np.asarray(t[::-1]), np.asarray(e[::-1])
         if name == "idle":
+
             def idle(km: KernelModel, fs: np.ndarray = fs, ts: np.ndarray = ts) -> tuple[np.ndarray, np.ndarray]:
                 return ts, km.power_w(fs, 0.0, 0.0) * ts
 
@@ -148,15 +163,23 @@ def counter_period(device: GPUDevice, work: Any, sync: Any, seconds: float) -> d
     return sample_energy_counter(device, seconds, work, sync)
 
 
-def calibrate_run(device: GPUDevice, *, dry_run: bool, sim: SimulationHooks | None, seconds: float,
-                  progress: Callable[[str], None] | None = None,
-                  on_plan: Callable[[int], None] | None = None) -> tuple[Calibration, dict[str, Any]]:
+def calibrate_run(
+    device: GPUDevice,
+    *,
+    dry_run: bool,
+    sim: SimulationHooks | None,
+    seconds: float,
+    progress: Callable[[str], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> tuple[Calibration, dict[str, Any]]:
     """`kareus calibrate --run`: warm up, sweep GEMM, copy and idle over the clock grid in interleaved random
     order with windows of >= `seconds` (s) and >= 10 counter periods, fit; (calibration, measurement record)."""
     if device.read_only:  # each window is labelled with the clock it locked: read-only, none is locked
-        raise ClockControlError("calibrating with microbenchmarks locks the SM clock at each measured clock; this "
-                                "device is read-only (--no-clock-control or KAREUS_GPU_READ_ONLY), so it would "
-                                "measure nothing")
+        raise ClockControlError(
+            "calibrating with microbenchmarks locks the SM clock at each measured clock; this "
+            "device is read-only (--no-clock-control or KAREUS_GPU_READ_ONLY), so it would "
+            "measure nothing"
+        )
     torch = load_torch(cuda=not dry_run)
     sizes = DRY_RUN_SIZES if dry_run else FULL_SIZES
     gpu = device.spec
@@ -166,8 +189,9 @@ def calibrate_run(device: GPUDevice, *, dry_run: bool, sim: SimulationHooks | No
     supported = device.supported_sm_clocks_mhz() or gpu.sm_clocks_mhz
     clocks = list(clock_grid_mhz(supported, MICROBENCH_CLOCK_STEP_MHZ, MICROBENCH_LOWEST_FRACTION))
     if dry_run:
-        policy = WindowPolicy(min_window_s=min(seconds, 0.02), cooldown_s=0.0, repeats=2, warmup_max_s=0.05,
-                              warmup_stable_s=0.02)
+        policy = WindowPolicy(
+            min_window_s=min(seconds, 0.02), cooldown_s=0.0, repeats=2, warmup_max_s=0.05, warmup_stable_s=0.02
+        )
         clocks = clocks[:: max(1, len(clocks) // 6)]
     else:
         policy = WindowPolicy(min_window_s=seconds)
@@ -181,8 +205,18 @@ def calibrate_run(device: GPUDevice, *, dry_run: bool, sim: SimulationHooks | No
         on_plan(len(clocks) * len(names) * policy.repeats)
     activity = model_activity(KernelModel(gpu), ops) if sim is not None else None
     try:
-        measured = sweep(device, kernels, sync, clocks, policy, period, warmup_kernel="gemm", sim=sim,
-                         activity=activity, progress=progress)
+        measured = sweep(
+            device,
+            kernels,
+            sync,
+            clocks,
+            policy,
+            period,
+            warmup_kernel="gemm",
+            sim=sim,
+            activity=activity,
+            progress=progress,
+        )
     finally:
         device.reset_clocks()
     meas: dict[str, Sequence[tuple[float, float]]] = {}
@@ -191,11 +225,14 @@ def calibrate_run(device: GPUDevice, *, dry_run: bool, sim: SimulationHooks | No
         meas[name] = list(zip(t[::-1], e[::-1]))
         fit_clocks = cl[::-1]
     m, n, k = sizes.gemm_mnk
-    source = (f"kareus calibrate --run{' --dry-run (simulated)' if dry_run else ''} on GPU {device.index} "
-              f"({gpu.name}): bf16 GEMM {m}x{n}x{k}, {sizes.copy_bytes / 2**20:g} MiB copy, idle; clocks "
-              f"{fit_clocks[0]}..{fit_clocks[-1]} MHz in random order x{policy.repeats}, windows "
-              f">= {measured.window_s:.2f} s")
-    cal = fit_microbenchmarks(gpu, fit_clocks, meas, source, verbose=False,
-                              ops={k: v for k, v in ops.items() if k in names})
+    source = (
+        f"kareus calibrate --run{' --dry-run (simulated)' if dry_run else ''} on GPU {device.index} "
+        f"({gpu.name}): bf16 GEMM {m}x{n}x{k}, {sizes.copy_bytes / 2**20:g} MiB copy, idle; clocks "
+        f"{fit_clocks[0]}..{fit_clocks[-1]} MHz in random order x{policy.repeats}, windows "
+        f">= {measured.window_s:.2f} s"
+    )
+    cal = fit_microbenchmarks(
+        gpu, fit_clocks, meas, source, verbose=False, ops={k: v for k, v in ops.items() if k in names}
+    )
     record = {"energy_counter": counter, **measured.to_dict(), "repeats": policy.repeats}
     return cal.model_copy(update={"fit": {**cal.fit, "protocol": record}}), record

@@ -78,7 +78,11 @@ class OverlapCost:
         return PhaseArrays(a_s=a, pa_w=pa, w_s=b * r, rho=1.0 / r, po_w=po, coll_s=ct, pc_w=pc)
 
     def partition(
-        self, compute: Sequence[Any], collective: Any, slot_positions: Sequence[int], clocks: np.ndarray,
+        self,
+        compute: Sequence[Any],
+        collective: Any,
+        slot_positions: Sequence[int],
+        clocks: np.ndarray,
         sms: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(time s, energy J) of one partition per launch slot: arrays (n_clk, n_slots, n_sms).

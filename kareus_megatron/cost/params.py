@@ -57,8 +57,14 @@ class KernelParams:
 KERNEL_PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(KernelParams))
 # GPUSpec fields a calibration may override (hardware/power.py's parameters and the board limit).
 GPU_PARAM_NAMES: tuple[str, ...] = (
-    "static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w", "voltage_floor",
-    "voltage_knee_mhz", "power_limit_w", "p_blocked_w",
+    "static_power_w",
+    "idle_dynamic_w",
+    "compute_dynamic_w",
+    "memory_dynamic_w",
+    "voltage_floor",
+    "voltage_knee_mhz",
+    "power_limit_w",
+    "p_blocked_w",
 )
 PARAM_NAMES: tuple[str, ...] = KERNEL_PARAM_NAMES + GPU_PARAM_NAMES
 

@@ -29,8 +29,14 @@ class PredictRow:
 
     def as_dict(self) -> dict[str, float | int | str]:
         """JSON row: stage, instruction, frequency_mhz, time_s, energy_j, avg_power_w."""
-        return {"stage": self.stage, "instruction": self.instruction, "frequency_mhz": self.frequency_mhz,
-                "time_s": self.time_s, "energy_j": self.energy_j, "avg_power_w": self.avg_power_w}
+        return {
+            "stage": self.stage,
+            "instruction": self.instruction,
+            "frequency_mhz": self.frequency_mhz,
+            "time_s": self.time_s,
+            "energy_j": self.energy_j,
+            "avg_power_w": self.avg_power_w,
+        }
 
 
 def predict_rows(
@@ -47,8 +53,12 @@ def predict_rows(
             e = np.zeros_like(clocks)
             for chunk in range(par.vp):
                 # stages with the same layer count and no embedding/output cost the same
-                key = (phase, par.chunk_layers(stage, chunk), par.is_first_chunk(stage, chunk),
-                       par.is_last_chunk(stage, chunk))
+                key = (
+                    phase,
+                    par.chunk_layers(stage, chunk),
+                    par.is_first_chunk(stage, chunk),
+                    par.is_last_chunk(stage, chunk),
+                )
                 if key not in cache:
                     cache[key] = km.instruction_cost(model, par, stage, phase, clocks, chunk)
                 t += cache[key][0]

@@ -96,8 +96,10 @@ def parse_perseus_profile(text: str, where: str = "profile") -> StageProfile:
             raise ProfileError(f"{where} line {line}: instruction = {instr!r}; allowed: forward, backward.")
         freq = _number(row["frequency"].strip(), "frequency", line, where)
         if freq != int(freq) or freq > MAX_FREQUENCY_MHZ:
-            raise ProfileError(f"{where} line {line}: frequency = {row['frequency']!r} must be a whole number of "
-                               f"MHz up to {MAX_FREQUENCY_MHZ}.")
+            raise ProfileError(
+                f"{where} line {line}: frequency = {row['frequency']!r} must be a whole number of "
+                f"MHz up to {MAX_FREQUENCY_MHZ}."
+            )
         t = _number(row["time"].strip(), "time", line, where)
         e = _number(row["energy"].strip(), "energy", line, where)
         key = (int(stage_f), instr, int(freq))
@@ -112,8 +114,12 @@ def parse_perseus_profile(text: str, where: str = "profile") -> StageProfile:
         raise ProfileError(f"{where} has a header but no rows; profile at least one stage at one frequency.")
     st, ins, fr, ti, en = zip(*rows)
     return StageProfile(
-        stage=np.array(st, dtype=int), instruction=np.array(ins), frequency_mhz=np.array(fr, dtype=int),
-        time_s=np.array(ti, dtype=float), energy_j=np.array(en, dtype=float), source=where,
+        stage=np.array(st, dtype=int),
+        instruction=np.array(ins),
+        frequency_mhz=np.array(fr, dtype=int),
+        time_s=np.array(ti, dtype=float),
+        energy_j=np.array(en, dtype=float),
+        source=where,
     )
 
 

@@ -61,8 +61,15 @@ PARAM_CLASS: Final[Mapping[str, str]] = {
     "memory_op_compute_activity": "activity",
     "p_blocked_w": "blocked power",
 }
-_CAPPED_AT_ONE: Final = ("gemm_efficiency", "attention_efficiency", "attention_bwd_efficiency",
-                         "memory_efficiency", "nvlink_efficiency", "network_efficiency", "memory_op_compute_activity")
+_CAPPED_AT_ONE: Final = (
+    "gemm_efficiency",
+    "attention_efficiency",
+    "attention_bwd_efficiency",
+    "memory_efficiency",
+    "nvlink_efficiency",
+    "network_efficiency",
+    "memory_op_compute_activity",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,9 +151,15 @@ class KernelDraws:
 
     def record(self) -> dict[str, Any]:
         """What a frontier document says of its bands: draws, seed, percentiles, each parameter's sd of log."""
-        return {"draws": len(self.kernels), "seed": self.seed, "percentiles": list(BAND_PERCENTILES),
-                "parameters": {n: {"log_sd": float(sd), "source": src}
-                               for n, sd, src in zip(self.prior.names, self.prior.log_sd, self.prior.source)}}
+        return {
+            "draws": len(self.kernels),
+            "seed": self.seed,
+            "percentiles": list(BAND_PERCENTILES),
+            "parameters": {
+                n: {"log_sd": float(sd), "source": src}
+                for n, sd, src in zip(self.prior.names, self.prior.log_sd, self.prior.source)
+            },
+        }
 
 
 def kernel_draws(kernel: KernelModel, n: int = DEFAULT_DRAWS, seed: int = DEFAULT_SEED) -> KernelDraws:

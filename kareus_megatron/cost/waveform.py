@@ -63,8 +63,9 @@ def bin_count(period_s: float) -> int:
     return max(MIN_BINS, math.ceil(period_s / MAX_STEP_S))
 
 
-def rank_bins(start_s: np.ndarray, end_s: np.ndarray, energy_j: np.ndarray, period_s: float,
-              bins: int) -> tuple[np.ndarray, np.ndarray]:
+def rank_bins(
+    start_s: np.ndarray, end_s: np.ndarray, energy_j: np.ndarray, period_s: float, bins: int
+) -> tuple[np.ndarray, np.ndarray]:
     """One GPU's (instruction power W, busy fraction) averaged over each of `bins` bins of [0, period_s].
 
     The intervals [start_s, end_s) must not overlap (one GPU runs one instruction at a time); each draws
@@ -89,8 +90,12 @@ def rank_bins(start_s: np.ndarray, end_s: np.ndarray, energy_j: np.ndarray, peri
     return np.diff(ce) / step, np.clip(np.diff(ct) / step, 0.0, 1.0)
 
 
-def job_parts(ranks: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], period_s: float, gpus_per_stage: int,
-              bins: int | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+def job_parts(
+    ranks: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    period_s: float,
+    gpus_per_stage: int,
+    bins: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, float]:
     """(A, B, step_s): the job's instruction power A (W) and blocked GPU count B per bin, and the bin width (s).
 
     `ranks` holds each pipeline rank's (start_s, end_s, energy_j) arrays of one GPU; every GPU of a stage
@@ -121,8 +126,14 @@ def metrics_arrays(power_w: np.ndarray, step_s: float) -> dict[str, np.ndarray]:
         band[-1] = False  # Nyquist bin: not a pair of conjugate components
     rms = np.sqrt(2.0 * (np.abs(spec[..., band]) ** 2).sum(axis=-1))
     frac = np.divide(rms, mean, out=np.zeros_like(rms), where=mean > 0)
-    return {"peak_power_w": peak, "min_power_w": low, "mean_power_w": mean, "swing_w": peak - low,
-            "ramp_w_per_s": ramp, "band_fraction": frac}
+    return {
+        "peak_power_w": peak,
+        "min_power_w": low,
+        "mean_power_w": mean,
+        "swing_w": peak - low,
+        "ramp_w_per_s": ramp,
+        "band_fraction": frac,
+    }
 
 
 def power_metrics(power_w: np.ndarray, step_s: float) -> PowerMetrics:

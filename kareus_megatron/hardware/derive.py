@@ -58,8 +58,17 @@ _NODES: dict[str, tuple[float, float, float]] = {
 _MEMORY_PJ_PER_BIT: dict[str, float] = {"HBM2": 5.9, "HBM2e": 5.9, "HBM3": 5.3, "HBM3e": 4.9, "GDDR6": 9.5}
 # The measured die whose curves (at its reference board's base clock and TDP) set base_draw_fraction().
 MEASURED_DIE = "ga100"
-_FACT_KEYS = ("tdp_w", "sm_clock_base_mhz", "sm_clock_max_mhz", "idle_power_w", "memory_type", "hbm_gb_per_s",
-              "process_node", "architecture", "sm_count")
+_FACT_KEYS = (
+    "tdp_w",
+    "sm_clock_base_mhz",
+    "sm_clock_max_mhz",
+    "idle_power_w",
+    "memory_type",
+    "hbm_gb_per_s",
+    "process_node",
+    "architecture",
+    "sm_count",
+)
 
 
 def _alpha_speed(v: float, vt: float, alpha: float) -> float:
@@ -105,8 +114,14 @@ def derive_power_params(facts: Mapping[str, Any]) -> dict[str, float]:
     compute = (base_draw_fraction() * float(facts["tdp_w"]) - static) / scale - idle_dyn
     if compute <= 0:
         raise ConfigError(f"TDP {facts['tdp_w']} W leaves no compute power after the static and idle power.")
-    return {"static_power_w": static, "idle_dynamic_w": idle_dyn, "compute_dynamic_w": compute,
-            "memory_dynamic_w": memory, "voltage_floor": floor, "voltage_knee_mhz": base}
+    return {
+        "static_power_w": static,
+        "idle_dynamic_w": idle_dyn,
+        "compute_dynamic_w": compute,
+        "memory_dynamic_w": memory,
+        "voltage_floor": floor,
+        "voltage_knee_mhz": base,
+    }
 
 
 def base_draw_fraction() -> float:

@@ -25,7 +25,8 @@ CLOCK_GRID_LOWEST_FRACTION = 0.6
 
 
 def clock_grid_mhz(
-    lockable_mhz: Sequence[int], step_mhz: int = CLOCK_GRID_STEP_MHZ,
+    lockable_mhz: Sequence[int],
+    step_mhz: int = CLOCK_GRID_STEP_MHZ,
     lowest_fraction: float = CLOCK_GRID_LOWEST_FRACTION,
 ) -> tuple[int, ...]:
     """Clocks (MHz, descending) every step_mhz from the highest lockable clock down to lowest_fraction × it.
@@ -150,8 +151,9 @@ def _min_power_limit_w(name: str, t: Mapping[str, Any]) -> float | None:
         return None
     lo, hi = float(t["min_power_limit_w"]), float(t["power_limit_w"])
     if not 0.0 < lo <= hi:
-        raise ConfigError(f"GPU preset {name!r}: min_power_limit_w {lo:g} W must be > 0 and at most "
-                          f"power_limit_w {hi:g} W.")
+        raise ConfigError(
+            f"GPU preset {name!r}: min_power_limit_w {lo:g} W must be > 0 and at most power_limit_w {hi:g} W."
+        )
     return lo
 
 
@@ -159,14 +161,25 @@ def _clock_latency_s(name: str, t: Mapping[str, Any]) -> float:
     """The preset's clock_latency_ms as seconds, checked to lie in (0, 1000] ms."""
     ms = float(t["clock_latency_ms"])
     if not 0.0 < ms <= 1000.0:
-        raise ConfigError(f"GPU preset {name!r}: clock_latency_ms {ms:g} must be > 0 and at most 1000 "
-                          "(a locked-clock call takes 10-20 ms; `kareus validate` measures it).")
+        raise ConfigError(
+            f"GPU preset {name!r}: clock_latency_ms {ms:g} must be > 0 and at most 1000 "
+            "(a locked-clock call takes 10-20 ms; `kareus validate` measures it)."
+        )
     return ms / 1000.0
 
 
 # The fields a die (hardware/dies.toml) sets for every board of it; a preset naming the die may not repeat them.
-DIE_FIELDS = ("architecture", "process_node", "idle_power_w", "p_blocked_w", "static_power_w", "idle_dynamic_w",
-              "compute_dynamic_w", "voltage_floor", "voltage_knee_mhz")
+DIE_FIELDS = (
+    "architecture",
+    "process_node",
+    "idle_power_w",
+    "p_blocked_w",
+    "static_power_w",
+    "idle_dynamic_w",
+    "compute_dynamic_w",
+    "voltage_floor",
+    "voltage_knee_mhz",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,13 +197,16 @@ def die_table(die: str) -> dict[str, Any]:
     """The raw dies.toml table of `die` (a copy); ConfigError naming the known dies otherwise."""
     dies = _dies()[0]
     if die not in dies:
-        raise ConfigError(f"unknown die {die!r}; known: {', '.join(sorted(dies))} (hardware/dies.toml). Add a die "
-                          "table there, or give the preset its own power fields instead of `die`.")
+        raise ConfigError(
+            f"unknown die {die!r}; known: {', '.join(sorted(dies))} (hardware/dies.toml). Add a die "
+            "table there, or give the preset its own power fields instead of `die`."
+        )
     return dict(dies[die])
 
 
-def resolve_die(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None
-                ) -> tuple[dict[str, Any], dict[str, str]]:
+def resolve_die(
+    name: str, t: Mapping[str, Any], sources: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, str]]:
     """(table, sources) of preset `name` with its die's fields filled in (no `die` key: unchanged).
 
     A preset that repeats a die field is refused: boards of one die differ only where their datasheets do.
@@ -202,8 +218,10 @@ def resolve_die(name: str, t: Mapping[str, Any], sources: Mapping[str, str] | No
     dt = die_table(die)
     again = [k for k in DIE_FIELDS if k in table]
     if again:
-        raise ConfigError(f"GPU preset {name!r} names die {die!r} but also sets {', '.join(again)}: boards of one "
-                          "die share its curves (hardware/dies.toml); drop them from the preset.")
+        raise ConfigError(
+            f"GPU preset {name!r} names die {die!r} but also sets {', '.join(again)}: boards of one "
+            "die share its curves (hardware/dies.toml); drop them from the preset."
+        )
     die_src = _dies()[1].get(die, {})
     for k in DIE_FIELDS:
         if k in dt:
@@ -221,8 +239,10 @@ def spec_from_table(name: str, t: Mapping[str, Any], sources: Mapping[str, str] 
         clocks = tuple(range(hi, lo - 1, -step))
         peak = {str(k): float(v) for k, v in t["peak_tflops"].items()}
         if "fp32" not in peak:
-            raise ConfigError(f"GPU preset {name!r} lacks peak_tflops.fp32 (CUDA-core FP32 TFLOP/s, from the "
-                              "datasheet); the cost model runs memory-bound ops' arithmetic at that rate.")
+            raise ConfigError(
+                f"GPU preset {name!r} lacks peak_tflops.fp32 (CUDA-core FP32 TFLOP/s, from the "
+                "datasheet); the cost model runs memory-bound ops' arithmetic at that rate."
+            )
         return GPUSpec(
             name=name,
             device_names=tuple(t.get("device_names", ())),
@@ -295,4 +315,3 @@ def gpu_spec_for_device_name(nvml_name: str) -> GPUSpec | None:
         if key in {_norm(n) for n in spec.device_names} or key == _norm(spec.name):
             return spec
     return None
-

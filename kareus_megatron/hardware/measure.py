@@ -100,8 +100,9 @@ class Sweep:
         return clocks, [acc[c][0] / acc[c][2] for c in clocks], [acc[c][1] / acc[c][2] for c in clocks]
 
 
-def sample_energy_counter(device: GPUDevice, seconds: float, work: Work | None = None,
-                          sync: Work | None = None) -> dict[str, Any]:
+def sample_energy_counter(
+    device: GPUDevice, seconds: float, work: Work | None = None, sync: Work | None = None
+) -> dict[str, Any]:
     """Sample the energy counter for `seconds` (s), under `work` when given: update period (s), step (J)."""
     t_end = time.monotonic() + seconds
     t_prev, e_prev = time.monotonic(), device.energy_j()
@@ -120,15 +121,31 @@ def sample_energy_counter(device: GPUDevice, seconds: float, work: Work | None =
     gaps = sorted(dt for dt, _ in changes[1:])  # the first change ends a partial period
     steps = sorted(de for _, de in changes if de > 0)
     period = gaps[len(gaps) // 2] if gaps else seconds
-    return {"seconds": seconds, "samples": samples, "updates": len(changes),
-            "update_period_s": period, "smallest_step_j": steps[0] if steps else None,
-            "median_step_j": steps[len(steps) // 2] if steps else None, "unit": "J (driver: mJ, converted once)",
-            "monotone": all(de >= 0 for _, de in changes)}
+    return {
+        "seconds": seconds,
+        "samples": samples,
+        "updates": len(changes),
+        "update_period_s": period,
+        "smallest_step_j": steps[0] if steps else None,
+        "median_step_j": steps[len(steps) // 2] if steps else None,
+        "unit": "J (driver: mJ, converted once)",
+        "monotone": all(de >= 0 for _, de in changes),
+    }
 
 
-def measure_window(device: GPUDevice, fn: Work | None, sync: Work, seconds: float, *, kernel: str,
-                   clock_mhz: int | None, repeat: int, t0: float, sim: SimulationHooks | None = None,
-                   activity: tuple[float, float] | None = None) -> Window:
+def measure_window(
+    device: GPUDevice,
+    fn: Work | None,
+    sync: Work,
+    seconds: float,
+    *,
+    kernel: str,
+    clock_mhz: int | None,
+    repeat: int,
+    t0: float,
+    sim: SimulationHooks | None = None,
+    activity: tuple[float, float] | None = None,
+) -> Window:
     """Run fn() back to back for about `seconds` (s) (fn None: idle) and return the window's per-call figures.
 
     On the simulated backend (`sim`) the window is marked busy at `activity` (compute, memory; 0..1), so
@@ -160,13 +177,30 @@ def measure_window(device: GPUDevice, fn: Work | None, sync: Work, seconds: floa
     if sim is not None and fn is not None:
         sim.set_busy(False)
     energy = max(e1 - e0, 0.0)
-    return Window(kernel=kernel, clock_mhz=clock_mhz, repeat=repeat, calls=n, seconds=dt, time_s=dt / n,
-                  energy_j=energy / n, power_w=energy / dt if dt > 0 else 0.0, read_clock_mhz=int(read),
-                  temperature_start_c=temp0, temperature_end_c=temperature_c(device), started_s=started - t0)
+    return Window(
+        kernel=kernel,
+        clock_mhz=clock_mhz,
+        repeat=repeat,
+        calls=n,
+        seconds=dt,
+        time_s=dt / n,
+        energy_j=energy / n,
+        power_w=energy / dt if dt > 0 else 0.0,
+        read_clock_mhz=int(read),
+        temperature_start_c=temp0,
+        temperature_end_c=temperature_c(device),
+        started_s=started - t0,
+    )
 
 
-def warm_up(device: GPUDevice, fn: Work, sync: Work, policy: WindowPolicy, sim: SimulationHooks | None = None,
-            activity: tuple[float, float] | None = None) -> dict[str, Any]:
+def warm_up(
+    device: GPUDevice,
+    fn: Work,
+    sync: Work,
+    policy: WindowPolicy,
+    sim: SimulationHooks | None = None,
+    activity: tuple[float, float] | None = None,
+) -> dict[str, Any]:
     """Run fn() until the temperature holds within policy.stable_c over policy.warmup_stable_s (s), or at
     most policy.warmup_max_s; without a temperature reading, for the stable span alone."""
     t0 = time.monotonic()
@@ -200,13 +234,21 @@ def warm_up(device: GPUDevice, fn: Work, sync: Work, policy: WindowPolicy, sim: 
     finally:
         if sim is not None:
             sim.set_busy(False)
-    return {"seconds": time.monotonic() - t0, "start_c": first, "end_c": trace[-1][1] if trace else first,
-            "stable": stable if first is not None else None, "stable_c": policy.stable_c,
-            "stable_s": policy.warmup_stable_s, "max_s": policy.warmup_max_s, "trace": trace}
+    return {
+        "seconds": time.monotonic() - t0,
+        "start_c": first,
+        "end_c": trace[-1][1] if trace else first,
+        "stable": stable if first is not None else None,
+        "stable_c": policy.stable_c,
+        "stable_s": policy.warmup_stable_s,
+        "max_s": policy.warmup_max_s,
+        "trace": trace,
+    }
 
 
-def interleaved_order(clocks: Sequence[int | None], kernels: Sequence[str], repeats: int,
-                      seed: int = 0) -> list[tuple[int | None, str, int]]:
+def interleaved_order(
+    clocks: Sequence[int | None], kernels: Sequence[str], repeats: int, seed: int = 0
+) -> list[tuple[int | None, str, int]]:
     """(clock, kernel, repeat) visits: each repeat a fresh random order of clocks, kernels shuffled within."""
     rng = random.Random(seed)
     out = []
@@ -220,10 +262,19 @@ def interleaved_order(clocks: Sequence[int | None], kernels: Sequence[str], repe
     return out
 
 
-def sweep(device: GPUDevice, kernels: dict[str, Work | None], sync: Work, clocks: Sequence[int] | None,
-          policy: WindowPolicy, counter_period_s: float, *, warmup_kernel: str | None = None,
-          sim: SimulationHooks | None = None, activity: Callable[[str, int], tuple[float, float]] | None = None,
-          progress: Callable[[str], None] | None = None) -> Sweep:
+def sweep(
+    device: GPUDevice,
+    kernels: dict[str, Work | None],
+    sync: Work,
+    clocks: Sequence[int] | None,
+    policy: WindowPolicy,
+    counter_period_s: float,
+    *,
+    warmup_kernel: str | None = None,
+    sim: SimulationHooks | None = None,
+    activity: Callable[[str, int], tuple[float, float]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Sweep:
     """Warm up, then measure every kernel at every clock `repeats` times in interleaved random order.
 
     `clocks` None: read-only, no clock is ever locked (the device is measured as it runs). `activity`
@@ -239,14 +290,25 @@ def sweep(device: GPUDevice, kernels: dict[str, Work | None], sync: Work, clocks
         act = activity(warmup_kernel, device.sm_clock_mhz()) if activity else None
         out.warmup = warm_up(device, fn, sync, policy, sim, act)
     current: int | None = None
-    for clk, name, rep in interleaved_order(list(clocks) if clocks else [None], list(kernels), policy.repeats,
-                                            policy.seed):
+    for clk, name, rep in interleaved_order(
+        list(clocks) if clocks else [None], list(kernels), policy.repeats, policy.seed
+    ):
         if clk is not None and clk != current:
             device.set_sm_clock_mhz(clk)
             current = clk
         act = activity(name, clk or device.sm_clock_mhz()) if activity and kernels[name] is not None else None
-        w = measure_window(device, kernels[name], sync, out.window_s, kernel=name, clock_mhz=clk, repeat=rep,
-                           t0=t0, sim=sim, activity=act)
+        w = measure_window(
+            device,
+            kernels[name],
+            sync,
+            out.window_s,
+            kernel=name,
+            clock_mhz=clk,
+            repeat=rep,
+            t0=t0,
+            sim=sim,
+            activity=act,
+        )
         out.windows.append(w)
         out.order.append((clk, name))
         if progress is not None:

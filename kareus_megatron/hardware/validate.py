@@ -32,8 +32,10 @@ class ClockCallGuard:
 
     def _refuse(self, what: str) -> None:
         if self.read_only:
-            raise ClockControlError(f"--no-clock-control: the validation tried to {what}; a read-only run changes "
-                                    "nothing on the GPU (this is a bug in kareus validate)")
+            raise ClockControlError(
+                f"--no-clock-control: the validation tried to {what}; a read-only run changes "
+                "nothing on the GPU (this is a bug in kareus validate)"
+            )
 
     def set_sm_clock_mhz(self, mhz: int) -> None:
         """Lock the SM clock to `mhz` (MHz), counted; refused in read-only mode."""
@@ -52,8 +54,7 @@ def identity(device: GPUDevice, cuda: dict[str, Any] | None) -> dict[str, Any]:
     """NVML's name and UUID of `device` against the CUDA device's (`cuda`: {"name", "uuid"} or None)."""
     uuid = nvml_uuid(device)
     name = getattr(device, "device_name", None) or device.spec.name
-    out: dict[str, Any] = {"index": device.index, "name": name, "preset": device.spec.name,
-                           "uuid": uuid, "cuda": cuda}
+    out: dict[str, Any] = {"index": device.index, "name": name, "preset": device.spec.name, "uuid": uuid, "cuda": cuda}
     if cuda and cuda.get("uuid") and uuid:
         a, b = (str(u).lower().removeprefix("gpu-") for u in (uuid, cuda["uuid"]))
         out["uuid_match"] = a == b
@@ -65,9 +66,14 @@ def identity(device: GPUDevice, cuda: dict[str, Any] | None) -> dict[str, Any]:
 def supported_clocks(device: GPUDevice) -> dict[str, Any]:
     """The lockable SM clocks (MHz) and the clock the GPU runs at now."""
     clocks = list(device.supported_sm_clocks_mhz())
-    return {"count": len(clocks), "max_mhz": clocks[0] if clocks else None, "min_mhz": clocks[-1] if clocks else None,
-            "supported_mhz": clocks, "current_mhz": device.sm_clock_mhz(),
-            "preset_range_mhz": [device.spec.min_sm_clock_mhz, device.spec.max_sm_clock_mhz]}
+    return {
+        "count": len(clocks),
+        "max_mhz": clocks[0] if clocks else None,
+        "min_mhz": clocks[-1] if clocks else None,
+        "supported_mhz": clocks,
+        "current_mhz": device.sm_clock_mhz(),
+        "preset_range_mhz": [device.spec.min_sm_clock_mhz, device.spec.max_sm_clock_mhz],
+    }
 
 
 def lock_grid(supported: Sequence[int], at_most: int) -> list[int]:
@@ -79,8 +85,9 @@ def lock_grid(supported: Sequence[int], at_most: int) -> list[int]:
     return sorted({clocks[round(i * step)] for i in range(at_most)}, reverse=True)
 
 
-def lock_and_latency(device: GPUDevice, clocks: Sequence[int], busy: Callable[[], Any],
-                     sync: Callable[[], Any]) -> dict[str, Any]:
+def lock_and_latency(
+    device: GPUDevice, clocks: Sequence[int], busy: Callable[[], Any], sync: Callable[[], Any]
+) -> dict[str, Any]:
     """Lock each clock in turn under load, read it back, time call and application (s); reset at the end."""
     rows: list[dict[str, Any]] = []
     for mhz in clocks:
@@ -99,11 +106,16 @@ def lock_and_latency(device: GPUDevice, clocks: Sequence[int], busy: Callable[[]
     reset_s = time.perf_counter() - t0
     applied = sorted(float(r["applied_s"]) for r in rows if r["applied_s"] is not None)
     calls = sorted(float(r["call_s"]) for r in rows)
-    return {"clocks": rows, "locked_ok": sum(r["read_mhz"] == r["mhz"] for r in rows), "tried": len(rows),
-            "call_s_median": calls[len(calls) // 2] if calls else None,
-            "applied_s_median": applied[len(applied) // 2] if applied else None,
-            "applied_s_max": applied[-1] if applied else None, "reset_s": reset_s,
-            "after_reset_mhz": device.sm_clock_mhz()}
+    return {
+        "clocks": rows,
+        "locked_ok": sum(r["read_mhz"] == r["mhz"] for r in rows),
+        "tried": len(rows),
+        "call_s_median": calls[len(calls) // 2] if calls else None,
+        "applied_s_median": applied[len(applied) // 2] if applied else None,
+        "applied_s_max": applied[-1] if applied else None,
+        "reset_s": reset_s,
+        "after_reset_mhz": device.sm_clock_mhz(),
+    }
 
 
 def open_for_validation(index: int, backend: str | None, gpu: str | None, read_only: bool) -> GPUDevice:

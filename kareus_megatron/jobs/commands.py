@@ -95,20 +95,36 @@ def model_args(m: ModelShape) -> list[str]:
     """
     missing = m.unknown_fields()
     if missing:
-        raise PlanError(f"the plan does not record the model's {', '.join(missing)} (written by an older kareus); "
-                        "regenerate it with kareus plan")
+        raise PlanError(
+            f"the plan does not record the model's {', '.join(missing)} (written by an older kareus); "
+            "regenerate it with kareus plan"
+        )
     assert m.activation and m.normalization and m.position_embedding and m.precision and m.kv_channels  # known
     if m.activation not in ACTIVATION_FLAGS:
-        raise InfeasibleConfigError(f"model {m.name}: Megatron-LM has no flag for the {m.activation} activation; "
-                                    f"use one of {', '.join(ACTIVATION_FLAGS)}")
+        raise InfeasibleConfigError(
+            f"model {m.name}: Megatron-LM has no flag for the {m.activation} activation; "
+            f"use one of {', '.join(ACTIVATION_FLAGS)}"
+        )
     if m.position_embedding not in POSITION_EMBEDDING:
-        raise InfeasibleConfigError(f"model {m.name}: megatron-core has no {m.position_embedding} position "
-                                    f"embedding; use one of {', '.join(POSITION_EMBEDDING)}")
+        raise InfeasibleConfigError(
+            f"model {m.name}: megatron-core has no {m.position_embedding} position "
+            f"embedding; use one of {', '.join(POSITION_EMBEDDING)}"
+        )
     if m.precision not in PRECISION_FLAGS:
-        raise InfeasibleConfigError(f"precision {m.precision}: Megatron-LM has no switch for it; plan with "
-                                    f"--precision one of {', '.join(PRECISION_FLAGS)}")
-    a = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-         "--num-attention-heads", str(m.num_attention_heads), "--ffn-hidden-size", str(m.ffn_hidden_size)]
+        raise InfeasibleConfigError(
+            f"precision {m.precision}: Megatron-LM has no switch for it; plan with "
+            f"--precision one of {', '.join(PRECISION_FLAGS)}"
+        )
+    a = [
+        "--num-layers",
+        str(m.num_layers),
+        "--hidden-size",
+        str(m.hidden_size),
+        "--num-attention-heads",
+        str(m.num_attention_heads),
+        "--ffn-hidden-size",
+        str(m.ffn_hidden_size),
+    ]
     if m.num_query_groups != m.num_attention_heads:
         a += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
     a += ["--kv-channels", str(m.kv_channels), *ACTIVATION_FLAGS[m.activation]]
@@ -116,8 +132,12 @@ def model_args(m: ModelShape) -> list[str]:
         a += ["--disable-bias-linear", *(["--add-qkv-bias"] if m.qkv_bias else [])]
     if not m.tied_embeddings:
         a += ["--untie-embeddings-and-output-weights"]
-    a += ["--normalization", NORMALIZATION[m.normalization],
-          "--position-embedding-type", POSITION_EMBEDDING[m.position_embedding]]
+    a += [
+        "--normalization",
+        NORMALIZATION[m.normalization],
+        "--position-embedding-type",
+        POSITION_EMBEDDING[m.position_embedding],
+    ]
     if m.qk_norm:
         a += ["--qk-layernorm"]
     return a + list(PRECISION_FLAGS[m.precision])
@@ -134,25 +154,55 @@ def megatron_args(plan: Plan, *, train_iters: int) -> list[str]:
         raise PlanError("the plan has no model shape; regenerate it with kareus plan --model")
     m, par = plan.model, plan.parallel
     model = model_args(m)
-    a = ["--tensor-model-parallel-size", str(par.tp), "--context-parallel-size", str(par.cp),
-         "--pipeline-model-parallel-size", str(par.pp)]
+    a = [
+        "--tensor-model-parallel-size",
+        str(par.tp),
+        "--context-parallel-size",
+        str(par.cp),
+        "--pipeline-model-parallel-size",
+        str(par.pp),
+    ]
     if par.vp > 1:
         a += ["--num-virtual-stages-per-pipeline-rank", str(par.vp)]
     a += _pipeline_layer_args(par.layers_per_stage, m.num_layers)
     if par.sequence_parallel:
         a += ["--sequence-parallel"]
     a += model
-    a += ["--seq-length", str(par.seq_length), "--max-position-embeddings", str(par.seq_length),
-          "--micro-batch-size", str(par.micro_batch_size),
-          "--global-batch-size", str(par.micro_batch_size * par.num_microbatches * par.dp)]
+    a += [
+        "--seq-length",
+        str(par.seq_length),
+        "--max-position-embeddings",
+        str(par.seq_length),
+        "--micro-batch-size",
+        str(par.micro_batch_size),
+        "--global-batch-size",
+        str(par.micro_batch_size * par.num_microbatches * par.dp),
+    ]
     if par.recompute == "full":
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif par.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
-    a += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size - 1),
-          "--make-vocab-size-divisible-by", "1", "--train-iters", str(train_iters),
-          "--lr", "1.0e-5", "--lr-decay-style", "constant", "--log-interval", "1",
-          "--eval-iters", "0", "--eval-interval", str(train_iters + 1)]
+    a += [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(m.vocab_size - 1),
+        "--make-vocab-size-divisible-by",
+        "1",
+        "--train-iters",
+        str(train_iters),
+        "--lr",
+        "1.0e-5",
+        "--lr-decay-style",
+        "constant",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        str(train_iters + 1),
+    ]
     return a
 
 
@@ -168,19 +218,42 @@ def check_job_fits(plan: Plan, job: JobSpec) -> None:
 
 def torchrun_prefix(job: JobSpec, run_name: str) -> list[str]:
     """torchrun with c10d rendezvous (one rendezvous id per run); the same command runs on every node."""
-    return ["torchrun", "--nnodes", str(job.nodes), "--nproc-per-node", str(job.gpus_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.master_addr}:{job.master_port}",
-            "--rdzv-id", f"{job.rdzv_id}-{run_name}"]
+    return [
+        "torchrun",
+        "--nnodes",
+        str(job.nodes),
+        "--nproc-per-node",
+        str(job.gpus_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{job.master_addr}:{job.master_port}",
+        "--rdzv-id",
+        f"{job.rdzv_id}-{run_name}",
+    ]
 
 
 def srun_prefix(job: JobSpec) -> list[str]:
     """srun starting one torchrun per node of the allocation (pyxis container flags when set)."""
-    cmd = ["srun", "--nodes", str(job.nodes), "--ntasks-per-node", "1", "--gpus-per-node", str(job.gpus_per_node),
-           "--kill-on-bad-exit=1"]
+    cmd = [
+        "srun",
+        "--nodes",
+        str(job.nodes),
+        "--ntasks-per-node",
+        "1",
+        "--gpus-per-node",
+        str(job.gpus_per_node),
+        "--kill-on-bad-exit=1",
+    ]
     if job.container_image:
-        cmd += ["--container-image", job.container_image,
-                "--container-mounts", job.container_mounts or f"{job.workdir}:{job.workdir}",
-                "--container-workdir", job.workdir]
+        cmd += [
+            "--container-image",
+            job.container_image,
+            "--container-mounts",
+            job.container_mounts or f"{job.workdir}:{job.workdir}",
+            "--container-workdir",
+            job.workdir,
+        ]
     return cmd
 
 
@@ -222,9 +295,11 @@ def run_command(
     needs = None
     if plan.framework == FRAMEWORK_DEEPSPEED:
         if script is None:
-            raise ConfigError("a DeepSpeed plan needs --script: your DeepSpeed training script "
-                              "(it calls kareus_megatron.deepspeed.install_from_env() or reads a 'kareus' "
-                              "config section)")
+            raise ConfigError(
+                "a DeepSpeed plan needs --script: your DeepSpeed training script "
+                "(it calls kareus_megatron.deepspeed.install_from_env() or reads a 'kareus' "
+                "config section)"
+            )
         env["KAREUS_LOG"] = str(log_file)
         if controlled:
             env["KAREUS_PLAN"] = str(point.plan_path)
@@ -233,13 +308,22 @@ def run_command(
         # The megatron plan holds the max clock everywhere; with --kareus-on-error warn a job without clock
         # permission still runs (at the driver's default clocks) and is measured.
         env.update(required_environment(plan))  # CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP (plan/environment.py)
-        kareus = ["--kareus-plan", str(point.plan_path), *([] if controlled else ["--kareus-on-error", "warn"]),
-                  "--kareus-log", str(log_file)]
+        kareus = [
+            "--kareus-plan",
+            str(point.plan_path),
+            *([] if controlled else ["--kareus-on-error", "warn"]),
+            "--kareus-log",
+            str(log_file),
+        ]
         in_container = launcher == "slurm" and job.container_image
         launch_dir = Path(job.container_launch_dir) if in_container else job.launch_dir
         if script is None:
-            program = [str(launch_dir / "pretrain_gpt.py"), *megatron_args(plan, train_iters=train_iters),
-                       *kareus, *extra_args]
+            program = [
+                str(launch_dir / "pretrain_gpt.py"),
+                *megatron_args(plan, train_iters=train_iters),
+                *kareus,
+                *extra_args,
+            ]
             needs = None if in_container else launch_dir / "pretrain_gpt.py"
         else:  # any megatron-core script, through the runtime's generic launcher
             program = ["-m", "kareus_megatron.launch", *kareus, "--", script, *extra_args]

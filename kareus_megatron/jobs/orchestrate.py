@@ -75,8 +75,10 @@ def with_plan_shape(launch: Launch) -> Launch:
     doc = read_frontier(launch.plan_dir)
     method = next((m for m, v in doc["methods"].items() if v.get("points")), None)
     if method is None:
-        raise ConfigError(f"{launch.plan_dir}/{FRONTIER_FILE} holds no plans to read the job's nodes from; "
-                          "pass --nodes and --gpus-per-node")
+        raise ConfigError(
+            f"{launch.plan_dir}/{FRONTIER_FILE} holds no plans to read the job's nodes from; "
+            "pass --nodes and --gpus-per-node"
+        )
     par = load_plan(select_frontier_points(launch.plan_dir, 0, method=method, flag="--point")[0].plan_path).parallel
     world = par.nodes * par.gpus_per_node
     nodes, per = launch.nodes, launch.gpus_per_node
@@ -114,19 +116,37 @@ def execute_training(argv: list[str], env: dict[str, str] | None = None) -> None
 def sbatch_command(launch: Launch) -> list[str]:
     """Resubmit this very invocation inside an allocation of the job's size."""
     passthrough = [a for a in launch.argv if a != "--dry-run"]
-    return ["sbatch", "--nodes", str(launch.job.nodes), "--gpus-per-node", str(launch.job.gpus_per_node),
-            "--job-name", f"kareus-{launch.command}", str(launch.job.launch_dir / "slurm.sbatch"), *passthrough]
+    return [
+        "sbatch",
+        "--nodes",
+        str(launch.job.nodes),
+        "--gpus-per-node",
+        str(launch.job.gpus_per_node),
+        "--job-name",
+        f"kareus-{launch.command}",
+        str(launch.job.launch_dir / "slurm.sbatch"),
+        *passthrough,
+    ]
 
 
 def run_commands(launch: Launch, methods: list[str | None], default_point: str) -> list[RunCommand]:
     """The commands of every selected point of `methods`, in order."""
     cmds = []
     for method in methods:
-        for point in select_frontier_points(launch.plan_dir, launch.point or default_point, method=method,
-                                            allow_all=True, flag="--point"):
-            cmds.append(run_command(point, launch.job, launch.log_dir, launcher=launch.launcher,
-                                    train_iters=launch.train_iters, script=launch.script,
-                                    extra_args=launch.extra_args))
+        for point in select_frontier_points(
+            launch.plan_dir, launch.point or default_point, method=method, allow_all=True, flag="--point"
+        ):
+            cmds.append(
+                run_command(
+                    point,
+                    launch.job,
+                    launch.log_dir,
+                    launcher=launch.launcher,
+                    train_iters=launch.train_iters,
+                    script=launch.script,
+                    extra_args=launch.extra_args,
+                )
+            )
     return cmds
 
 
@@ -136,13 +156,17 @@ def start(cmds: list[RunCommand], launch: Launch, say: Say = _say) -> None:
     if not launch.dry_run:
         missing = next((c.needs for c in cmds if c.needs is not None and not c.needs.is_file()), None)
         if missing is not None:
-            raise ConfigError(f"{missing} does not exist; set KAREUS_LAUNCH_DIR to the launch/ directory of a "
-                              "kareus-megatron checkout, or pass --script")
+            raise ConfigError(
+                f"{missing} does not exist; set KAREUS_LAUNCH_DIR to the launch/ directory of a "
+                "kareus-megatron checkout, or pass --script"
+            )
     if keeper:
         old = [c.log_dir / MEASUREMENT_FILE for c in cmds if (c.log_dir / MEASUREMENT_FILE).exists()]
         if old and not launch.overwrite:
-            raise KareusError(f"{old[0]} exists ({len(old)} earlier log(s) in {launch.log_dir}); a run does not "
-                              "write over a log, so choose a new --log-dir or pass --overwrite")
+            raise KareusError(
+                f"{old[0]} exists ({len(old)} earlier log(s) in {launch.log_dir}); a run does not "
+                "write over a log, so choose a new --log-dir or pass --overwrite"
+            )
     for c in cmds:
         say(f"+ {c.shell()}")
         if launch.dry_run:
@@ -162,8 +186,10 @@ def _comparison(launch: Launch, say: Say) -> int:
     cli = kareus_cli()
     if not (Path(launch.plan_dir) / FRONTIER_FILE).exists():
         if launch.node_rank != 0:
-            raise KareusError(f"{launch.plan_dir}/{FRONTIER_FILE} does not exist; plan on node rank 0 first "
-                              "(or run this comparison there first)")
+            raise KareusError(
+                f"{launch.plan_dir}/{FRONTIER_FILE} does not exist; plan on node rank 0 first "
+                "(or run this comparison there first)"
+            )
         plan_cmd = ["plan", "--out", launch.plan_dir, *launch.plan_args]
         say(f"+ {shlex.join(['kareus', *plan_cmd])}")
         if launch.dry_run:
@@ -177,8 +203,10 @@ def _comparison(launch: Launch, say: Say) -> int:
         # kareus plan --framework deepspeed no longer plans it; an older frontier may still hold its points
         if NANOBATCH_PERSEUS in present:
             present.remove(NANOBATCH_PERSEUS)
-        say(f"# {NANOBATCH_PERSEUS} skipped: DeepSpeed runs microbatches whole (no nanobatch overlap engine); "
-            "its kareus plans set clocks only")
+        say(
+            f"# {NANOBATCH_PERSEUS} skipped: DeepSpeed runs microbatches whole (no nanobatch overlap engine); "
+            "its kareus plans set clocks only"
+        )
     start(run_commands(launch, list(present), ALL), launch, say)
     if launch.node_rank != 0:
         return 0
@@ -197,8 +225,10 @@ def launch_jobs(launch: Launch, say: Say = _say) -> int:
         launch = with_plan_shape(launch)
     elif launch.nodes is None or launch.gpus_per_node is None:
         if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
-            raise ConfigError(f"{launch.plan_dir} has no plans yet to read the job's nodes from; pass --nodes and "
-                              "--gpus-per-node for the allocation")
+            raise ConfigError(
+                f"{launch.plan_dir} has no plans yet to read the job's nodes from; pass --nodes and "
+                "--gpus-per-node for the allocation"
+            )
     if launch.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
         sb = sbatch_command(launch)
         say(f"+ {shlex.join(sb)}")

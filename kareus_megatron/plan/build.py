@@ -57,22 +57,41 @@ def model_shape(model: Any, precision: str | None = None) -> ModelShape:
     """The plan's record of the model (a workload ModelSpec): shape, architecture and training `precision`
     (None: not recorded)."""
     return ModelShape(
-        name=model.name, num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-        ffn_hidden_size=model.ffn_hidden_size, vocab_size=model.vocab_size,
-        activation=model.activation, normalization=model.norm, position_embedding=model.position,
-        kv_channels=model.kv_channels, bias_linear=model.bias_linear, qkv_bias=model.has_qkv_bias,
-        tied_embeddings=model.tied_embeddings, qk_norm=model.qk_norm, precision=precision,
+        name=model.name,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        vocab_size=model.vocab_size,
+        activation=model.activation,
+        normalization=model.norm,
+        position_embedding=model.position,
+        kv_channels=model.kv_channels,
+        bias_linear=model.bias_linear,
+        qkv_bias=model.has_qkv_bias,
+        tied_embeddings=model.tied_embeddings,
+        qk_norm=model.qk_norm,
+        precision=precision,
     )
 
 
 def parallel_layout(par: Any, schedule: ScheduleName) -> ParallelLayout:
     """The plan's record of the parallel layout and pipeline schedule."""
     return ParallelLayout(
-        tp=par.tp, cp=par.cp, pp=par.pp, vp=par.vp, dp=par.dp, sequence_parallel=par.sequence_parallel,
-        micro_batch_size=par.micro_batch_size, seq_length=par.seq_length,
-        num_microbatches=par.num_microbatches, recompute=par.recompute,
-        layers_per_stage=tuple(par.layers_per_stage), nodes=par.nodes, gpus_per_node=par.gpus_per_node,
+        tp=par.tp,
+        cp=par.cp,
+        pp=par.pp,
+        vp=par.vp,
+        dp=par.dp,
+        sequence_parallel=par.sequence_parallel,
+        micro_batch_size=par.micro_batch_size,
+        seq_length=par.seq_length,
+        num_microbatches=par.num_microbatches,
+        recompute=par.recompute,
+        layers_per_stage=tuple(par.layers_per_stage),
+        nodes=par.nodes,
+        gpus_per_node=par.gpus_per_node,
         schedule=schedule,
     )
 
@@ -89,7 +108,11 @@ def config_dict(result: PlanningResult, memory: dict[str, Any] | None = None) ->
         "calibration_sha256": result.calibration_sha256,
         "framework": FRAMEWORK_OF_SCHEDULE[result.schedule],
         "schedule": result.schedule,
-        "tp": par.tp, "cp": par.cp, "pp": par.pp, "vp": par.vp, "dp": par.dp,
+        "tp": par.tp,
+        "cp": par.cp,
+        "pp": par.pp,
+        "vp": par.vp,
+        "dp": par.dp,
         "sequence_parallel": par.sequence_parallel,
         "micro_batch_size": par.micro_batch_size,
         "seq_length": par.seq_length,
@@ -147,11 +170,13 @@ def assemble_plan(
         model=model,
         parallel=parallel,
         power_floor_w=None if power_floor_w is None else float(power_floor_w),
-        predicted=Predicted(iteration_time_s=float(time_s), iteration_energy_j=float(energy_j),
-                            power=None if power is None else PowerPrediction(**power),
-                            iteration_time_s_band=None if bands is None else (float(bands[0][0]), float(bands[0][1])),
-                            iteration_energy_j_band=None if bands is None else (float(bands[1][0]),
-                                                                                float(bands[1][1]))),
+        predicted=Predicted(
+            iteration_time_s=float(time_s),
+            iteration_energy_j=float(energy_j),
+            power=None if power is None else PowerPrediction(**power),
+            iteration_time_s_band=None if bands is None else (float(bands[0][0]), float(bands[0][1])),
+            iteration_energy_j_band=None if bands is None else (float(bands[1][0]), float(bands[1][1])),
+        ),
         stages=tuple(StagePlan(pp_rank=r, instructions=tuple(ins)) for r, ins in enumerate(ranks)),
         cross_layer=True if cross_layer else None,  # written only when set: other plans stay as they were
         clock_latency_s=None if clock_latency is None else float(clock_latency.latency_s),
@@ -159,8 +184,16 @@ def assemble_plan(
     )
 
 
-def solved_plan(dag: Any, node_opts: Sequence[Any], solved: Any, *, method: MethodName, gpu: str,
-                parallel: ParallelLayout, p_blocked_w: float) -> Plan:
+def solved_plan(
+    dag: Any,
+    node_opts: Sequence[Any],
+    solved: Any,
+    *,
+    method: MethodName,
+    gpu: str,
+    parallel: ParallelLayout,
+    p_blocked_w: float,
+) -> Plan:
     """The clock plan of one point of search.solver.solve_frontier over measured options (``kareus solve``).
 
     `node_opts[i]` holds DAG node i's options (clock_mhz, time_s, energy_j: one GPU); `solved.choice[i]` the
@@ -170,16 +203,30 @@ def solved_plan(dag: Any, node_opts: Sequence[Any], solved: Any, *, method: Meth
         for i in order:
             _, kind, mb, chunk = dag.keys[i]
             o, k = node_opts[i], int(solved.choice[i])
-            ranks[s].append(Instruction(
-                kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]),
-                predicted_time_s=float(o.time_s[k]), predicted_energy_j=float(o.energy_j[k]),
-            ))
-    return assemble_plan(method=method, gpu=gpu, parallel=parallel, time_s=solved.time_s,
-                         energy_j=solved.energy_j, p_blocked_w=p_blocked_w, ranks=ranks)
+            ranks[s].append(
+                Instruction(
+                    kind=kind,
+                    microbatch=mb,
+                    chunk=chunk,
+                    sm_clock_mhz=int(o.clock_mhz[k]),
+                    predicted_time_s=float(o.time_s[k]),
+                    predicted_energy_j=float(o.energy_j[k]),
+                )
+            )
+    return assemble_plan(
+        method=method,
+        gpu=gpu,
+        parallel=parallel,
+        time_s=solved.time_s,
+        energy_j=solved.energy_j,
+        p_blocked_w=p_blocked_w,
+        ranks=ranks,
+    )
 
 
-def plan_power_metrics(result: PlanningResult, timed: list[TimedInstruction], time_s: float,
-                       power_floor_w: float | None = None) -> Any:
+def plan_power_metrics(
+    result: PlanningResult, timed: list[TimedInstruction], time_s: float, power_floor_w: float | None = None
+) -> Any:
     """The power metrics (cost.waveform.PowerMetrics) of a simulated timeline, blocked GPUs at the floor (W)."""
     from kareus_megatron.cost.waveform import power_metrics
     from kareus_megatron.search.plan_power import timeline_parts, waveform_w
@@ -189,7 +236,10 @@ def plan_power_metrics(result: PlanningResult, timed: list[TimedInstruction], ti
 
 
 def build_plan(
-    result: PlanningResult, method: MethodName, index: int, _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None,
+    result: PlanningResult,
+    method: MethodName,
+    index: int,
+    _knobs: dict[Any, dict[str, PartitionKnobs]] | None = None,
     bands: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[Plan, list[TimedInstruction]]:
     """The Plan of frontier plan `index` of `method`, and its simulated timeline; `bands`: its [low, high] time (s)
@@ -209,24 +259,43 @@ def build_plan(
         if nb > 1 and (*key, k) not in knobs:
             parts = o.partitions[k]
             knobs[(*key, k)] = {n: PartitionKnobs(comm_sms=int(s), launch_slot=slot) for n, (s, slot) in parts.items()}
-        ranks[ti.rank].append(Instruction(
-            kind=kind, microbatch=mb, chunk=chunk, sm_clock_mhz=int(o.clock_mhz[k]), nanobatches=nb,
-            partitions=knobs[(*key, k)] if nb > 1 else {},
-            predicted_time_s=float(o.time_s[k]) if lag is None else ti.end_s - ti.start_s,
-            predicted_energy_j=float(o.energy_j[k]) if lag is None else ti.energy_j,
-        ))
+        ranks[ti.rank].append(
+            Instruction(
+                kind=kind,
+                microbatch=mb,
+                chunk=chunk,
+                sm_clock_mhz=int(o.clock_mhz[k]),
+                nanobatches=nb,
+                partitions=knobs[(*key, k)] if nb > 1 else {},
+                predicted_time_s=float(o.time_s[k]) if lag is None else ti.end_s - ti.start_s,
+                predicted_energy_j=float(o.energy_j[k]) if lag is None else ti.energy_j,
+            )
+        )
     floor = getattr(result.methods[method].plans[index], "power_floor_w", None)
-    energy = sim.energy_j + (0.0 if floor is None else  # blocked GPU-seconds held at the floor (W) instead
-                             result.gpus_per_stage * (floor - result.p_blocked_w) * float(sim.idle_s.sum()))
+    energy = sim.energy_j + (
+        0.0
+        if floor is None
+        # blocked GPU-seconds held at the floor (W) instead
+        else result.gpus_per_stage * (floor - result.p_blocked_w) * float(sim.idle_s.sum())
+    )
     power = plan_power_metrics(result, timed, sim.time_s, floor)
-    plan = assemble_plan(method=method, gpu=result.gpu.name, parallel=parallel_layout(result.par, result.schedule),
-                         time_s=sim.time_s, energy_j=energy, p_blocked_w=result.p_blocked_w, ranks=ranks,
-                         power=power.as_dict(), power_floor_w=floor,
-                         model=model_shape(result.model, result.par.precision),
-                         calibration_sha256=result.calibration_sha256,
-                         power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
-                         cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r),
-                         clock_latency=lag, bands=bands)
+    plan = assemble_plan(
+        method=method,
+        gpu=result.gpu.name,
+        parallel=parallel_layout(result.par, result.schedule),
+        time_s=sim.time_s,
+        energy_j=energy,
+        p_blocked_w=result.p_blocked_w,
+        ranks=ranks,
+        power=power.as_dict(),
+        power_floor_w=floor,
+        model=model_shape(result.model, result.par.precision),
+        calibration_sha256=result.calibration_sha256,
+        power_limit_w=getattr(result.methods[method].plans[index], "power_limit_w", None),
+        cross_layer=result.cross_layer and any(i.nanobatches > 1 for r in ranks for i in r),
+        clock_latency=lag,
+        bands=bands,
+    )
     return plan, timed
 
 

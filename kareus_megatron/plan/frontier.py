@@ -70,9 +70,7 @@ def reductions(frontiers: Mapping[str, Sequence[Point]]) -> dict[str, dict[str, 
     return out
 
 
-def frontier_document(
-    config: Mapping[str, Any], methods: Mapping[str, Sequence[Mapping[str, Any]]]
-) -> dict[str, Any]:
+def frontier_document(config: Mapping[str, Any], methods: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
     """Build the kareus-frontier/1 object; `methods[name]` is a list of {time_s, energy_j, plan?}."""
     unknown = set(methods) - set(METHODS)
     if unknown:
@@ -88,8 +86,12 @@ def frontier_document(
     return {"format": FRONTIER_FORMAT, "config": dict(config), "methods": doc_methods, "reductions": red}
 
 
-REDUCTION_KEYS = ("iso_time_energy", "iso_energy_time", "max_throughput_time_vs_megatron",
-                  "max_throughput_energy_vs_megatron")
+REDUCTION_KEYS = (
+    "iso_time_energy",
+    "iso_energy_time",
+    "max_throughput_time_vs_megatron",
+    "max_throughput_energy_vs_megatron",
+)
 Draws = Callable[[str, int], tuple[np.ndarray, np.ndarray]]  # (method, frontier index) -> (time s, energy J) per draw
 
 
@@ -98,27 +100,29 @@ def band(values: np.ndarray, axis: int = 0) -> np.ndarray:
     return np.percentile(np.asarray(values, dtype=float), BAND_PERCENTILES, axis=axis)
 
 
-def iso_indices(time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: float,
-                ref_energy_j: float) -> tuple[int | None, int | None]:
+def iso_indices(
+    time_s: np.ndarray, energy_j: np.ndarray, ref_time_s: float, ref_energy_j: float
+) -> tuple[int | None, int | None]:
     """(least-energy point with T <= ref_time_s, fastest point with E <= ref_energy_j), within ISO_REL_TOL; None
     where there is none. The points reductions() reads, on a time-sorted frontier."""
     t, e = np.asarray(time_s, float), np.asarray(energy_j, float)
     ok_t = np.flatnonzero(t <= ref_time_s * (1 + ISO_REL_TOL))
     ok_e = np.flatnonzero(e <= ref_energy_j * (1 + ISO_REL_TOL))
-    return (int(ok_t[np.argmin(e[ok_t])]) if ok_t.size else None,
-            int(ok_e[np.argmin(t[ok_e])]) if ok_e.size else None)
+    return (int(ok_t[np.argmin(e[ok_t])]) if ok_t.size else None, int(ok_e[np.argmin(t[ok_e])]) if ok_e.size else None)
 
 
 def decision_indices(frontiers: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, set[int]]:
     """Per method, the frontier indices (time-sorted (time s, energy J) arrays) that decide its reductions."""
     tp, ep = frontiers[PERSEUS]
     ref_t, ref_e = float(tp[0]), float(np.min(ep))
-    return {name: {0, *(i for i in iso_indices(t, e, ref_t, ref_e) if i is not None)}
-            for name, (t, e) in frontiers.items()}
+    return {
+        name: {0, *(i for i in iso_indices(t, e, ref_t, ref_e) if i is not None)} for name, (t, e) in frontiers.items()
+    }
 
 
-def reduction_bands(frontiers: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                    draws: Draws) -> dict[str, dict[str, list[float] | None]]:
+def reduction_bands(
+    frontiers: Mapping[str, tuple[np.ndarray, np.ndarray]], draws: Draws
+) -> dict[str, dict[str, list[float] | None]]:
     """Every reduction's [5th, 95th] percentile over the draws, the plans fixed at those reductions() picks.
 
     `frontiers[name]`: the whole time-sorted frontier (time s, energy J); `draws(name, index)` that plan's time

@@ -52,8 +52,14 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
 def plan_sha256(plan: Plan) -> str:
     """Content hash of a plan (hex), stable across key order."""
     data = plan.model_dump(mode="json")
-    for key in ("p_blocked_w", "power_limit_w", "cross_layer", "power_floor_w", "clock_latency_s",
-                "min_clock_segment_s"):  # a plan without it hashes as
+    for key in (
+        "p_blocked_w",
+        "power_limit_w",
+        "cross_layer",
+        "power_floor_w",
+        "clock_latency_s",
+        "min_clock_segment_s",
+    ):  # a plan without it hashes as
         if data.get(key) is None:  # before the field existed
             data.pop(key, None)
     if (data.get("predicted") or {}).get("power", 0) is None:  # likewise the predicted power metrics
@@ -107,11 +113,15 @@ def check_output_dir(out: Path) -> None:
     check_writable_location(out, "--out", directory=True)  # under a file, in /proc, no permission
     here = Path.cwd().resolve()
     if out.resolve() == here or out.resolve() in here.parents:
-        raise ConfigError(f"--out {out} is the current directory or above it; the output directory is "
-                          "replaced as a whole, so name a subdirectory (e.g. --out kareus-out).")
+        raise ConfigError(
+            f"--out {out} is the current directory or above it; the output directory is "
+            "replaced as a whole, so name a subdirectory (e.g. --out kareus-out)."
+        )
     if out.is_dir() and any(out.iterdir()) and not (out / "frontier.json").is_file():
-        raise ConfigError(f"--out {out} is a non-empty directory that is not a kareus output (no frontier.json); "
-                          "choose an empty or new directory.")
+        raise ConfigError(
+            f"--out {out} is a non-empty directory that is not a kareus output (no frontier.json); "
+            "choose an empty or new directory."
+        )
 
 
 @contextlib.contextmanager

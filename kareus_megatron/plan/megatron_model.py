@@ -38,7 +38,10 @@ NORMALIZATION: Final[dict[str, str]] = {"layernorm": "LayerNorm", "rmsnorm": "RM
 POSITION_EMBEDDING: Final[dict[str, str]] = {"learned": "learned_absolute", "rope": "rope"}
 # our precision -> Megatron-LM flags
 PRECISION_FLAGS: Final[dict[str, tuple[str, ...]]] = {
-    "bf16": ("--bf16",), "fp16": ("--fp16",), "fp32": (), "fp8": ("--bf16", "--fp8-format", "hybrid"),
+    "bf16": ("--bf16",),
+    "fp16": ("--fp16",),
+    "fp32": (),
+    "fp8": ("--bf16", "--fp8-format", "hybrid"),
 }
 FP8_RECIPE: Final = "hybrid"  # the fp8 format the generated command asks for (E4M3 forward, E5M2 gradients)
 
@@ -109,9 +112,13 @@ def live_architecture(config: Any, gpt: Any, fp32_matmul: str) -> dict[str, Any]
     if isinstance(getattr(config, "qk_layernorm", None), bool):
         out["qk_norm"] = config.qk_layernorm
     if has("bf16") and has("fp16"):
-        out["precision"] = live_precision(fp8=getattr(config, "fp8", None), bf16=bool(config.bf16),
-                                          fp16=bool(config.fp16), params_dtype=str(getattr(config, "params_dtype", "")),
-                                          fp32_matmul=fp32_matmul)
+        out["precision"] = live_precision(
+            fp8=getattr(config, "fp8", None),
+            bf16=bool(config.bf16),
+            fp16=bool(config.fp16),
+            params_dtype=str(getattr(config, "params_dtype", "")),
+            fp32_matmul=fp32_matmul,
+        )
     position = getattr(gpt, "position_embedding_type", None)
     if isinstance(position, str):
         out["position_embedding"] = live_position_embedding(position)

@@ -72,13 +72,16 @@ def _high(p: FrontierPoint, robust: bool) -> tuple[float, float]:
     if not robust:
         return p.time_s, p.energy_j
     if p.time_s_band is None or p.energy_j_band is None:
-        raise ObjectiveError(f"--robust needs prediction bands, but point {p.run_name} has none; plan again with "
-                             "kareus plan (bands on: leave out --band-samples 0)")
+        raise ObjectiveError(
+            f"--robust needs prediction bands, but point {p.run_name} has none; plan again with "
+            "kareus plan (bands on: leave out --band-samples 0)"
+        )
     return p.time_s_band[1], p.energy_j_band[1]
 
 
-def select_point(points: Sequence[FrontierPoint], objective: Objective, reference_time_s: float | None = None,
-                 robust: bool = False) -> FrontierPoint:
+def select_point(
+    points: Sequence[FrontierPoint], objective: Objective, reference_time_s: float | None = None, robust: bool = False
+) -> FrontierPoint:
     """The point of `points` (one method's frontier) that meets `objective` best.
 
     `reference_time_s`: the max-clock plan's predicted time (s), needed by iso-time: with `robust`, the high end
@@ -102,14 +105,17 @@ def select_point(points: Sequence[FrontierPoint], objective: Objective, referenc
         if not ok:
             fastest = min(high[id(p)][0] for p in points)
             what = "the fastest 95th-percentile time is" if robust else "the fastest is"
-            raise ObjectiveError(f"objective {objective}: no plan is as fast as {bound:.6g} s per iteration; "
-                                 f"{what} {fastest:.6g} s")
+            raise ObjectiveError(
+                f"objective {objective}: no plan is as fast as {bound:.6g} s per iteration; {what} {fastest:.6g} s"
+            )
         return min(ok, key=lambda p: (p.energy_j, p.time_s))
     assert kind == ENERGY and objective.bound is not None
     ok = [p for p in points if high[id(p)][1] <= objective.bound]
     if not ok:
         least = min(high[id(p)][1] for p in points)
         what = "the least 95th-percentile energy is" if robust else "the least is"
-        raise ObjectiveError(f"objective {objective}: no plan uses as little as {objective.bound:.6g} J per "
-                             f"iteration; {what} {least:.6g} J")
+        raise ObjectiveError(
+            f"objective {objective}: no plan uses as little as {objective.bound:.6g} J per "
+            f"iteration; {what} {least:.6g} J"
+        )
     return min(ok, key=lambda p: (p.time_s, p.energy_j))

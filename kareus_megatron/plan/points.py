@@ -73,8 +73,10 @@ class FrontierPoint:
 
 
 def _syntax(allow_all: bool) -> str:
-    return ("NN (e.g. 03), METHOD-NN (e.g. perseus-03), iso-time, fastest, min-energy, METHOD-iso-time, "
-            "METHOD-fastest, METHOD-min-energy" + (", all or METHOD-all" if allow_all else ""))
+    return (
+        "NN (e.g. 03), METHOD-NN (e.g. perseus-03), iso-time, fastest, min-energy, METHOD-iso-time, "
+        "METHOD-fastest, METHOD-min-energy" + (", all or METHOD-all" if allow_all else "")
+    )
 
 
 def parse_point(text: str | int, *, allow_all: bool = False, flag: str = "point") -> PointSpec:
@@ -126,16 +128,25 @@ def read_frontier(plan_dir: str | os.PathLike[str]) -> dict[str, Any]:
         if not isinstance(pts, list):
             raise PlanError(f"{path}: method {name!r} needs a 'points' list")
         for i, p in enumerate(pts):
-            if not (isinstance(p, dict) and _number(p.get("time_s")) and _number(p.get("energy_j"))
-                    and isinstance(p.get("plan", ""), str)):
-                raise PlanError(f"{path}: point {i:02d} of {name} needs finite time_s and energy_j >= 0 "
-                                "(and 'plan' a path, when given)")
+            if not (
+                isinstance(p, dict)
+                and _number(p.get("time_s"))
+                and _number(p.get("energy_j"))
+                and isinstance(p.get("plan", ""), str)
+            ):
+                raise PlanError(
+                    f"{path}: point {i:02d} of {name} needs finite time_s and energy_j >= 0 "
+                    "(and 'plan' a path, when given)"
+                )
             for key in ("time_s_band", "energy_j_band"):
                 b = p.get(key)
-                if b is not None and not (isinstance(b, list) and len(b) == 2 and all(_number(x) for x in b)
-                                          and b[0] <= b[1]):
-                    raise PlanError(f"{path}: point {i:02d} of {name}: {key} must be [low, high], finite, "
-                                    "0 <= low <= high; regenerate it with kareus plan")
+                if b is not None and not (
+                    isinstance(b, list) and len(b) == 2 and all(_number(x) for x in b) and b[0] <= b[1]
+                ):
+                    raise PlanError(
+                        f"{path}: point {i:02d} of {name}: {key} must be [low, high], finite, "
+                        "0 <= low <= high; regenerate it with kareus plan"
+                    )
     return doc
 
 
@@ -146,10 +157,15 @@ def _band(point: dict[str, Any], key: str) -> tuple[float, float] | None:
 
 def frontier_point(method: str, index: int, plan_dir: str | os.PathLike[str], point: dict[str, Any]) -> FrontierPoint:
     """The FrontierPoint of `point`, entry `index` of `method` in DIR/frontier.json (bands where it has them)."""
-    return FrontierPoint(method=method, index=index, plan_path=Path(plan_dir) / (point.get("plan") or
-                                                                                plan_relpath(method, index)),
-                         time_s=float(point["time_s"]), energy_j=float(point["energy_j"]),
-                         time_s_band=_band(point, "time_s_band"), energy_j_band=_band(point, "energy_j_band"))
+    return FrontierPoint(
+        method=method,
+        index=index,
+        plan_path=Path(plan_dir) / (point.get("plan") or plan_relpath(method, index)),
+        time_s=float(point["time_s"]),
+        energy_j=float(point["energy_j"]),
+        time_s_band=_band(point, "time_s_band"),
+        energy_j_band=_band(point, "energy_j_band"),
+    )
 
 
 def reference_time_s(doc: dict[str, Any], points: list[dict[str, Any]]) -> float:
@@ -168,8 +184,9 @@ def iso_time_index(points: list[dict[str, Any]], ref_time_s: float) -> int:
 
 def _method_of(spec: PointSpec, method: str | None, doc: dict[str, Any], text: str, flag: str) -> str:
     if spec.method and method and spec.method != method:
-        raise ConfigError(f"{flag} {text} names method {spec.method} but method {method} was asked for; "
-                          f"drop one of them")
+        raise ConfigError(
+            f"{flag} {text} names method {spec.method} but method {method} was asked for; drop one of them"
+        )
     if spec.method or method:
         return spec.method or method  # type: ignore[return-value]
     have = [m for m, e in doc["methods"].items() if e["points"]]
@@ -209,32 +226,46 @@ def select_frontier_points(
     elif isinstance(spec.which, int) and spec.which < len(pts):
         chosen = [spec.which]
     else:
-        raise ConfigError(f"{flag} {text}: point {spec.which:02d} does not exist; {name} has points "
-                          f"00..{len(pts) - 1:02d} in {frontier}")
+        raise ConfigError(
+            f"{flag} {text}: point {spec.which:02d} does not exist; {name} has points "
+            f"00..{len(pts) - 1:02d} in {frontier}"
+        )
     return [frontier_point(name, i, plan_dir, pts[i]) for i in chosen]
 
 
-def resolve_point(plan_dir: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None,
-                  flag: str = "point") -> FrontierPoint:
+def resolve_point(
+    plan_dir: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None, flag: str = "point"
+) -> FrontierPoint:
     """The one point of DIR's frontier that `point` (default DEFAULT_POINT) names; 'all' is refused."""
     return select_frontier_points(plan_dir, point, method=method, flag=flag)[0]
 
 
-def load_point_plan(path: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None,
-                    flag: str = "point", path_flag: str = "plan") -> tuple[Plan, str]:
+def load_point_plan(
+    path: str | os.PathLike[str],
+    point: str | int | None = None,
+    *,
+    method: str | None = None,
+    flag: str = "point",
+    path_flag: str = "plan",
+) -> tuple[Plan, str]:
     """Load a plan file, or the plan that `point` names in a plan directory; return it and its file path."""
     p = Path(path)
     if p.is_file():
         if point is not None or method is not None:
             what = f"{flag} {point}" if point is not None else f"method {method}"
-            raise ConfigError(f"{what} needs {path_flag} to be a `kareus plan` directory, but {p} is a file; "
-                              f"drop {flag} or pass the directory")
+            raise ConfigError(
+                f"{what} needs {path_flag} to be a `kareus plan` directory, but {p} is a file; "
+                f"drop {flag} or pass the directory"
+            )
         return load_plan(p), str(p)
     if not p.is_dir():
-        raise PlanError(f"{path_flag} {p}: no such file or directory; pass a plan file or a kareus plan "
-                        "output directory")
+        raise PlanError(
+            f"{path_flag} {p}: no such file or directory; pass a plan file or a kareus plan output directory"
+        )
     if not (p / FRONTIER_FILE).is_file():
-        raise PlanError(f"{path_flag} {p} is a directory without {FRONTIER_FILE}; pass a plan file or the "
-                        "--out directory of kareus plan")
+        raise PlanError(
+            f"{path_flag} {p} is a directory without {FRONTIER_FILE}; pass a plan file or the "
+            "--out directory of kareus plan"
+        )
     chosen = resolve_point(p, point, method=method, flag=flag)
     return load_plan(chosen.plan_path), str(chosen.plan_path)

@@ -69,14 +69,17 @@ class ModelShape(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ModelShape:
-        for name, allowed in (("activation", ACTIVATIONS), ("normalization", NORMS),
-                              ("position_embedding", POSITIONS), ("precision", tuple(PRECISION_BYTES))):
+        for name, allowed in (
+            ("activation", ACTIVATIONS),
+            ("normalization", NORMS),
+            ("position_embedding", POSITIONS),
+            ("precision", tuple(PRECISION_BYTES)),
+        ):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ValueError(f"{name} {value!r} is not one of {', '.join(allowed)}")
         if self.bias_linear and self.qkv_bias is False:
-            raise ValueError("qkv_bias is false but bias_linear is true (a bias on every linear layer "
-                             "includes QKV)")
+            raise ValueError("qkv_bias is false but bias_linear is true (a bias on every linear layer includes QKV)")
         return self
 
     def unknown_fields(self) -> list[str]:
@@ -85,8 +88,17 @@ class ModelShape(_Frozen):
 
 
 # The architecture fields of ModelShape that older plans lack (None there = unknown).
-MODEL_RECORD_FIELDS: Final = ("activation", "normalization", "position_embedding", "kv_channels", "bias_linear",
-                              "qkv_bias", "tied_embeddings", "qk_norm", "precision")
+MODEL_RECORD_FIELDS: Final = (
+    "activation",
+    "normalization",
+    "position_embedding",
+    "kv_channels",
+    "bias_linear",
+    "qkv_bias",
+    "tied_embeddings",
+    "qk_norm",
+    "precision",
+)
 
 
 class ParallelLayout(_Frozen):
@@ -183,9 +195,11 @@ class Predicted(_Frozen):
     iteration_energy_j: float = Field(gt=0)
     power: PowerPrediction | None = None
     iteration_time_s_band: Band | None = Field(
-        default=None, description="[low, high] iteration time (s): 5th and 95th percentile over the parameter draws")
+        default=None, description="[low, high] iteration time (s): 5th and 95th percentile over the parameter draws"
+    )
     iteration_energy_j_band: Band | None = Field(
-        default=None, description="[low, high] iteration energy (J): 5th and 95th percentile over the parameter draws")
+        default=None, description="[low, high] iteration energy (J): 5th and 95th percentile over the parameter draws"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Predicted:
@@ -205,32 +219,42 @@ class Plan(_Frozen):
     gpu: str
     calibration_sha256: str | None = None
     p_blocked_w: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False,
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="power (W) of one GPU blocked in the pipeline that the prediction used (None: plans "
-                    "written before it was recorded; reports then take the GPU preset's)",
+        "written before it was recorded; reports then take the GPU preset's)",
     )
     power_limit_w: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False,
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
         description="board power limit (W) of every GPU of the job (method powercap only): the runtime sets "
-                    "it and locks no SM clock; every instruction then carries the maximum SM clock",
+        "it and locks no SM clock; every instruction then carries the maximum SM clock",
     )
     power_floor_w: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False,
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
         description="power (W, one GPU) at which blocked GPUs are held to meet a power bound (kareus plan "
-                    "--max-swing/--max-ramp), as a hardware power floor or a power damper does; its energy "
-                    "is in the prediction (None: no floor; omitted from the file)",
+        "--max-swing/--max-ramp), as a hardware power floor or a power damper does; its energy "
+        "is in the prediction (None: no floor; omitted from the file)",
     )
     clock_latency_s: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False,
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="the clock controller's latency (s) the prediction assumed: a clock change is in force this "
-                    "long after its instruction begins, the previous clock runs until then (GPU preset "
-                    "clock_latency_ms; None: changes at once, or a plan that locks no clock; omitted from the file)",
+        "long after its instruction begins, the previous clock runs until then (GPU preset "
+        "clock_latency_ms; None: changes at once, or a plan that locks no clock; omitted from the file)",
     )
     min_clock_segment_s: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False,
+        default=None,
+        ge=0,
+        allow_inf_nan=False,
         description="shortest clock segment (s of busy time; a maximal run of one rank's instructions at one SM "
-                    "clock, cyclic across iterations) the planner allowed: k x clock_latency_s (search/segments.py; "
-                    "None with clock_latency_s None)",
+        "clock, cyclic across iterations) the planner allowed: k x clock_latency_s (search/segments.py; "
+        "None with clock_latency_s None)",
     )
     model: ModelShape | None = None
     parallel: ParallelLayout
@@ -239,21 +263,25 @@ class Plan(_Frozen):
     cross_layer: bool | None = Field(
         default=None,
         description="the 2-nanobatch instructions were predicted with cross-layer overlap (kareus plan "
-                    "--cross-layer), which the overlap engine runs with and without SP; refused at run time "
-                    "with CP (None: without; omitted from the file)",
+        "--cross-layer), which the overlap engine runs with and without SP; refused at run time "
+        "with CP (None: without; omitted from the file)",
     )
 
     @model_validator(mode="after")
     def _check(self) -> Plan:
         if (self.power_limit_w is not None) != (self.method == POWERCAP):
-            raise ValueError(f"power_limit_w is set exactly for method {POWERCAP} plans (method {self.method}, "
-                             f"power_limit_w {self.power_limit_w})")
+            raise ValueError(
+                f"power_limit_w is set exactly for method {POWERCAP} plans (method {self.method}, "
+                f"power_limit_w {self.power_limit_w})"
+            )
         if self.power_limit_w is not None:
             clocks = {i.sm_clock_mhz for s in self.stages for i in s.instructions}
             nbs = {i.nanobatches for s in self.stages for i in s.instructions}
             if len(clocks) > 1 or nbs - {1}:
-                raise ValueError(f"a {POWERCAP} plan runs every instruction at one (the maximum) SM clock with 1 "
-                                 f"nanobatch; found clocks {sorted(clocks)} MHz, nanobatches {sorted(nbs)}")
+                raise ValueError(
+                    f"a {POWERCAP} plan runs every instruction at one (the maximum) SM clock with 1 "
+                    f"nanobatch; found clocks {sorted(clocks)} MHz, nanobatches {sorted(nbs)}"
+                )
         if (self.clock_latency_s is None) != (self.min_clock_segment_s is None):
             raise ValueError("clock_latency_s and min_clock_segment_s are set together (or neither)")
         if self.clock_latency_s is not None and self.power_limit_w is not None:

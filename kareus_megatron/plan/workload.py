@@ -26,20 +26,35 @@ def plan_model(plan: Plan) -> ModelSpec:
     """The plan's model as a workload ModelSpec (PlanError when the plan records none)."""
     m = plan.model
     if m is None:
-        raise PlanError("the plan records no model shape (written by `kareus solve` from a profile?); "
-                        "plan with `kareus plan` to get one that records its workload.")
+        raise PlanError(
+            "the plan records no model shape (written by `kareus solve` from a profile?); "
+            "plan with `kareus plan` to get one that records its workload."
+        )
     extra: dict[str, Any] = {}
-    for field, key in (("activation", "activation"), ("normalization", "norm"), ("position_embedding", "position"),
-                       ("bias_linear", "bias_linear"), ("qkv_bias", "qkv_bias"),
-                       ("tied_embeddings", "tied_embeddings"), ("qk_norm", "qk_norm")):
+    for field, key in (
+        ("activation", "activation"),
+        ("normalization", "norm"),
+        ("position_embedding", "position"),
+        ("bias_linear", "bias_linear"),
+        ("qkv_bias", "qkv_bias"),
+        ("tied_embeddings", "tied_embeddings"),
+        ("qk_norm", "qk_norm"),
+    ):
         value = getattr(m, field)
         if value is not None:
             extra[key] = value
     if m.kv_channels is not None and m.kv_channels != m.hidden_size // m.num_attention_heads:
         extra["head_dim"] = m.kv_channels
-    return ModelSpec(name=m.name, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                     num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-                     ffn_hidden_size=m.ffn_hidden_size, vocab_size=m.vocab_size, **extra)
+    return ModelSpec(
+        name=m.name,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        vocab_size=m.vocab_size,
+        **extra,
+    )
 
 
 def plan_parallel(plan: Plan) -> ParallelConfig:
@@ -47,10 +62,20 @@ def plan_parallel(plan: Plan) -> ParallelConfig:
     p = plan.parallel
     precision = (plan.model.precision if plan.model is not None else None) or "bf16"
     return ParallelConfig(
-        tp=p.tp, cp=p.cp, pp=p.pp, vp=p.vp, dp=p.dp, sequence_parallel=p.sequence_parallel,
-        micro_batch_size=p.micro_batch_size, seq_length=p.seq_length, num_microbatches=p.num_microbatches,
-        recompute=p.recompute, layers_per_stage=tuple(p.layers_per_stage), nodes=p.nodes,
-        gpus_per_node=p.gpus_per_node, precision=precision,
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        vp=p.vp,
+        dp=p.dp,
+        sequence_parallel=p.sequence_parallel,
+        micro_batch_size=p.micro_batch_size,
+        seq_length=p.seq_length,
+        num_microbatches=p.num_microbatches,
+        recompute=p.recompute,
+        layers_per_stage=tuple(p.layers_per_stage),
+        nodes=p.nodes,
+        gpus_per_node=p.gpus_per_node,
+        precision=precision,
     )
 
 
@@ -70,11 +95,38 @@ def plan_cli_args(plan: Plan, model_file: str | Path) -> list[str]:
     """``kareus plan`` flags for the job `plan` was made for; `model_file` is write_model_file's output."""
     p = plan.parallel
     par = plan_parallel(plan)
-    args = ["--model", str(model_file), "--gpu", plan.gpu, "--framework", plan.framework,
-            "--tp", str(p.tp), "--cp", str(p.cp), "--pp", str(p.pp), "--vp", str(p.vp), "--dp", str(p.dp),
-            "--mbs", str(p.micro_batch_size), "--seq", str(p.seq_length), "--microbatches", str(p.num_microbatches),
-            "--recompute", p.recompute, "--nodes", str(p.nodes), "--gpus-per-node", str(p.gpus_per_node),
-            "--precision", par.precision]
+    args = [
+        "--model",
+        str(model_file),
+        "--gpu",
+        plan.gpu,
+        "--framework",
+        plan.framework,
+        "--tp",
+        str(p.tp),
+        "--cp",
+        str(p.cp),
+        "--pp",
+        str(p.pp),
+        "--vp",
+        str(p.vp),
+        "--dp",
+        str(p.dp),
+        "--mbs",
+        str(p.micro_batch_size),
+        "--seq",
+        str(p.seq_length),
+        "--microbatches",
+        str(p.num_microbatches),
+        "--recompute",
+        p.recompute,
+        "--nodes",
+        str(p.nodes),
+        "--gpus-per-node",
+        str(p.gpus_per_node),
+        "--precision",
+        par.precision,
+    ]
     if p.sequence_parallel:
         args.append("--sp")
     if p.pp > 1:

@@ -59,12 +59,7 @@ def _same_points(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, floa
 
 
 def plot_frontier(
-    doc: Mapping[str, Any],
-    ax: Any,
-    *,
-    curves: Curves | None = None,
-    title: str | None = None,
-    legend: bool = True,
+    doc: Mapping[str, Any], ax: Any, *, curves: Curves | None = None, title: str | None = None, legend: bool = True
 ) -> Any:
     """Draw each method's frontier of a frontier document on `ax`; return `ax`.
 
@@ -92,37 +87,60 @@ def plot_frontier(
         label, colour, marker = METHOD_STYLE.get(name, (name, None, "o"))
         pts, front = fronts[name]
         # a frontier another method's, drawn later, covers exactly: the legend says so (it is not missing)
-        over = [METHOD_STYLE.get(m, (m,))[0] for m in order[k + 1:] if _same_points(front, fronts[m][1])]
+        over = [METHOD_STYLE.get(m, (m,))[0] for m in order[k + 1 :] if _same_points(front, fronts[m][1])]
         suffix = f" (same frontier as {' and '.join(over)}, drawn under it)" if over else ""
         kept = [p for p in pts if any(_same(p, q) for q in front)]
         dominated = [p for p in pts if not any(_same(p, q) for q in front)]
         if len(front) > 1:
-            ax.step([t * tf for t, _ in front], [e * ef for _, e in front], where="post", color=colour, lw=1.0,
-                    alpha=0.7, gid=f"frontier/{name}")
-        ax.scatter([t * tf for t, _ in kept], [e * ef for _, e in kept], color=colour, marker=marker, s=28,
-                   zorder=3, label=f"{label}: {len(pts)} {what if len(pts) != 1 else what[:-1]}{suffix}",
-                   gid=f"points/{name}")
+            ax.step(
+                [t * tf for t, _ in front],
+                [e * ef for _, e in front],
+                where="post",
+                color=colour,
+                lw=1.0,
+                alpha=0.7,
+                gid=f"frontier/{name}",
+            )
+        ax.scatter(
+            [t * tf for t, _ in kept],
+            [e * ef for _, e in kept],
+            color=colour,
+            marker=marker,
+            s=28,
+            zorder=3,
+            label=f"{label}: {len(pts)} {what if len(pts) != 1 else what[:-1]}{suffix}",
+            gid=f"points/{name}",
+        )
         if dominated:
-            ax.scatter([t * tf for t, _ in dominated], [e * ef for _, e in dominated], color=colour, marker=marker,
-                       s=22, alpha=0.25, zorder=2, gid=f"dominated/{name}")
+            ax.scatter(
+                [t * tf for t, _ in dominated],
+                [e * ef for _, e in dominated],
+                color=colour,
+                marker=marker,
+                s=22,
+                alpha=0.25,
+                zorder=2,
+                gid=f"dominated/{name}",
+            )
     ax.set_xlabel(f"iteration time ({tu})")
     ax.set_ylabel(f"GPU energy per iteration, all GPUs ({eu})")
     ax.grid(True, alpha=0.3)
     if legend:
-        ax.legend(fontsize=8, loc="upper right", title="faint: dominated" if any(
-            a.get_gid() and a.get_gid().startswith("dominated/") for a in ax.collections) else None,
-            title_fontsize=7)
+        ax.legend(
+            fontsize=8,
+            loc="upper right",
+            title="faint: dominated"
+            if any(a.get_gid() and a.get_gid().startswith("dominated/") for a in ax.collections)
+            else None,
+            title_fontsize=7,
+        )
     if title:
         ax.set_title(title, fontsize=10)
     return ax
 
 
 def plot_reductions(
-    labels: Sequence[str],
-    values: Mapping[str, Sequence[float | None]],
-    ax: Any,
-    *,
-    title: str | None = None,
+    labels: Sequence[str], values: Mapping[str, Sequence[float | None]], ax: Any, *, title: str | None = None
 ) -> Any:
     """Grouped bars: one group per configuration label, one bar per method (fractions, drawn as %)."""
     n = max(1, len(values))
@@ -155,7 +173,7 @@ def save_grid_png(
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, draw in zip(axes, draws):
         draw(ax)
-    for ax in axes[len(draws):]:
+    for ax in axes[len(draws) :]:
         ax.set_visible(False)
     fig.savefig(path, dpi=100)
 

@@ -47,8 +47,15 @@ def plot_power(curves: PowerCurves, ax: Any, *, title: str | None = None) -> Any
     pf, pu = power_unit(all_p)
     for i, (label, (ts, ps)) in enumerate(curves.items()):
         style = "-" if "measured" in label or "measured" not in " ".join(curves) else "--"
-        (line,) = ax.step([tf * float(t) for t in ts], [pf * float(p) for p in ps], where="mid",
-                          color=_colour(label, i), linestyle=style, linewidth=1.2, label=label)
+        (line,) = ax.step(
+            [tf * float(t) for t in ts],
+            [pf * float(p) for p in ps],
+            where="mid",
+            color=_colour(label, i),
+            linestyle=style,
+            linewidth=1.2,
+            label=label,
+        )
         line.set_gid(f"power/{label}")
     ax.set_xlabel(f"time ({tu})")
     ax.set_ylabel(f"job power, all GPUs ({pu})")

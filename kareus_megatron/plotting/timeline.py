@@ -33,11 +33,7 @@ class Bar:
 
 
 def plot_timeline(
-    bars: Sequence[Bar],
-    ax: Any,
-    *,
-    clock_range_mhz: tuple[int, int] | None = None,
-    title: str | None = None,
+    bars: Sequence[Bar], ax: Any, *, clock_range_mhz: tuple[int, int] | None = None, title: str | None = None
 ) -> Any:
     """Draw `bars` on `ax`, coloured by SM clock (MHz) with a colour bar in MHz; return `ax`.
 
@@ -79,7 +75,12 @@ def plot_timeline(
                 tag += f".{b.chunk}"
             shade = norm(b.clock_mhz)
             ax.text(
-                (b.start_s + width / 2) * tf, b.rank, tag, ha="center", va="center", fontsize=6,
+                (b.start_s + width / 2) * tf,
+                b.rank,
+                tag,
+                ha="center",
+                va="center",
+                fontsize=6,
                 color="white" if shade < 0.6 else "black",
                 bbox={"facecolor": cmap(shade), "edgecolor": "none", "pad": 0.6},  # readable over the hatch
             )
@@ -119,20 +120,28 @@ def trace_events(bars: Sequence[Bar], name: str = "plan") -> dict[str, Any]:
     for r in sorted({b.rank for b in bars}):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"stage {r}"}})
     for b in bars:
-        events.append({
-            "name": f"{'F' if b.kind == 'forward' else 'B'}{b.microbatch}" + (f".{b.chunk}" if b.chunk else ""),
-            "ph": "X", "pid": 0, "tid": b.rank, "ts": b.start_s * 1e6, "dur": (b.end_s - b.start_s) * 1e6,
-            "args": {"kind": b.kind, "microbatch": b.microbatch, "chunk": b.chunk, "sm_clock_mhz": b.clock_mhz,
-                     "nanobatches": b.nanobatches},
-        })
+        events.append(
+            {
+                "name": f"{'F' if b.kind == 'forward' else 'B'}{b.microbatch}" + (f".{b.chunk}" if b.chunk else ""),
+                "ph": "X",
+                "pid": 0,
+                "tid": b.rank,
+                "ts": b.start_s * 1e6,
+                "dur": (b.end_s - b.start_s) * 1e6,
+                "args": {
+                    "kind": b.kind,
+                    "microbatch": b.microbatch,
+                    "chunk": b.chunk,
+                    "sm_clock_mhz": b.clock_mhz,
+                    "nanobatches": b.nanobatches,
+                },
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def save_timeline_png(
-    path: str | Path,
-    bars: Sequence[Bar],
-    clock_range_mhz: tuple[int, int] | None = None,
-    title: str | None = None,
+    path: str | Path, bars: Sequence[Bar], clock_range_mhz: tuple[int, int] | None = None, title: str | None = None
 ) -> None:
     """Write the timeline of `bars` to `path` (PNG); hatched bars run 2 nanobatches."""
     rows = len({b.rank for b in bars})

@@ -27,8 +27,10 @@ def plot_validation(report: dict[str, Any]) -> Any:
     else:
         _bars(axes[0], axes[1], kernels)
     dry = ", dry run (simulated GPU, CPU kernels)" if report["dry_run"] else ""
-    fig.suptitle(f"kareus validate, {report['mode'].replace('_', '-')} on {report['identity']['name']} "
-                 f"(preset {report['gpu']}){dry}")
+    fig.suptitle(
+        f"kareus validate, {report['mode'].replace('_', '-')} on {report['identity']['name']} "
+        f"(preset {report['gpu']}){dry}"
+    )
     fig.tight_layout()
     return fig
 
@@ -40,11 +42,17 @@ def _curves(ax_t: Any, ax_p: Any, kernels: dict[str, Any]) -> None:
         if name != "idle":
             top = row["time_s"][-1]  # clocks ascend: the last is the highest
             ax_t.plot(f, [t / top for t in row["time_s"]], "o", color=color, label=f"{name} measured")
-            ax_t.plot(f, [t / row["preset_time_s"][-1] for t in row["preset_time_s"]], "--", color=color,
-                      label=f"{name} preset")
+            ax_t.plot(
+                f,
+                [t / row["preset_time_s"][-1] for t in row["preset_time_s"]],
+                "--",
+                color=color,
+                label=f"{name} preset",
+            )
             if "calibrated_time_s" in row:
-                ax_t.plot(f, [t / row["calibrated_time_s"][-1] for t in row["calibrated_time_s"]], "-", color=color,
-                          alpha=0.6)
+                ax_t.plot(
+                    f, [t / row["calibrated_time_s"][-1] for t in row["calibrated_time_s"]], "-", color=color, alpha=0.6
+                )
         ax_p.plot(f, row["power_w"], "o", color=color, label=f"{name} measured")
         ax_p.plot(f, row["preset_power_w"], "--", color=color, label=f"{name} preset")
         if "calibrated_power_w" in row:

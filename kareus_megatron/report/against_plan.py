@@ -78,8 +78,10 @@ def blocked_power_w(plan: Plan, source: str = "the plan") -> float:
     try:
         return gpu_spec(plan.gpu).p_blocked_w
     except KareusError:
-        raise PlanError(f"{source} records no blocked power (p_blocked_w) and its GPU {plan.gpu!r} is not a preset; "
-                        "regenerate it with this version of kareus plan or kareus solve (--p-blocked W)") from None
+        raise PlanError(
+            f"{source} records no blocked power (p_blocked_w) and its GPU {plan.gpu!r} is not a preset; "
+            "regenerate it with this version of kareus plan or kareus solve (--p-blocked W)"
+        ) from None
 
 
 def predicted_stage_energy_j(plan: Plan, p_blocked_w: float) -> dict[int, float | None]:
@@ -90,11 +92,15 @@ def predicted_stage_energy_j(plan: Plan, p_blocked_w: float) -> dict[int, float 
     for st in plan.stages:
         ts = [i.predicted_time_s for i in st.instructions]
         es = [i.predicted_energy_j for i in st.instructions]
-        if any(x is None for x in ts + es):
+        known_ts = [x for x in ts if x is not None]
+        known_es = [x for x in es if x is not None]
+        if len(known_ts) < len(ts) or len(known_es) < len(es):
             out[st.pp_rank] = None
             continue
-        out[st.pp_rank] = float(iteration_energy_j(sum(es), sum(ts), plan.predicted.iteration_time_s,  # type: ignore[arg-type]
-                                                   p_blocked_w, gpus_per_stage=gpus, ranks=1))
+        iteration_s = plan.predicted.iteration_time_s
+        out[st.pp_rank] = float(
+            iteration_energy_j(sum(known_es), sum(known_ts), iteration_s, p_blocked_w, gpus_per_stage=gpus, ranks=1)
+        )
     return out
 
 
@@ -104,8 +110,10 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     header = run.log.header
     log_pp = header.get("pp")
     if isinstance(log_pp, int) and log_pp != plan.parallel.pp:
-        raise ConfigError(f"run log {run.log.path} is from a PP={log_pp} run but the plan has PP={plan.parallel.pp}; "
-                          "pass the plan the run used")
+        raise ConfigError(
+            f"run log {run.log.path} is from a PP={log_pp} run but the plan has PP={plan.parallel.pp}; "
+            "pass the plan the run used"
+        )
     notes = []
     sha = header.get("plan_sha256")
     if sha and sha != plan_sha256(plan):
@@ -115,9 +123,11 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
     notes.extend(log_notes(run.log))
     s = truth_time_scale(header)
     if s != 1.0:
-        notes.append(f"simulated truth time_scale {s:g}: each instruction took {s:g} × its GPU time at the same "
-                     f"power, so predicted times and energies are shown × {s:g} (the plan's own: "
-                     f"{plan.predicted.iteration_time_s * 1e3:.4g} ms, {plan.predicted.iteration_energy_j:.4g} J)")
+        notes.append(
+            f"simulated truth time_scale {s:g}: each instruction took {s:g} × its GPU time at the same "
+            f"power, so predicted times and energies are shown × {s:g} (the plan's own: "
+            f"{plan.predicted.iteration_time_s * 1e3:.4g} ms, {plan.predicted.iteration_energy_j:.4g} J)"
+        )
     rows = [
         Row("iteration time", "s", run.time_s, plan.predicted.iteration_time_s * s),
         Row("iteration energy", "J", run.energy_j, plan.predicted.iteration_energy_j * s),
@@ -131,9 +141,16 @@ def compare(run: RunSummary, plan: Plan, p_blocked_w: float | None = None) -> Co
         rows.append(Row(f"stage {r} energy", "J", e, pred_stage.get(r)))
         rows.append(Row(f"stage {r} time", "s", run.stage_time_s.get(r), plan.predicted.iteration_time_s * s))
     its = run.log.iterations
-    return Comparison(rows=rows, iteration_time_s=[r.get("time_s") for r in its],
-                      iteration_energy_j=[r.get("energy_j") for r in its], used=run.used, skipped=run.skipped,
-                      p_blocked_w=pb, notes=notes, stage_energy_j=stage_energy,
-                      stage_iterations=dict(run.stage_iterations),
-                      gpus=per_gpu(run, pred_stage, plan.parallel.tp * plan.parallel.cp * plan.parallel.dp),
-                      time_scale=s)
+    return Comparison(
+        rows=rows,
+        iteration_time_s=[r.get("time_s") for r in its],
+        iteration_energy_j=[r.get("energy_j") for r in its],
+        used=run.used,
+        skipped=run.skipped,
+        p_blocked_w=pb,
+        notes=notes,
+        stage_energy_j=stage_energy,
+        stage_iterations=dict(run.stage_iterations),
+        gpus=per_gpu(run, pred_stage, plan.parallel.tp * plan.parallel.cp * plan.parallel.dp),
+        time_scale=s,
+    )

@@ -132,24 +132,33 @@ def auto_lines(summary: AutoSummary) -> list[str]:
         clock = f"{s.profile_mhz} MHz" if s.profile_mhz is not None else "plan"
         t = "n/a" if s.time_s is None else f"{s.time_s * 1e3:.2f} ms"
         e = "n/a" if s.energy_j is None else f"{s.energy_j:.2f} J"
-        lines.append(f"  {s.phase:10s} {f'{s.first}-{s.last}':>11s} {str(s.plan_version):>5s} {clock:>9s} "
-                     f"{t:>10s} {e:>10s}")
+        lines.append(
+            f"  {s.phase:10s} {f'{s.first}-{s.last}':>11s} {str(s.plan_version):>5s} {clock:>9s} {t:>10s} {e:>10s}"
+        )
     for ev in summary.of("calibrated"):
-        lines.append(f"  calibrated from iterations {ev.get('iterations')}: model error at the max clock, time "
-                     f"{_pct(ev.get('error_before_time'))} -> {_pct(ev.get('error_after_time'))}, energy "
-                     f"{_pct(ev.get('error_before_energy'))} -> {_pct(ev.get('error_after_energy'))}; "
-                     f"objective {ev.get('objective')}: point {ev.get('point')} (plan {ev.get('plan_version')})")
+        lines.append(
+            f"  calibrated from iterations {ev.get('iterations')}: model error at the max clock, time "
+            f"{_pct(ev.get('error_before_time'))} -> {_pct(ev.get('error_after_time'))}, energy "
+            f"{_pct(ev.get('error_before_energy'))} -> {_pct(ev.get('error_after_energy'))}; "
+            f"objective {ev.get('objective')}: point {ev.get('point')} (plan {ev.get('plan_version')})"
+        )
     for ev in summary.of("checked"):
-        lines.append(f"  plan {ev.get('plan_version')} on the run: time {_pct(ev.get('error_time'))}, energy "
-                     f"{_pct(ev.get('error_energy'))} against its prediction ({ev.get('iterations')} iterations)")
+        lines.append(
+            f"  plan {ev.get('plan_version')} on the run: time {_pct(ev.get('error_time'))}, energy "
+            f"{_pct(ev.get('error_energy'))} against its prediction ({ev.get('iterations')} iterations)"
+        )
     for ev in summary.of("drift"):
-        lines.append(f"  drift at iteration {ev.get('iteration')}: time {_pct(ev.get('error_time'))}, energy "
-                     f"{_pct(ev.get('error_energy'))} against plan {ev.get('plan_version')}; re-planned")
+        lines.append(
+            f"  drift at iteration {ev.get('iteration')}: time {_pct(ev.get('error_time'))}, energy "
+            f"{_pct(ev.get('error_energy'))} against plan {ev.get('plan_version')}; re-planned"
+        )
     for name in ("objective-unmet", "auto-failed"):
         for ev in summary.of(name):
             lines.append(f"  {name} at iteration {ev.get('iteration')}: {ev.get('reason')}")
     if summary.saving_energy is not None:
-        lines.append(f"  last plan against the max-clock iterations of its profile: energy per iteration "
-                     f"{_pct(-summary.saving_energy)}, time {_pct(summary.time_change)}")
+        lines.append(
+            f"  last plan against the max-clock iterations of its profile: energy per iteration "
+            f"{_pct(-summary.saving_energy)}, time {_pct(summary.time_change)}"
+        )
     lines += [f"  note: {n}" for n in summary.notes]
     return lines

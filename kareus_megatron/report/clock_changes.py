@@ -52,25 +52,36 @@ class ClockChanges:
 
     def as_json(self) -> dict[str, Any]:
         """The ``clock_changes`` object of ``kareus report --format json``."""
-        return {"requested": self.requested, "applied": self.applied, "late": self.late, "skipped": self.stale,
-                "share_late_or_skipped": self.share_late_or_skipped, "limit": LATE_SHARE_LIMIT,
-                "flagged": self.flagged, "iterations": self.iterations}
+        return {
+            "requested": self.requested,
+            "applied": self.applied,
+            "late": self.late,
+            "skipped": self.stale,
+            "share_late_or_skipped": self.share_late_or_skipped,
+            "limit": LATE_SHARE_LIMIT,
+            "flagged": self.flagged,
+            "iterations": self.iterations,
+        }
 
     def line(self) -> str:
         """One line for the text report; a flagged run's says what it means."""
-        head = (f"clock changes: {self.requested} requested, {self.late} applied late, {self.stale} skipped "
-                f"({self.share_late_or_skipped * 100:.1f}%)")
+        head = (
+            f"clock changes: {self.requested} requested, {self.late} applied late, {self.stale} skipped "
+            f"({self.share_late_or_skipped * 100:.1f}%)"
+        )
         if not self.flagged:
             return head
-        return (f"WARNING {head}: more than {LATE_SHARE_LIMIT * 100:g}% late or skipped, so the run executed "
-                "another clock plan than the predicted one; plan with the GPU's measured --clock-latency-ms "
-                "(docs/clock_latency.md)")
+        return (
+            f"WARNING {head}: more than {LATE_SHARE_LIMIT * 100:g}% late or skipped, so the run executed "
+            "another clock plan than the predicted one; plan with the GPU's measured --clock-latency-ms "
+            "(docs/clock_latency.md)"
+        )
 
 
 def clock_changes(log: RunLog, skip_iterations: int) -> ClockChanges | None:
     """The clock changes of `log` after `skip_iterations` warm-up iterations (None: no line carries the counts)."""
     applied = late = stale = seen = 0
-    for record in log.iterations[check_skip(skip_iterations):]:
+    for record in log.iterations[check_skip(skip_iterations) :]:
         counted = False
         for line in record.get("ranks", ()):
             a, s = _count(line, "clock_applied"), _count(line, "clock_stale")

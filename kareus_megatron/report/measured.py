@@ -60,8 +60,10 @@ def _run_method(run_dir: Path, manifest: dict[str, Any] | None) -> str:
     else:
         method = run_dir.name.rsplit("-", 1)[0] if "-" in run_dir.name else run_dir.name
     if method not in METHODS:
-        raise ConfigError(f"run {run_dir}: method {method!r} is not one of {', '.join(METHODS)} "
-                          "(name run directories NAME-NN or give run.json a 'method')")
+        raise ConfigError(
+            f"run {run_dir}: method {method!r} is not one of {', '.join(METHODS)} "
+            "(name run directories NAME-NN or give run.json a 'method')"
+        )
     return method
 
 
@@ -88,38 +90,57 @@ def collect_runs(log_dir: str | os.PathLike[str], skip_iterations: int = DEFAULT
     runs = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
         data = read_manifest(d)
-        default = MEASUREMENT_FILE if (d / MEASUREMENT_FILE).exists() or not (d / LEGACY_MEASUREMENT_FILE).is_file() \
+        default = (
+            MEASUREMENT_FILE
+            if (d / MEASUREMENT_FILE).exists() or not (d / LEGACY_MEASUREMENT_FILE).is_file()
             else LEGACY_MEASUREMENT_FILE
+        )
         if data is None and not (d / default).exists():
             continue
         method = _run_method(d, data)
         log = d / str((data or {}).get("measurement") or default)
         if not log.exists():
-            raise ConfigError(f"run {d.name} has no measurement log {log.name}; did the job fail? "
-                              f"Rerun it or move {d} out of {root}")
+            raise ConfigError(
+                f"run {d.name} has no measurement log {log.name}; did the job fail? Rerun it or move {d} out of {root}"
+            )
         summary = summarize(read_run_log(log), skip_iterations)
         header = summary.log.header
         predicted = header.get("predicted") if isinstance(header.get("predicted"), dict) else None
         if predicted is None and data is not None and isinstance(data.get("predicted"), dict):
             predicted = data["predicted"]
-        runs.append(MeasuredRun(name=d.name, method=method, log=log,
-                                plan=(data or {}).get("plan") or header.get("plan"),
-                                predicted=predicted, iterations=summary.used, time_s=summary.time_s,
-                                energy_j=summary.energy_j, header=summary.log.header, summary=summary))
+        runs.append(
+            MeasuredRun(
+                name=d.name,
+                method=method,
+                log=log,
+                plan=(data or {}).get("plan") or header.get("plan"),
+                predicted=predicted,
+                iterations=summary.used,
+                time_s=summary.time_s,
+                energy_j=summary.energy_j,
+                header=summary.log.header,
+                summary=summary,
+            )
+        )
     if not runs:
-        raise ConfigError(f"{root} holds no runs (sub-directories NAME-NN with {MEASUREMENT_FILE}); "
-                          "give the --log-dir of kareus launch")
+        raise ConfigError(
+            f"{root} holds no runs (sub-directories NAME-NN with {MEASUREMENT_FILE}); "
+            "give the --log-dir of kareus launch"
+        )
     return runs
 
 
-def measured_frontier(log_dir: str | os.PathLike[str],
-                      skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> tuple[dict[str, Any], list[MeasuredRun]]:
+def measured_frontier(
+    log_dir: str | os.PathLike[str], skip_iterations: int = DEFAULT_SKIP_ITERATIONS
+) -> tuple[dict[str, Any], list[MeasuredRun]]:
     """The kareus-frontier/1 document of the measured runs (same layout and reductions as kareus plan)."""
     runs = collect_runs(log_dir, skip_iterations)
     missing = [m for m in REFERENCE_METHODS if not any(r.method == m for r in runs)]
     if missing:
-        raise ConfigError(f"{log_dir} has no {' or '.join(missing)} runs; the reductions are measured against "
-                          "Megatron-LM and Perseus, so run those methods too")
+        raise ConfigError(
+            f"{log_dir} has no {' or '.join(missing)} runs; the reductions are measured against "
+            "Megatron-LM and Perseus, so run those methods too"
+        )
     methods: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         p: dict[str, Any] = {"time_s": r.time_s, "energy_j": r.energy_j, "run": r.name, "iterations": r.iterations}
@@ -127,8 +148,15 @@ def measured_frontier(log_dir: str | os.PathLike[str],
             p["plan"] = r.plan
         methods.setdefault(r.method, []).append(p)
     gpus = sorted({str(r.header["gpu"]) for r in runs if r.header.get("gpu")})
-    config = {"source": "measured", "simulated": any(r.simulated for r in runs), "log_dir": str(log_dir),
-              "statistic": STATISTIC, "energy_statistic": ENERGY_STATISTIC,
-              "skip_iterations": skip_iterations, "runs": len(runs), "gpu": gpus[0] if len(gpus) == 1 else gpus}
+    config = {
+        "source": "measured",
+        "simulated": any(r.simulated for r in runs),
+        "log_dir": str(log_dir),
+        "statistic": STATISTIC,
+        "energy_statistic": ENERGY_STATISTIC,
+        "skip_iterations": skip_iterations,
+        "runs": len(runs),
+        "gpu": gpus[0] if len(gpus) == 1 else gpus,
+    }
     ordered: dict[str, list[dict[str, Any]]] = {m: methods[m] for m in METHODS if m in methods}
     return frontier_document(config, ordered), runs

@@ -37,9 +37,26 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, RunLog, check_skip
 
 MIN_WINDOW_S = 1.0  # shortest energy window (s): about 10 updates of NVML's energy counter
-ITERATION_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                            "sm_clock_mhz", "clock_stale", "clock_errors", "clock_applied", "clock_late",
-                            "instructions", "power", "rank", "pp_rank"})
+ITERATION_KEYS = frozenset(
+    {
+        "kind",
+        "iteration",
+        "t_start",
+        "t_end",
+        "time_s",
+        "energy_j",
+        "temperature_c",
+        "sm_clock_mhz",
+        "clock_stale",
+        "clock_errors",
+        "clock_applied",
+        "clock_late",
+        "instructions",
+        "power",
+        "rank",
+        "pp_rank",
+    }
+)
 KIND_NAMES = {"F": "forward", "B": "backward"}
 BusyKey = tuple[int, str, int | None]  # (chunk, kind, sm_clock_mhz MHz)
 
@@ -94,9 +111,18 @@ def _rows(line: dict[str, Any]) -> list[tuple[int, int, str, int, int | None, fl
     cols = line.get("instructions")
     if not isinstance(cols, dict):
         return []
-    return [(k, c, KIND_NAMES[letter], mb, mhz, t0, t) for k, c, letter, mb, mhz, t0, t in
-            zip(cols["index"], cols["chunk"], cols["kind"], cols["microbatch"], cols["sm_clock_mhz"],
-                cols["t_start_s"], cols["time_s"])]
+    return [
+        (k, c, KIND_NAMES[letter], mb, mhz, t0, t)
+        for k, c, letter, mb, mhz, t0, t in zip(
+            cols["index"],
+            cols["chunk"],
+            cols["kind"],
+            cols["microbatch"],
+            cols["sm_clock_mhz"],
+            cols["t_start_s"],
+            cols["time_s"],
+        )
+    ]
 
 
 def instruction_samples(log: RunLog) -> list[InstructionSample]:
@@ -107,16 +133,32 @@ def instruction_samples(log: RunLog) -> list[InstructionSample]:
             tags = tags_of(line)
             for k, chunk, kind, mb, mhz, t0, t in _rows(line):
                 if t is not None:
-                    out.append(InstructionSample(rank=rank, pp_rank=line.get("pp_rank"), iteration=line["iteration"],
-                                                 index=k, chunk=chunk, kind=kind, microbatch=mb, sm_clock_mhz=mhz,
-                                                 t_start_s=t0, time_s=float(t), tags=tags))
+                    out.append(
+                        InstructionSample(
+                            rank=rank,
+                            pp_rank=line.get("pp_rank"),
+                            iteration=line["iteration"],
+                            index=k,
+                            chunk=chunk,
+                            kind=kind,
+                            microbatch=mb,
+                            sm_clock_mhz=mhz,
+                            t_start_s=t0,
+                            time_s=float(t),
+                            tags=tags,
+                        )
+                    )
     return out
 
 
 def _clean(line: dict[str, Any]) -> bool:
     """Both figures known and no clock call of the iteration skipped as stale or failed (unknown: passes)."""
-    return (line.get("time_s") is not None and line.get("energy_j") is not None
-            and not line.get("clock_stale") and not line.get("clock_errors"))
+    return (
+        line.get("time_s") is not None
+        and line.get("energy_j") is not None
+        and not line.get("clock_stale")
+        and not line.get("clock_errors")
+    )
 
 
 def _window(rank: int, lines: list[dict[str, Any]]) -> EnergyWindow:
@@ -126,19 +168,29 @@ def _window(rank: int, lines: list[dict[str, Any]]) -> EnergyWindow:
             if t is not None:
                 busy[(chunk, kind, mhz)] = busy.get((chunk, kind, mhz), 0.0) + float(t)
     temps = [float(v) for line in lines if isinstance(v := line.get("temperature_c"), (int, float))]
-    return EnergyWindow(rank=rank, pp_rank=lines[0].get("pp_rank"), iterations=tuple(x["iteration"] for x in lines),
-                        time_s=sum(float(x["time_s"]) for x in lines),
-                        energy_j=sum(float(x["energy_j"]) for x in lines), busy_s=busy,
-                        temperature_c=sum(temps) / len(temps) if temps else None, tags=tags_of(lines[0]))
+    return EnergyWindow(
+        rank=rank,
+        pp_rank=lines[0].get("pp_rank"),
+        iterations=tuple(x["iteration"] for x in lines),
+        time_s=sum(float(x["time_s"]) for x in lines),
+        energy_j=sum(float(x["energy_j"]) for x in lines),
+        busy_s=busy,
+        temperature_c=sum(temps) / len(temps) if temps else None,
+        tags=tags_of(lines[0]),
+    )
 
 
-def energy_windows(log: RunLog, min_window_s: float = MIN_WINDOW_S,
-                   skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> list[EnergyWindow]:
+def energy_windows(
+    log: RunLog, min_window_s: float = MIN_WINDOW_S, skip_iterations: int = DEFAULT_SKIP_ITERATIONS
+) -> list[EnergyWindow]:
     """Per rank, the energy windows of `log` (see the module doc), by rank then time; ConfigError for a
     `min_window_s` that is not a positive number of seconds or a bad `skip_iterations`."""
     skip = check_skip(skip_iterations)
-    if isinstance(min_window_s, bool) or not isinstance(min_window_s, (int, float)) or not (
-            math.isfinite(min_window_s) and min_window_s > 0):
+    if (
+        isinstance(min_window_s, bool)
+        or not isinstance(min_window_s, (int, float))
+        or not (math.isfinite(min_window_s) and min_window_s > 0)
+    ):
         raise ConfigError(f"the energy window {min_window_s!r} s must be a positive number of seconds, e.g. 1.0")
     out: list[EnergyWindow] = []
     for rank, lines in sorted(_rank_lines(log).items()):
@@ -165,6 +217,11 @@ def energy_windows(log: RunLog, min_window_s: float = MIN_WINDOW_S,
 
 def run_events(log: RunLog) -> list[dict[str, Any]]:
     """The event lines of every rank, each with its ``rank``, in time order (unknown times last)."""
-    return sorted((dict(e) for e in log.events),
-                  key=lambda e: (not isinstance(e.get("t"), (int, float)), e.get("t") if isinstance(
-                      e.get("t"), (int, float)) else 0.0, e.get("rank", 0)))
+    return sorted(
+        (dict(e) for e in log.events),
+        key=lambda e: (
+            not isinstance(e.get("t"), (int, float)),
+            e.get("t") if isinstance(e.get("t"), (int, float)) else 0.0,
+            e.get("rank", 0),
+        ),
+    )

@@ -51,13 +51,23 @@ class GpuFigures:
 
     def as_json(self) -> dict[str, Any]:
         """The JSON object `kareus report --format json` prints for this GPU."""
-        return {"rank": self.rank, "pp_rank": self.pp_rank, "gpu_index": self.gpu_index, "gpu_uuid": self.gpu_uuid,
-                "gpu_name": self.gpu_name, "iterations": self.iterations, "measured_energy_j": self.energy_j,
-                "measured_time_s": self.time_s, "share": self.share, "predicted_energy_j": self.predicted_energy_j}
+        return {
+            "rank": self.rank,
+            "pp_rank": self.pp_rank,
+            "gpu_index": self.gpu_index,
+            "gpu_uuid": self.gpu_uuid,
+            "gpu_name": self.gpu_name,
+            "iterations": self.iterations,
+            "measured_energy_j": self.energy_j,
+            "measured_time_s": self.time_s,
+            "share": self.share,
+            "predicted_energy_j": self.predicted_energy_j,
+        }
 
 
-def per_gpu(summary: RunSummary, predicted_stage_energy_j: dict[int, float | None] | None = None,
-            gpus_per_stage: int = 1) -> list[GpuFigures]:
+def per_gpu(
+    summary: RunSummary, predicted_stage_energy_j: dict[int, float | None] | None = None, gpus_per_stage: int = 1
+) -> list[GpuFigures]:
     """Every rank's GPU figures (see the module doc), by rank; [] when the log has no per-rank lines."""
     energy: dict[int, list[float]] = {}
     time: dict[int, list[float]] = {}
@@ -77,9 +87,18 @@ def per_gpu(summary: RunSummary, predicted_stage_energy_j: dict[int, float | Non
         stage = ident.get("pp_rank")
         pred = (predicted_stage_energy_j or {}).get(stage) if stage is not None else None
         es = energy[rank]
-        out.append(GpuFigures(
-            rank=rank, pp_rank=stage, gpu_index=ident.get("gpu_index"), gpu_uuid=ident.get("gpu_uuid"),
-            gpu_name=ident.get("gpu_name"), iterations=len(es), energy_j=sum(es) / len(es),
-            time_s=float(statistics.median(time[rank])), share=sum(es) / total_j if total_j > 0 else None,
-            predicted_energy_j=None if pred is None else pred / max(1, gpus_per_stage)))
+        out.append(
+            GpuFigures(
+                rank=rank,
+                pp_rank=stage,
+                gpu_index=ident.get("gpu_index"),
+                gpu_uuid=ident.get("gpu_uuid"),
+                gpu_name=ident.get("gpu_name"),
+                iterations=len(es),
+                energy_j=sum(es) / len(es),
+                time_s=float(statistics.median(time[rank])),
+                share=sum(es) / total_j if total_j > 0 else None,
+                predicted_energy_j=None if pred is None else pred / max(1, gpus_per_stage),
+            )
+        )
     return out

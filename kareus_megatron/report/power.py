@@ -26,13 +26,22 @@ def _samples(line: dict[str, Any], it: Any) -> tuple[np.ndarray, np.ndarray, flo
     p = line.get("power")
     if p is None:
         return None
+
     def num(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
-    if not (isinstance(p, dict) and isinstance(p.get("w"), list) and all(num(x) and x >= 0 for x in p["w"])
-            and num(p.get("t0")) and num(p.get("dt_s")) and p["dt_s"] > 0):
-        raise ConfigError(f"iteration {it}, rank {line.get('rank')}: 'power' must be {{t0, dt_s > 0, w: [W >= 0]}}; "
-                          "is this a kareus run log (--kareus-log)?")
+    if not (
+        isinstance(p, dict)
+        and isinstance(p.get("w"), list)
+        and all(num(x) and x >= 0 for x in p["w"])
+        and num(p.get("t0"))
+        and num(p.get("dt_s"))
+        and p["dt_s"] > 0
+    ):
+        raise ConfigError(
+            f"iteration {it}, rank {line.get('rank')}: 'power' must be {{t0, dt_s > 0, w: [W >= 0]}}; "
+            "is this a kareus run log (--kareus-log)?"
+        )
     w, t0, dt, t_start = p["w"], float(p["t0"]), float(p["dt_s"]), line.get("t_start", math.nan)
     if not w or not num(t_start):
         return None
@@ -61,15 +70,17 @@ def measured_power(records: Any, period_s: float) -> tuple[dict[str, Any], np.nd
     bins = max(2, int(period_s / dt))
     job = np.zeros(bins)
     for chunks in per_rank.values():
-        job += resample_periodic(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
-                                 period_s, bins)
+        job += resample_periodic(
+            np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]), period_s, bins
+        )
     m: dict[str, Any] = dict(power_metrics(job, period_s / bins).as_dict())
     m.update(sample_hz=1.0 / dt, samples=count, gpus=len(per_rank), reading=",".join(sorted(readings)))
     return m, job, period_s / bins
 
 
-def power_section(summary: Any, plan: Any, time_scale: float = 1.0
-                  ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+def power_section(
+    summary: Any, plan: Any, time_scale: float = 1.0
+) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """The report's ``power`` object ({"measured": {...}, "predicted": {...}}, a part absent when unknown) and
     the curves to plot (label -> (t s, W)). `time_scale`: a simulated truth's (report/against_plan.py); the
     predicted waveform is stretched by it (same powers, its ramps and band taken on the stretched time)."""

@@ -65,8 +65,10 @@ def _beside(log_path: Path, sha: str) -> tuple[Plan, Path] | None:
 def _from_directory(directory: Path, recorded: str | None, sha: str | None) -> tuple[Plan, Path]:
     """The plan of a `kareus plan` directory that the log names (by hash, else by the recorded file name)."""
     if not (directory / FRONTIER_FILE).is_file():
-        raise ConfigError(f"--plan {directory} is a directory without {FRONTIER_FILE}; pass a plan file or the "
-                          "--out directory of kareus plan")
+        raise ConfigError(
+            f"--plan {directory} is a directory without {FRONTIER_FILE}; pass a plan file or the "
+            "--out directory of kareus plan"
+        )
     files = sorted((directory / "plans").glob("*.json"))
     if sha:
         for f in files:
@@ -78,8 +80,10 @@ def _from_directory(directory: Path, recorded: str | None, sha: str | None) -> t
         f = directory / "plans" / name
         if f.is_file():
             return load_plan(f), f
-    raise ConfigError(f"--plan {directory} holds no plan the run executed (recorded: {recorded or 'none'}, sha256 "
-                      f"{(sha or 'none')[:12]}); pass the plan file, e.g. {directory}/plans/kareus-00.json")
+    raise ConfigError(
+        f"--plan {directory} holds no plan the run executed (recorded: {recorded or 'none'}, sha256 "
+        f"{(sha or 'none')[:12]}); pass the plan file, e.g. {directory}/plans/kareus-00.json"
+    )
 
 
 def _is_preset(gpu: str) -> bool:
@@ -93,10 +97,26 @@ def _is_preset(gpu: str) -> bool:
 def job_mismatches(header: dict[str, Any], plan: Plan) -> list[str]:
     """What differs between the job a run log's header records and `plan`'s job ([] when nothing known differs)."""
     par = plan.parallel
-    want = {"gpu": plan.gpu, "world": par.tp * par.cp * par.pp * par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp,
-            "dp": par.dp, "num_microbatches": par.num_microbatches, "micro_batch_size": par.micro_batch_size}
-    names = {"gpu": "GPU", "world": "GPUs", "tp": "TP", "pp": "PP", "cp": "CP", "dp": "DP",
-             "num_microbatches": "microbatches", "micro_batch_size": "microbatch size"}
+    want = {
+        "gpu": plan.gpu,
+        "world": par.tp * par.cp * par.pp * par.dp,
+        "tp": par.tp,
+        "pp": par.pp,
+        "cp": par.cp,
+        "dp": par.dp,
+        "num_microbatches": par.num_microbatches,
+        "micro_batch_size": par.micro_batch_size,
+    }
+    names = {
+        "gpu": "GPU",
+        "world": "GPUs",
+        "tp": "TP",
+        "pp": "PP",
+        "cp": "CP",
+        "dp": "DP",
+        "num_microbatches": "microbatches",
+        "micro_batch_size": "microbatch size",
+    }
     if not _is_preset(plan.gpu):  # e.g. "measured" (kareus solve from a profile): no GPU to compare with
         del want["gpu"]
     out = []
@@ -127,12 +147,16 @@ def plan_for_run(log: Any, plan_arg: str | None) -> tuple[Plan, Path, str]:
         found = _beside(Path(log.path), sha) if sha else None
         if found is None:
             where = f"{recorded} (sha256 {sha[:12]})" if recorded and sha else "not recorded in the log header"
-            raise ConfigError(f"{log.path}: the plan the run executed is {where} and was not found there or beside "
-                              "the log; pass --plan PLAN (a plan file or a kareus plan directory)")
+            raise ConfigError(
+                f"{log.path}: the plan the run executed is {where} and was not found there or beside "
+                "the log; pass --plan PLAN (a plan file or a kareus plan directory)"
+            )
         plan, path = found
         how = "found beside the log by its sha256"
     problems = job_mismatches(header, plan)
     if problems:
-        raise ConfigError(f"plan {path} ({how}) is for another job than run log {log.path}: {'; '.join(problems)}; "
-                          "pass the plan the run executed")
+        raise ConfigError(
+            f"plan {path} ({how}) is for another job than run log {log.path}: {'; '.join(problems)}; "
+            "pass the plan the run executed"
+        )
     return plan, path, how

@@ -144,8 +144,12 @@ def _iteration_problem(rec: dict[str, Any]) -> str | None:
     if not isinstance(stages, list):
         return f"iteration {it}: 'stages' must be a list"
     for st in stages:
-        if not (isinstance(st, dict) and _is_index(st.get("pp_rank")) and _figure(st.get("time_s"))
-                and _figure(st.get("energy_j"))):
+        if not (
+            isinstance(st, dict)
+            and _is_index(st.get("pp_rank"))
+            and _figure(st.get("time_s"))
+            and _figure(st.get("energy_j"))
+        ):
             return f"iteration {it}: a stage entry needs an integer pp_rank and time_s, energy_j >= 0 or null"
     return None
 
@@ -160,15 +164,24 @@ def read_run_log(path: str | Path) -> RunLog:
     for r in its.values():
         r.pop("ranks", None)  # per-rank lines exist only in a directory of rank files
     world = header.get("world")
-    partial = {i: f"{world - r['ranks_reporting']} of {world} ranks missing" for i, r in its.items()
-               if _is_index(world) and _is_index(r.get("ranks_reporting")) and r["ranks_reporting"] != world}
-    return RunLog(path=p, header=header, iterations=[its[i] for i in sorted(its)], truncated=truncated,
-                  partial=partial, events=events)
+    partial = {
+        i: f"{world - r['ranks_reporting']} of {world} ranks missing"
+        for i, r in its.items()
+        if _is_index(world) and _is_index(r.get("ranks_reporting")) and r["ranks_reporting"] != world
+    }
+    return RunLog(
+        path=p,
+        header=header,
+        iterations=[its[i] for i in sorted(its)],
+        truncated=truncated,
+        partial=partial,
+        events=events,
+    )
 
 
-def read_jsonl_run(p: Path, merged: bool,
-                   last_run: bool = False
-                   ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], bool, list[dict[str, Any]]]:
+def read_jsonl_run(
+    p: Path, merged: bool, last_run: bool = False
+) -> tuple[dict[str, Any], dict[int, dict[str, Any]], bool, list[dict[str, Any]]]:
     """(header, iterations by index, truncated, event lines) of one JSONL file; `last_run`: several headers are runs
     appended one after another, keep the last (else a second header is a ConfigError). The header gets
     ``_runs``, the number of runs seen, when `last_run`."""
@@ -215,8 +228,10 @@ def read_jsonl_run(p: Path, merged: bool,
         else:
             raise ConfigError(f"{p}:{n}: unknown record kind {kind!r}; {_HINT}")
     if len(header_lines) > 1 and not last_run:
-        raise ConfigError(f"{p} holds {len(header_lines)} runs (headers at lines "
-                          f"{', '.join(map(str, header_lines))}); keep one run per log file")
+        raise ConfigError(
+            f"{p} holds {len(header_lines)} runs (headers at lines "
+            f"{', '.join(map(str, header_lines))}); keep one run per log file"
+        )
     if last_run:
         header = {**header, "_runs": max(1, len(header_lines))}
     return header, its, truncated, events
@@ -252,28 +267,52 @@ def merge_rank_dir(d: Path) -> RunLog:
     indices = sorted({i for _, its in ranks.values() for i in its})
     merged, partial = [], {}
     for i in indices:
-        got = {r: its[i] for r, (_, its) in ranks.items()
-               if i in its and its[i].get("time_s") is not None and its[i].get("energy_j") is not None}
+        got = {
+            r: its[i]
+            for r, (_, its) in ranks.items()
+            if i in its and its[i].get("time_s") is not None and its[i].get("energy_j") is not None
+        }
         missing = [r for r in range(world) if r not in got]
         stages = []
         for s in range(pp):
             rs = [r for r in stage_ranks.get(s, []) if r in got]
-            stages.append({"pp_rank": s, "gpus": len(rs), "complete": bool(rs) and len(rs) == len(stage_ranks[s]),
-                "time_s": max((got[r]["time_s"] for r in rs), default=None),
-                "energy_j": sum(got[r]["energy_j"] for r in rs) if rs else None})
+            stages.append(
+                {
+                    "pp_rank": s,
+                    "gpus": len(rs),
+                    "complete": bool(rs) and len(rs) == len(stage_ranks[s]),
+                    "time_s": max((got[r]["time_s"] for r in rs), default=None),
+                    "energy_j": sum(got[r]["energy_j"] for r in rs) if rs else None,
+                }
+            )
         empty = [st["pp_rank"] for st in stages if not st["gpus"]]
         if missing:
             what = [f"stage {s}" for s in empty] or [f"rank {r}" for r in missing[:3]]
             partial[i] = ", ".join(what) + " missing"
         for r, g in got.items():  # the rank's own line, told which rank and stage it is
             g["rank"], g["pp_rank"] = r, stage_of.get(r)
-        merged.append({"kind": "iteration", "iteration": i, "ranks_reporting": len(got),
-                       "time_s": max((g["time_s"] for g in got.values()), default=None),
-                       "energy_j": sum(g["energy_j"] for g in got.values()) if got else None, "stages": stages,
-                       "ranks": [got[r] for r in sorted(got)]})
+        merged.append(
+            {
+                "kind": "iteration",
+                "iteration": i,
+                "ranks_reporting": len(got),
+                "time_s": max((g["time_s"] for g in got.values()), default=None),
+                "energy_j": sum(g["energy_j"] for g in got.values()) if got else None,
+                "stages": stages,
+                "ranks": [got[r] for r in sorted(got)],
+            }
+        )
     gpus = {r: {"rank": r, "pp_rank": stage_of.get(r), **gpu_identity(h)} for r, (h, _) in sorted(ranks.items())}
-    return RunLog(path=d, header=header, iterations=merged, truncated=truncated, partial=partial,
-                  earlier_runs=earlier, gpus=gpus, events=events)
+    return RunLog(
+        path=d,
+        header=header,
+        iterations=merged,
+        truncated=truncated,
+        partial=partial,
+        earlier_runs=earlier,
+        gpus=gpus,
+        events=events,
+    )
 
 
 def _rank_iteration_problem(rec: dict[str, Any]) -> str | None:
@@ -331,8 +370,11 @@ def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> Ru
     skip = check_skip(skip_iterations)
     after = log.iterations[skip:]
     partial = sum(1 for r in after if r["iteration"] in log.partial)
-    used = [r for r in after if r["iteration"] not in log.partial
-            and r.get("time_s") is not None and r.get("energy_j") is not None]
+    used = [
+        r
+        for r in after
+        if r["iteration"] not in log.partial and r.get("time_s") is not None and r.get("energy_j") is not None
+    ]
     if not used:
         raise ConfigError(
             f"{log.path} has {len(log.iterations)} iteration(s) and none with both time and energy after skipping "
@@ -346,13 +388,24 @@ def summarize(log: RunLog, skip_iterations: int = DEFAULT_SKIP_ITERATIONS) -> Ru
         figure = _median if key == "time_s" else _total_over_total
         return figure([next((s[key] for s in r.get("stages", []) if s["pp_rank"] == rank), None) for r in used])
 
-    stage_its = {rank: sum(1 for r in after if any(s["pp_rank"] == rank and s.get("complete", True)
-                                                    for s in r.get("stages", []))) for rank in ranks}
-    return RunSummary(log=log, skipped=skip, used=len(used), time_s=_median([r["time_s"] for r in used]),  # type: ignore[arg-type]
-                      energy_j=_total_over_total([r["energy_j"] for r in used]),  # type: ignore[arg-type]
-                      stage_time_s={r: stage(r, "time_s") for r in ranks},
-                      stage_energy_j={r: stage(r, "energy_j") for r in ranks}, partial=partial,
-                      stage_iterations=stage_its, records=tuple(used))
+    stage_its = {
+        rank: sum(
+            1 for r in after if any(s["pp_rank"] == rank and s.get("complete", True) for s in r.get("stages", []))
+        )
+        for rank in ranks
+    }
+    return RunSummary(
+        log=log,
+        skipped=skip,
+        used=len(used),
+        time_s=_median([r["time_s"] for r in used]),  # type: ignore[arg-type]
+        energy_j=_total_over_total([r["energy_j"] for r in used]),  # type: ignore[arg-type]
+        stage_time_s={r: stage(r, "time_s") for r in ranks},
+        stage_energy_j={r: stage(r, "energy_j") for r in ranks},
+        partial=partial,
+        stage_iterations=stage_its,
+        records=tuple(used),
+    )
 
 
 def partial_names(log: RunLog, limit: int = 5) -> str:
@@ -366,8 +419,10 @@ def partial_note(log: RunLog) -> str | None:
     """The note both commands print for a log with partial iterations (a rank or stage missing), or None."""
     if not log.partial:
         return None
-    return (f"{len(log.partial)} partial iteration(s) left out of every figure (a rank or stage did not log "
-            f"them): {partial_names(log)}")
+    return (
+        f"{len(log.partial)} partial iteration(s) left out of every figure (a rank or stage did not log "
+        f"them): {partial_names(log)}"
+    )
 
 
 def truncation_note(log: RunLog) -> str | None:

@@ -23,8 +23,9 @@ def global_rank_and_world() -> tuple[int, int]:
     try:
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        raise ConfigError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
-                          "are not integers") from None
+        raise ConfigError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not integers"
+        ) from None
 
 
 def local_rank_from_env() -> int:

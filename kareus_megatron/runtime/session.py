@@ -59,11 +59,21 @@ class _Reading:
 class RuntimeSession(SignalHandling):
     """Runs `plan` in this process: validate, announce instructions, control clocks, measure."""
 
-    def __init__(self, plan: Plan | None, *, source: str = "the plan", backend: str | None = None,
-                 gpu: str | None = None, local_rank: int | None = None, log_path: str | None = None,
-                 on_error: OnError = "fail", controller: Controller = "process",
-                 clock_log: str | None = None, framework_patch: ModuleType = megatron_patch,
-                 log_mode: str = "new") -> None:
+    def __init__(
+        self,
+        plan: Plan | None,
+        *,
+        source: str = "the plan",
+        backend: str | None = None,
+        gpu: str | None = None,
+        local_rank: int | None = None,
+        log_path: str | None = None,
+        on_error: OnError = "fail",
+        controller: Controller = "process",
+        clock_log: str | None = None,
+        framework_patch: ModuleType = megatron_patch,
+        log_mode: str = "new",
+    ) -> None:
         """Configure; nothing starts until `start()`. `log_path` is a directory of per-rank logs;
         `log_mode` (new, append, overwrite) says what to do when this rank's log exists there."""
         if on_error not in ("fail", "warn"):
@@ -103,22 +113,34 @@ class RuntimeSession(SignalHandling):
 
         self.framework_patch.check_version()
         backend = backend_from_env(self.backend)
-        gpu = self.gpu or kareus_settings().gpu or (
-            self.plan.gpu if backend == "simulated" and self.plan is not None else None)
+        gpu = (
+            self.gpu
+            or kareus_settings().gpu
+            or (self.plan.gpu if backend == "simulated" and self.plan is not None else None)
+        )
         index, uuid = gpu_target(self.local_rank, backend)
         self.truth = session_truth(backend, self.plan)  # refused in one line before anything starts
         rank, world = global_rank_and_world()
         log = open_rank_log(self.log_path, rank, self.log_mode) if self.log_path else None  # before training
-        header: dict[str, Any] = {"rank": rank, "world": world, "local_rank": self.local_rank, "gpu_index": index,
-                                  "plan": None if self.plan is None else self.source, "backend": backend}
+        header: dict[str, Any] = {
+            "rank": rank,
+            "world": world,
+            "local_rank": self.local_rank,
+            "gpu_index": index,
+            "plan": None if self.plan is None else self.source,
+            "backend": backend,
+        }
         if self.plan is not None:
             par = self.plan.parallel
             header.update(pp=par.pp, tp=par.tp, cp=par.cp, dp=par.dp)
         if self.framework_patch.FRAMEWORK != FRAMEWORK_MEGATRON:
             header["framework"] = self.framework_patch.FRAMEWORK
         if self.truth is not None:
-            header["truth"] = {"path": self.truth.file.path, "sha256": self.truth.file.sha256,
-                               "time_scale": self.truth.file.params.get("time_scale", 1.0)}
+            header["truth"] = {
+                "path": self.truth.file.path,
+                "sha256": self.truth.file.sha256,
+                "time_scale": self.truth.file.params.get("time_scale", 1.0),
+            }
         try:
             self._start_measuring(index, uuid, backend, gpu, header, log)
         except BaseException:
@@ -134,8 +156,9 @@ class RuntimeSession(SignalHandling):
         self._install_signal_handlers()
         return self
 
-    def _start_measuring(self, index: int, uuid: str | None, backend: str, gpu: str | None,
-                         header: dict[str, Any], log: Any) -> None:
+    def _start_measuring(
+        self, index: int, uuid: str | None, backend: str, gpu: str | None, header: dict[str, Any], log: Any
+    ) -> None:
         from kareus_megatron.hardware.device import open_gpu, read_only_from_env, simulation_of
 
         if self.plan is None:
@@ -145,16 +168,21 @@ class RuntimeSession(SignalHandling):
             self.meter = IterationMeter(log, mark=self._read_now, header=header)
         else:
             events = CudaEvents.available(self.local_rank)
-            client = ClockClient(event_factory=events, bind_thread=None if events is None else events.bind_thread,
-                                 recycle=None if events is None else events.give_back)
+            client = ClockClient(
+                event_factory=events,
+                bind_thread=None if events is None else events.bind_thread,
+                recycle=None if events is None else events.give_back,
+            )
             cap_w = self.plan.power_limit_w  # powercap: the controller sets it and restores it on every way out
             if self.controller == "thread":
                 device = open_gpu(index, backend=backend, gpu=gpu, uuid=uuid)
-                self.ready = client.start_thread(device, simulation=simulation_of(device), log_path=self.clock_log,
-                                                 power_limit_w=cap_w)
+                self.ready = client.start_thread(
+                    device, simulation=simulation_of(device), log_path=self.clock_log, power_limit_w=cap_w
+                )
             else:
-                self.ready = client.start_process(index, backend=backend, gpu=gpu, log_path=self.clock_log,
-                                                  power_limit_w=cap_w, uuid=uuid)
+                self.ready = client.start_process(
+                    index, backend=backend, gpu=gpu, log_path=self.clock_log, power_limit_w=cap_w, uuid=uuid
+                )
             self.client = client
             if self.ready.get("op") == "error":
                 if self.on_error == "fail":
@@ -164,9 +192,13 @@ class RuntimeSession(SignalHandling):
             read_only = bool(self.ready.get("read_only", read_only_from_env()))
             if self.truth is not None:  # without clock control the truth runs everything at the default clock
                 self.truth.clock_control = client.clock_control and not read_only
-            header.update(plan_sha256=plan_sha256(self.plan), gpu=self.ready.get("gpu"),
-                          clock_control=client.clock_control and not read_only, read_only=read_only,
-                          predicted=self.plan.predicted.model_dump())
+            header.update(
+                plan_sha256=plan_sha256(self.plan),
+                gpu=self.ready.get("gpu"),
+                clock_control=client.clock_control and not read_only,
+                read_only=read_only,
+                predicted=self.plan.predicted.model_dump(),
+            )
             if cap_w is not None:
                 header["power_limit_w"] = self.ready.get("power_limit_w")
             self.meter = IterationMeter(log, mark=client.mark, header=header)
@@ -244,8 +276,13 @@ class RuntimeSession(SignalHandling):
             supported = tuple(self.ready.get("supported") or ()) or None
             device_gpu = self.ready.get("gpu")
             try:
-                self.framework_patch.validate_plan(plan, live, supported if self._clock_control else None,
-                                                   device_gpu if self._clock_control else None, source)
+                self.framework_patch.validate_plan(
+                    plan,
+                    live,
+                    supported if self._clock_control else None,
+                    device_gpu if self._clock_control else None,
+                    source,
+                )
                 if self.truth is not None:
                     self.truth.bind(plan, live.pp_rank)  # this rank's per-instruction truth
             except Exception:
@@ -255,8 +292,13 @@ class RuntimeSession(SignalHandling):
         if plan is not None and self.framework_patch is megatron_patch:
             self._setup_overlap(plan, live)  # DeepSpeed's validate_plan rejects nanobatch plans
         if self.meter is not None:  # comm_groups: the SM-limited communicators' costs (overlap/comm_groups.py)
-            self.meter.set_stage(live.pp_rank, **live.layout(), comm_groups=self.comm_groups,  # the job, for report
-                                 num_microbatches=live.num_microbatches, micro_batch_size=live.micro_batch_size)
+            self.meter.set_stage(
+                live.pp_rank,
+                **live.layout(),
+                comm_groups=self.comm_groups,  # the job, for report
+                num_microbatches=live.num_microbatches,
+                micro_batch_size=live.micro_batch_size,
+            )
             if plan is not None and live.pp_rank < len(plan.stages):  # what the per-instruction columns name
                 self.meter.set_plan(plan.stages[live.pp_rank].instructions)
             if self.framework_patch is megatron_patch:  # Megatron-LM's TensorBoard/W&B writers, where this rank has one
@@ -356,8 +398,7 @@ class SessionSlot(Generic[S]):
     def install(self, plan: Plan | None, *, log_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> S:
         """Close the installed session (if any), then start and hold a new one for `plan`."""
         self.uninstall()
-        self.session = self.session_class(plan, log_path=os.fspath(log_path) if log_path else None,
-                                          **kwargs).start()
+        self.session = self.session_class(plan, log_path=os.fspath(log_path) if log_path else None, **kwargs).start()
         return self.session
 
     def uninstall(self) -> None:

@@ -87,8 +87,9 @@ def _phases(par: Any) -> tuple[str, ...]:
     return tuple(sorted({ph for kind in ("forward", "backward") for ph in instruction_phases(par, kind)}))
 
 
-def _drawn_options(result: PlanningResult, tables: LayerTables | None,
-                   recost: Mapping[MethodName, dict[Any, _Recost]]) -> dict[MethodName, dict[Any, InstructionOptions]]:
+def _drawn_options(
+    result: PlanningResult, tables: LayerTables | None, recost: Mapping[MethodName, dict[Any, _Recost]]
+) -> dict[MethodName, dict[Any, InstructionOptions]]:
     """Every method's options re-costed from `tables`, a drawn cost model's (powercap apart)."""
     out: dict[MethodName, dict[Any, InstructionOptions]] = {}
     for method, per_key in recost.items():
@@ -98,30 +99,55 @@ def _drawn_options(result: PlanningResult, tables: LayerTables | None,
             assert tables is not None  # recost is empty without tables
             t, e = rc.costs(tables)
             o = opts[key]
-            drawn[key] = InstructionOptions(time_s=t, energy_j=e, clock_mhz=o.clock_mhz, nanobatches=o.nanobatches,
-                                            partitions=o.partitions)
+            drawn[key] = InstructionOptions(
+                time_s=t, energy_j=e, clock_mhz=o.clock_mhz, nanobatches=o.nanobatches, partitions=o.partitions
+            )
         out[method] = drawn
     return out
 
 
-def sample_plans(result: PlanningResult, kernels: Sequence[Any],
-                 indices: Mapping[MethodName, Sequence[int]]) -> dict[MethodName, SampledPlans]:
+def sample_plans(
+    result: PlanningResult, kernels: Sequence[Any], indices: Mapping[MethodName, Sequence[int]]
+) -> dict[MethodName, SampledPlans]:
     """Frontier plans `indices[method]` of `result` re-evaluated under every cost model of `kernels` (the draws)."""
     from kareus_megatron.search.powercap import powercap_options
 
-    clocks = sorted({int(c) for mf in result.methods.values() if mf.method != POWERCAP
-                     for o in mf.options.values() for c in o.clock_mhz}, reverse=True)
+    clocks = sorted(
+        {
+            int(c)
+            for mf in result.methods.values()
+            if mf.method != POWERCAP
+            for o in mf.options.values()
+            for c in o.clock_mhz
+        },
+        reverse=True,
+    )
     recost: dict[MethodName, dict[Any, _Recost]] = {}
     latency = result.clock_latency.latency_s if result.clock_latency is not None else 0.0
     durs: dict[MethodName, list[np.ndarray]] = {m: [] for m in indices}
     ens: dict[MethodName, list[np.ndarray]] = {m: [] for m in indices}
     dags = []
     for kernel in kernels:
-        tables = LayerTables(result.gpu, result.model, result.par, kernel, clocks, result.schedule,
-                             result.cross_layer, phases=_phases(result.par)) if clocks else None
+        tables = (
+            LayerTables(
+                result.gpu,
+                result.model,
+                result.par,
+                kernel,
+                clocks,
+                result.schedule,
+                result.cross_layer,
+                phases=_phases(result.par),
+            )
+            if clocks
+            else None
+        )
         if not recost and tables is not None:  # the lookups depend on the options only: built once
-            recost = {m: {key: _Recost(tables, key, o) for key, o in mf.options.items()}
-                      for m, mf in result.methods.items() if m != POWERCAP and m in indices}
+            recost = {
+                m: {key: _Recost(tables, key, o) for key, o in mf.options.items()}
+                for m, mf in result.methods.items()
+                if m != POWERCAP and m in indices
+            }
         drawn = _drawn_options(result, tables, recost)
         p2p_s, dp_s = pipeline_comm_times_s(result.model, result.par, kernel)
         dag = build_dag(result.orders, p2p_s, dp_s)

@@ -58,8 +58,9 @@ def group_ranks(par: Any, group: str, rank: int) -> tuple[int, ...]:
     raise ValueError(f"group must be 'tp' or 'cp', not {group!r}")
 
 
-def instruction_collectives(model: Any, par: Any, kind: str, nanobatches: int, layers: int = 1,
-                            cross_layer: bool = False, rank: int = 0) -> list[PlannedCollective]:
+def instruction_collectives(
+    model: Any, par: Any, kind: str, nanobatches: int, layers: int = 1, cross_layer: bool = False, rank: int = 0
+) -> list[PlannedCollective]:
     """Planned collectives of a `kind` instruction through `layers` layers with `nanobatches` nanobatches, on
     global rank `rank`, phases in order, each phase in issue order (cross_layer: the chunk's layers overlap
     across layer boundaries, 2 nanobatches only, as the planner's options model it)."""
@@ -77,8 +78,14 @@ def instruction_collectives(model: Any, par: Any, kind: str, nanobatches: int, l
         for i in issues:
             op = i.collective
             model_layer = layers - 1 - i.layer if phase == "backward" else i.layer  # backward walks top down
-            out.append(PlannedCollective(
-                phase=phase, layer=model_layer, collective=op.collective, bytes=int(round(op.comm_bytes)),
-                ranks=group_ranks(par, op.collective.split("_", 1)[0], rank), partner=i.partner,
-            ))
+            out.append(
+                PlannedCollective(
+                    phase=phase,
+                    layer=model_layer,
+                    collective=op.collective,
+                    bytes=int(round(op.comm_bytes)),
+                    ranks=group_ranks(par, op.collective.split("_", 1)[0], rank),
+                    partner=i.partner,
+                )
+            )
     return out

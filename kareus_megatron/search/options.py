@@ -103,9 +103,17 @@ class LayerTables:
     phases to tabulate (default all three; search/bands.py asks only for those the instructions run).
     """
 
-    def __init__(self, gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
-                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False,
-                 phases: Sequence[str] = ("forward", "backward", "recompute")):
+    def __init__(
+        self,
+        gpu: Any,
+        model: Any,
+        par: Any,
+        kernel: Any,
+        clocks_mhz: Sequence[int],
+        schedule: str = SCHEDULE_1F1B,
+        cross_layer: bool = False,
+        phases: Sequence[str] = ("forward", "backward", "recompute"),
+    ):
         self.gpu, self.model, self.par, self.kernel, self.schedule = gpu, model, par, kernel, schedule
         self.cross_layer = cross_layer
         self.clocks_mhz = np.asarray(clocks_mhz, dtype=np.int64)
@@ -183,8 +191,15 @@ class LayerTables:
 _CACHE: list[tuple[tuple, LayerTables]] = []
 
 
-def layer_tables(gpu: Any, model: Any, par: Any, kernel: Any, clocks_mhz: Sequence[int],
-                 schedule: str = SCHEDULE_1F1B, cross_layer: bool = False) -> LayerTables:
+def layer_tables(
+    gpu: Any,
+    model: Any,
+    par: Any,
+    kernel: Any,
+    clocks_mhz: Sequence[int],
+    schedule: str = SCHEDULE_1F1B,
+    cross_layer: bool = False,
+) -> LayerTables:
     """LayerTables for these inputs, reused across methods of one planning run (small identity cache)."""
     key = (id(gpu), id(kernel), model, par, tuple(int(c) for c in clocks_mhz), schedule, cross_layer)
     for k, v in _CACHE:
@@ -248,8 +263,10 @@ def build_options(
     2-nanobatch options model cross-layer overlap inside each chunk (search/partition.py).
     """
     if method not in OPTION_METHODS:
-        raise ConfigError(f"method {method!r} has no per-instruction options; those that do: "
-                          f"{', '.join(OPTION_METHODS)} ({POWERCAP}: search/powercap.py).")
+        raise ConfigError(
+            f"method {method!r} has no per-instruction options; those that do: "
+            f"{', '.join(OPTION_METHODS)} ({POWERCAP}: search/powercap.py)."
+        )
     clocks = tuple(gpu.check_clocks(clocks_mhz)) if clocks_mhz is not None else gpu.clock_grid_mhz()
     if not clocks:
         raise ConfigError("the clock grid is empty; give at least one SM clock (MHz).")
@@ -296,13 +313,22 @@ def partition_frontiers(tables: LayerTables, clock_mhz: int) -> list[PartitionFr
             idx = pareto_indices(t, e)
             n_sms = pt.comm_sms.size
             j = int(np.flatnonzero(pt.comm_sms == tables.adapter.default_sms)[0])
-            out.append(PartitionFrontier(
-                phase=phase, name=name, instances=pt.instances, slots=pt.slots,
-                comm_sms_range=tuple(int(s) for s in pt.comm_sms), time_s=t[idx], energy_j=e[idx],
-                comm_sms=pt.comm_sms[idx % n_sms], slot=tuple(pt.slots[i // n_sms] for i in idx),
-                default_knob=(int(pt.comm_sms[j]), pt.slots[0]), default_time_s=float(pt.time_s[ci, 0, j]),
-                default_energy_j=float(pt.energy_j[ci, 0, j]),
-            ))
+            out.append(
+                PartitionFrontier(
+                    phase=phase,
+                    name=name,
+                    instances=pt.instances,
+                    slots=pt.slots,
+                    comm_sms_range=tuple(int(s) for s in pt.comm_sms),
+                    time_s=t[idx],
+                    energy_j=e[idx],
+                    comm_sms=pt.comm_sms[idx % n_sms],
+                    slot=tuple(pt.slots[i // n_sms] for i in idx),
+                    default_knob=(int(pt.comm_sms[j]), pt.slots[0]),
+                    default_time_s=float(pt.time_s[ci, 0, j]),
+                    default_energy_j=float(pt.energy_j[ci, 0, j]),
+                )
+            )
     return out
 
 

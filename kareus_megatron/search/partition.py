@@ -268,8 +268,9 @@ def chunk_schedule(phase: str, ops: Sequence[Any], nanobatches: int, layers: int
                 fixed.append(PartitionInstance("tail", seg.compute, pending[0].collective, (0,)))
                 issues.append(CollectiveIssue(pending[0].collective, PARTNER_TAIL, pending[1]))
             else:
-                instances.append(PartitionInstance(seg.partition, seg.compute, pending[0].collective,
-                                                   seg.slot_positions))
+                instances.append(
+                    PartitionInstance(seg.partition, seg.compute, pending[0].collective, seg.slot_positions)
+                )
                 issues.append(CollectiveIssue(pending[0].collective, seg.partition, pending[1]))
             pending = (seg, k)
     exposed: tuple[Any, ...] = ()
@@ -282,12 +283,14 @@ def chunk_schedule(phase: str, ops: Sequence[Any], nanobatches: int, layers: int
         issues.append(CollectiveIssue(pending[0].collective, PARTNER_EXPOSED, pending[1]))
     else:
         alone.extend(tail * nanobatches)
-    return LayerSchedule(phase, nanobatches, tuple(alone), tuple(instances), tuple(fixed), leading + exposed,
-                         tuple(issues))
+    return LayerSchedule(
+        phase, nanobatches, tuple(alone), tuple(instances), tuple(fixed), leading + exposed, tuple(issues)
+    )
 
 
-def _next_layer(phase: str, lead: list[Segment], body: list[Segment],
-                tail: tuple[Any, ...]) -> list[tuple[Segment, bool]]:
+def _next_layer(
+    phase: str, lead: list[Segment], body: list[Segment], tail: tuple[Any, ...]
+) -> list[tuple[Segment, bool]]:
     """Steps of one more layer after a layer whose `tail` (the ops after its last collective) joins them.
 
     Without a tail, nanobatch 0's first segment runs beside the previous layer's last collective as an
@@ -323,9 +326,14 @@ def _increment(more: LayerSchedule, one: LayerSchedule) -> LayerSchedule:
             del rest[hit]
         return tuple(rest)
 
-    return LayerSchedule(more.phase, more.nanobatches, minus(more.alone, one.alone),
-                         minus(more.instances, one.instances), minus(more.fixed, one.fixed),
-                         minus(more.exposed, one.exposed))
+    return LayerSchedule(
+        more.phase,
+        more.nanobatches,
+        minus(more.alone, one.alone),
+        minus(more.instances, one.instances),
+        minus(more.fixed, one.fixed),
+        minus(more.exposed, one.exposed),
+    )
 
 
 def collective_kind(name: str) -> str:

@@ -80,9 +80,14 @@ class BoundedPlan:
     power_limit_w: float | None = None  # kept from a powercap plan
 
 
-def plan_parts(dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, gpus_per_stage: int,
-               start_s: np.ndarray | None = None, period_s: float | None = None) -> tuple[np.ndarray, np.ndarray,
-                                                                                        float, float]:
+def plan_parts(
+    dag: PipelineDAG,
+    dur_s: np.ndarray,
+    energy_j: np.ndarray,
+    gpus_per_stage: int,
+    start_s: np.ndarray | None = None,
+    period_s: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, float, float]:
     """(A W, B GPUs, step s, T s) of one plan: per-node durations (s) and energies (J, one GPU), ASAP schedule."""
     if start_s is None or period_s is None:
         start_s, end = earliest_times(dag, dur_s)
@@ -100,15 +105,22 @@ def waveform_w(a: np.ndarray, b: np.ndarray, p_blocked_w: float, power_floor_w: 
     return a + (p_blocked_w if power_floor_w is None else max(power_floor_w, p_blocked_w)) * b
 
 
-def plan_metrics(dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, p_blocked_w: float,
-                 gpus_per_stage: int, power_floor_w: float | None = None) -> PowerMetrics:
+def plan_metrics(
+    dag: PipelineDAG,
+    dur_s: np.ndarray,
+    energy_j: np.ndarray,
+    p_blocked_w: float,
+    gpus_per_stage: int,
+    power_floor_w: float | None = None,
+) -> PowerMetrics:
     """The power metrics of one plan (durations s and energies J of one GPU per node), with its floor (W)."""
     a, b, step, _t = plan_parts(dag, dur_s, energy_j, gpus_per_stage)
     return power_metrics(waveform_w(a, b, p_blocked_w, power_floor_w), step)
 
 
-def least_floor(a: np.ndarray, b: np.ndarray, step_s: float, p_blocked_w: float, max_floor_w: float,
-                bound: PowerBound) -> tuple[float | None, float, float]:
+def least_floor(
+    a: np.ndarray, b: np.ndarray, step_s: float, p_blocked_w: float, max_floor_w: float, bound: PowerBound
+) -> tuple[float | None, float, float]:
     """(floor W or None, least swing fraction, least ramp W/s) of one plan under `bound`.
 
     The floor is the least one (grid, then bisection) with which the waveform meets the bound; None when
@@ -134,9 +146,16 @@ def least_floor(a: np.ndarray, b: np.ndarray, step_s: float, p_blocked_w: float,
     return hi, *least
 
 
-def bounded_plans(dag: PipelineDAG, node_opts: list[Any], plans: list[Any], p_blocked_w: float,
-                  gpus_per_stage: int, max_floor_w: float, bound: PowerBound,
-                  clock_latency_s: float = 0.0) -> tuple[list[BoundedPlan], float, float]:
+def bounded_plans(
+    dag: PipelineDAG,
+    node_opts: list[Any],
+    plans: list[Any],
+    p_blocked_w: float,
+    gpus_per_stage: int,
+    max_floor_w: float,
+    bound: PowerBound,
+    clock_latency_s: float = 0.0,
+) -> tuple[list[BoundedPlan], float, float]:
     """The plans of one method's frontier that meet `bound` (each with its least floor), and the least swing
     fraction and ramp (W/s) any of them reaches with a floor up to `max_floor_w` (W); with `clock_latency_s`
     (s) each instruction's time and energy carry the lag of a clock change (search/segments.py)."""
@@ -153,11 +172,15 @@ def bounded_plans(dag: PipelineDAG, node_opts: list[Any], plans: list[Any], p_bl
         if floor is None:
             continue
         extra = (floor - p_blocked_w) * float(b.sum()) * step  # J: blocked GPU-seconds at the raised floor
-        out.append(BoundedPlan(
-            choice=ch, time_s=float(plan.time_s), energy_j=float(plan.energy_j) + extra,
-            power_floor_w=floor if floor > p_blocked_w * (1 + _TOL) else None,
-            power_limit_w=getattr(plan, "power_limit_w", None),
-        ))
+        out.append(
+            BoundedPlan(
+                choice=ch,
+                time_s=float(plan.time_s),
+                energy_j=float(plan.energy_j) + extra,
+                power_floor_w=floor if floor > p_blocked_w * (1 + _TOL) else None,
+                power_limit_w=getattr(plan, "power_limit_w", None),
+            )
+        )
     return out, float(best_frac), float(best_ramp)
 
 
@@ -168,8 +191,10 @@ def unreachable_message(bound: PowerBound, method: str, least_frac: float, least
         got.append(f"the least swing reachable is {least_frac:.3f} × peak")
     if bound.max_ramp_w_per_s is not None:
         got.append(f"the least ramp reachable is {least_ramp:.4g} W/s")
-    return (f"{bound.describe()}: no {method} plan meets the bound, even with blocked GPUs held at a power floor "
-            f"up to the board limit; {' and '.join(got)}")
+    return (
+        f"{bound.describe()}: no {method} plan meets the bound, even with blocked GPUs held at a power floor "
+        f"up to the board limit; {' and '.join(got)}"
+    )
 
 
 def check_reachable(found: Mapping[Any, tuple[list[BoundedPlan], float, float]], bound: PowerBound) -> None:
@@ -179,13 +204,19 @@ def check_reachable(found: Mapping[Any, tuple[list[BoundedPlan], float, float]],
             raise PlanError(unreachable_message(bound, method, frac, ramp))
 
 
-def timeline_parts(timed: list[Any], pp: int, period_s: float, gpus_per_stage: int) -> tuple[np.ndarray, np.ndarray,
-                                                                                             float]:
+def timeline_parts(
+    timed: list[Any], pp: int, period_s: float, gpus_per_stage: int
+) -> tuple[np.ndarray, np.ndarray, float]:
     """(A W, B GPUs, step s) of a simulated timeline (search.planner.TimedInstruction: rank, start_s, end_s,
     energy_j of one GPU) of `pp` ranks and iteration time `period_s` (s)."""
     ranks = []
     for r in range(pp):
         mine = [ti for ti in timed if ti.rank == r]
-        ranks.append((np.array([ti.start_s for ti in mine]), np.array([ti.end_s for ti in mine]),
-                      np.array([ti.energy_j for ti in mine])))
+        ranks.append(
+            (
+                np.array([ti.start_s for ti in mine]),
+                np.array([ti.end_s for ti in mine]),
+                np.array([ti.energy_j for ti in mine]),
+            )
+        )
     return job_parts(ranks, period_s, gpus_per_stage)

@@ -257,8 +257,9 @@ def plan_methods(
             found[name] = _powercap_frontier(dag, model, par, kernel, p_blocked, gpus_per_stage)
             done += w
             continue
-        opts = build_options(gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule,
-                             cross_layer=cross_layer)
+        opts = build_options(
+            gpu, model, par, kernel, name, clocks_mhz=clocks_mhz, schedule=schedule, cross_layer=cross_layer
+        )
         say(f"{name}: frontier", done + 0.1 * w)
 
         def frontier_progress(f: float, d: float = done, w: float = w, n: str = name) -> None:
@@ -278,22 +279,50 @@ def plan_methods(
     choose_points(found, points, max_time_s)
     say("done", 1.0)
     return PlanningResult(
-        gpu=gpu, model=model, par=par, schedule=schedule, orders=orders, dag=dag, p2p_time_s=p2p_s,
-        dp_reduce_time_s=dp_s, p_blocked_w=p_blocked, gpus_per_stage=gpus_per_stage, methods=found,
-        calibration_sha256=calibration_sha256, cross_layer=cross_layer, bound=bound,
+        gpu=gpu,
+        model=model,
+        par=par,
+        schedule=schedule,
+        orders=orders,
+        dag=dag,
+        p2p_time_s=p2p_s,
+        dp_reduce_time_s=dp_s,
+        p_blocked_w=p_blocked,
+        gpus_per_stage=gpus_per_stage,
+        methods=found,
+        calibration_sha256=calibration_sha256,
+        cross_layer=cross_layer,
+        bound=bound,
         clock_latency=latency if latency.latency_s > 0 else None,
     )
 
 
-def _apply_bound(found: dict[MethodName, MethodFrontier], dag: Any, p_blocked_w: float, gpus_per_stage: int,
-                 max_floor_w: float, bound: Any, clock_latency_s: float = 0.0) -> None:
+def _apply_bound(
+    found: dict[MethodName, MethodFrontier],
+    dag: Any,
+    p_blocked_w: float,
+    gpus_per_stage: int,
+    max_floor_w: float,
+    bound: Any,
+    clock_latency_s: float = 0.0,
+) -> None:
     """Replace every method's frontier by its plans that meet `bound` (search/plan_power.py), in place; the
     clock plans' instructions carry the lag of a clock change of `clock_latency_s` (s)."""
     from kareus_megatron.search.plan_power import bounded_plans, check_reachable
 
-    per = {name: bounded_plans(dag, node_options(dag, mf.options), mf.plans, p_blocked_w, gpus_per_stage,
-                               max_floor_w, bound, 0.0 if name == POWERCAP else clock_latency_s)
-           for name, mf in found.items()}
+    per = {
+        name: bounded_plans(
+            dag,
+            node_options(dag, mf.options),
+            mf.plans,
+            p_blocked_w,
+            gpus_per_stage,
+            max_floor_w,
+            bound,
+            0.0 if name == POWERCAP else clock_latency_s,
+        )
+        for name, mf in found.items()
+    }
     check_reachable(per, bound)
     for name, (plans, _frac, _ramp) in per.items():
         kept, t, e = _frontier_arrays(plans)
@@ -301,8 +330,9 @@ def _apply_bound(found: dict[MethodName, MethodFrontier], dag: Any, p_blocked_w:
         mf.plans, mf.time_s, mf.energy_j = kept, t, e
 
 
-def _powercap_frontier(dag: Any, model: Any, par: Any, kernel: Any, p_blocked_w: float,
-                       gpus_per_stage: int) -> MethodFrontier:
+def _powercap_frontier(
+    dag: Any, model: Any, par: Any, kernel: Any, p_blocked_w: float, gpus_per_stage: int
+) -> MethodFrontier:
     """The ``powercap`` frontier: one simulated plan per power limit of the grid, Pareto over caps."""
     from kareus_megatron.search.powercap import cap_grid_w, powercap_options, powercap_plans
 
@@ -333,8 +363,14 @@ def simulate_plan(result: PlanningResult, method: MethodName, index: int) -> tup
     for rank, order in enumerate(dag.rank_orders):
         for i in order:
             _s, kind, mb, chunk = dag.keys[i]
-            timed.append(TimedInstruction(
-                rank=rank, key=(kind, mb, chunk), option=int(ch[i]), start_s=float(sim.start_s[i]),
-                end_s=float(sim.end_s[i]), energy_j=float(en[i]),
-            ))
+            timed.append(
+                TimedInstruction(
+                    rank=rank,
+                    key=(kind, mb, chunk),
+                    option=int(ch[i]),
+                    start_s=float(sim.start_s[i]),
+                    end_s=float(sim.end_s[i]),
+                    energy_j=float(en[i]),
+                )
+            )
     return sim, timed

@@ -76,8 +76,9 @@ def cap_grid_w(kernel: KernelModel, model: Any, par: Any, n: int = DEFAULT_CAPS)
     return np.unique(np.rint(np.linspace(lo, hi, n)))
 
 
-def _costs(kernel: KernelModel, model: Any, par: Any,
-           caps_w: np.ndarray) -> dict[OptionKey, tuple[np.ndarray, np.ndarray]]:
+def _costs(
+    kernel: KernelModel, model: Any, par: Any, caps_w: np.ndarray
+) -> dict[OptionKey, tuple[np.ndarray, np.ndarray]]:
     """(time s, energy J) per cap of every instruction on one GPU requested at the max clock, 1 nanobatch.
 
     Every cap at once: the cost model's board limit is the array of caps (W), one per element of the clock axis;
@@ -116,7 +117,10 @@ def powercap_options(
     n = len(caps_w)
     return {
         key: InstructionOptions(
-            time_s=t, energy_j=e, clock_mhz=np.full(n, fmax, dtype=np.int64), nanobatches=np.ones(n, dtype=np.int64),
+            time_s=t,
+            energy_j=e,
+            clock_mhz=np.full(n, fmax, dtype=np.int64),
+            nanobatches=np.ones(n, dtype=np.int64),
             partitions=[{} for _ in range(n)],
         )
         for key, (t, e) in _costs(kernel, model, par, caps_w).items()
@@ -136,6 +140,12 @@ def powercap_plans(
         dur = np.array([float(o.time_s[k]) for o in node_opts])
         en = np.array([float(o.energy_j[k]) for o in node_opts])
         sim = simulate(dag, dur, en, p_blocked_w, gpus_per_stage)
-        plans.append(PowerCapPlan(choice=np.full(dag.n, k, dtype=np.int64), time_s=float(sim.time_s),
-                                  energy_j=float(sim.energy_j), power_limit_w=float(cap)))
+        plans.append(
+            PowerCapPlan(
+                choice=np.full(dag.n, k, dtype=np.int64),
+                time_s=float(sim.time_s),
+                energy_j=float(sim.energy_j),
+                power_limit_w=float(cap),
+            )
+        )
     return plans

@@ -28,13 +28,7 @@ The option builder (search/options.py) reads this; the DeepSpeed patch refuses a
 from __future__ import annotations
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
-from kareus_megatron.vocab import (
-    SCHEDULE_1F1B,
-    SCHEDULE_DEEPSPEED,
-    SCHEDULE_INTERLEAVED,
-    SCHEDULES,
-    InstructionKind,
-)
+from kareus_megatron.vocab import SCHEDULE_1F1B, SCHEDULE_DEEPSPEED, SCHEDULE_INTERLEAVED, SCHEDULES, InstructionKind
 
 InstrKey = tuple[InstructionKind, int, int]  # (kind, microbatch, chunk)
 
@@ -45,7 +39,7 @@ SCHEDULE_NANOBATCHES: dict[str, tuple[int, ...]] = {
     SCHEDULE_DEEPSPEED: (1,),
 }
 _NO_OVERLAP_WHY: dict[str, str] = {
-    SCHEDULE_DEEPSPEED: "DeepSpeed's PipelineEngine runs every microbatch whole (it has no nanobatch overlap engine)",
+    SCHEDULE_DEEPSPEED: "DeepSpeed's PipelineEngine runs every microbatch whole (it has no nanobatch overlap engine)"
 }
 
 
@@ -94,20 +88,22 @@ def interleaved_warmup(pp: int, rank: int, num_microbatches: int, vp: int, group
     return min(warm, num_microbatches * vp)
 
 
-def interleaved_order(
-    pp: int, num_microbatches: int, vp: int, group_size: int | None = None
-) -> list[list[InstrKey]]:
+def interleaved_order(pp: int, num_microbatches: int, vp: int, group_size: int | None = None) -> list[list[InstrKey]]:
     """Megatron interleaved 1F1B order per rank; `group_size` = microbatch_group_size_per_vp_stage (default pp)."""
     g = pp if group_size is None else group_size
     if g < 1:
         raise ConfigError(f"microbatch group size {g} must be >= 1")
     # megatron-core 0.16.1 refuses these (its interleaved schedule would stall on dependency bubbles).
     if not pp <= g <= num_microbatches:
-        raise InfeasibleConfigError(f"{SCHEDULE_INTERLEAVED}: the microbatch group size ({g}) must lie in "
-                                    f"[pp={pp}, microbatches={num_microbatches}]; use more microbatches")
+        raise InfeasibleConfigError(
+            f"{SCHEDULE_INTERLEAVED}: the microbatch group size ({g}) must lie in "
+            f"[pp={pp}, microbatches={num_microbatches}]; use more microbatches"
+        )
     if 0 < num_microbatches % g < pp:
-        raise InfeasibleConfigError(f"{SCHEDULE_INTERLEAVED}: microbatches ({num_microbatches}) modulo the group size "
-                                    f"({g}) must be 0 or at least pp={pp}; use a multiple of {g}")
+        raise InfeasibleConfigError(
+            f"{SCHEDULE_INTERLEAVED}: microbatches ({num_microbatches}) modulo the group size "
+            f"({g}) must be 0 or at least pp={pp}; use a multiple of {g}"
+        )
     table = interleaved_table(num_microbatches, vp, g)
     total = len(table)
 

@@ -51,8 +51,10 @@ class ClockLatency:
 
     def __post_init__(self) -> None:
         if not (self.latency_s >= 0.0 and np.isfinite(self.latency_s)) or not self.segment_latencies >= 1.0:
-            raise ConfigError(f"clock latency {self.latency_s:g} s must be >= 0 and the segment floor "
-                              f"{self.segment_latencies:g} latencies >= 1.")
+            raise ConfigError(
+                f"clock latency {self.latency_s:g} s must be >= 0 and the segment floor "
+                f"{self.segment_latencies:g} latencies >= 1."
+            )
 
     @property
     def min_segment_s(self) -> float:
@@ -132,8 +134,9 @@ class _Options:
         return int(ks[np.argmin(np.abs(t[ks] - t[k_ref]))])
 
 
-def _merge_rank(seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.ndarray, min_s: float,
-                slack_s: np.ndarray) -> None:
+def _merge_rank(
+    seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.ndarray, min_s: float, slack_s: np.ndarray
+) -> None:
     """Merge rank `seq`'s short segments in place in `choice` (`ref`: the solver's choice, the reference;
     `slack_s`: how much later each node may end without delaying the iteration, in the reference plan)."""
     n = len(seq)
@@ -164,15 +167,18 @@ def _merge_rank(seq: Sequence[int], look: _Options, ref: np.ndarray, choice: np.
                 if best is None or key < best[0]:
                     best = (key, members, ks)
         if best is None:
-            raise PlanError(f"no SM clock is an option of every instruction of a {lengths[r] * 1e3:.3g} ms clock "
-                            f"segment and its neighbour (rank of {n} instructions); plan with --freqs that "
-                            "every instruction can run at")
+            raise PlanError(
+                f"no SM clock is an option of every instruction of a {lengths[r] * 1e3:.3g} ms clock "
+                f"segment and its neighbour (rank of {n} instructions); plan with --freqs that "
+                "every instruction can run at"
+            )
         for i, k in zip(best[1], best[2]):
             choice[i] = k
 
 
-def merge_short_segments(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray,
-                         min_segment_s: float) -> np.ndarray:
+def merge_short_segments(
+    dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray, min_segment_s: float
+) -> np.ndarray:
     """A copy of `choice` in which every rank's cyclic clock segments last at least `min_segment_s` (s of busy
     time), or the rank runs one clock (see the module doc)."""
     out = np.array(choice, dtype=np.int64, copy=True)
@@ -188,8 +194,9 @@ def merge_short_segments(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.
     return out
 
 
-def lagged_costs(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray,
-                 latency_s: float) -> tuple[np.ndarray, np.ndarray]:
+def lagged_costs(
+    dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray, latency_s: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Duration (s) and energy (J, one GPU) of every node of `choice` with the lag of each clock change."""
     look = _Options(node_opts)
     ch = np.asarray(choice, dtype=np.int64)
@@ -223,8 +230,9 @@ def lagged_costs(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray,
     return dur, en
 
 
-def simulate_many(dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, p_blocked_w: float,
-                  gpus_per_stage: int) -> tuple[np.ndarray, np.ndarray]:
+def simulate_many(
+    dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, p_blocked_w: float, gpus_per_stage: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Iteration time (s) and energy (J, all GPUs) of plans given per node durations and energies (P, n)."""
     _start, end = earliest_times(dag, dur_s)
     t = iteration_time(dag, end)
@@ -235,8 +243,14 @@ def simulate_many(dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, p_b
     return np.asarray(t, float), np.asarray(e, float)
 
 
-def latency_aware_plans(dag: PipelineDAG, node_opts: Sequence[Any], plans: Sequence[Any], p_blocked_w: float,
-                        gpus_per_stage: int, latency: ClockLatency) -> list[Any]:
+def latency_aware_plans(
+    dag: PipelineDAG,
+    node_opts: Sequence[Any],
+    plans: Sequence[Any],
+    p_blocked_w: float,
+    gpus_per_stage: int,
+    latency: ClockLatency,
+) -> list[Any]:
     """Every plan of `plans` (SolvedPlan) with its short clock segments merged, re-simulated with the lag;
     plans that merge into the same choice are kept once."""
     from kareus_megatron.search.solver import SolvedPlan

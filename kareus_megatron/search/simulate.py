@@ -73,11 +73,7 @@ class Simulation:
 
 
 def simulate(
-    dag: PipelineDAG,
-    dur_s: np.ndarray,
-    inst_energy_j: np.ndarray,
-    p_blocked_w: float,
-    gpus_per_stage: int = 1,
+    dag: PipelineDAG, dur_s: np.ndarray, inst_energy_j: np.ndarray, p_blocked_w: float, gpus_per_stage: int = 1
 ) -> Simulation:
     """Simulate one plan given each instruction's duration (s) and energy (J, one GPU)."""
     dur = np.asarray(dur_s, dtype=float)

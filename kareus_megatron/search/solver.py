@@ -83,8 +83,9 @@ class _Evaluator:
         dur = durations(self.prep, pos)
         _, end = earliest_times(self.dag, dur)
         t = iteration_time(self.dag, end)
-        en = np.take_along_axis(np.broadcast_to(self.prep.energy_j, pos.shape + (self.prep.energy_j.shape[1],)),
-                                pos[..., None], -1)[..., 0]
+        en = np.take_along_axis(
+            np.broadcast_to(self.prep.energy_j, pos.shape + (self.prep.energy_j.shape[1],)), pos[..., None], -1
+        )[..., 0]
         e = iteration_energy_j(en.sum(-1), dur.sum(-1), t, self.p, self.g, ranks=self.dag.pp)
         for k in range(pos.shape[0]):
             key = pos[k].tobytes()
@@ -263,8 +264,7 @@ def solve_frontier(
     t_slow = float(iteration_time(dag, earliest_times(dag, durations(prep, slow))[1]))
     if max_time_s is not None and max_time_s < t_fast * (1 - 1e-12):
         raise PlanError(
-            f"max time {max_time_s:.6g} s is below the fastest plan ({t_fast:.6g} s); "
-            f"allow at least {t_fast:.6g} s"
+            f"max time {max_time_s:.6g} s is below the fastest plan ({t_fast:.6g} s); allow at least {t_fast:.6g} s"
         )
     t_hi = t_slow if max_time_s is None else min(t_slow, max(max_time_s, t_fast))
     ev.add(fast)
@@ -288,4 +288,3 @@ def solve_frontier(
         choice = prep.orig[rows, ev.pos[k]]
         out.append(SolvedPlan(choice=choice, time_s=ev.time[k], energy_j=ev.energy[k]))
     return out
-

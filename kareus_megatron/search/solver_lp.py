@@ -185,8 +185,12 @@ class HullLP:
                 return np.asarray(h.getSolution().col_value)
             if status == hs.HighsModelStatus.kInfeasible:
                 return None
-            log.warning("HiGHS ended the pipeline LP at deadline %.6g s with status %s; solving it cold with "
-                        "scipy.optimize.linprog instead", deadline_s, h.modelStatusToString(status))
+            log.warning(
+                "HiGHS ended the pipeline LP at deadline %.6g s with status %s; solving it cold with "
+                "scipy.optimize.linprog instead",
+                deadline_s,
+                h.modelStatusToString(status),
+            )
         hi = self.hi.copy()
         hi[-1] = deadline_s
         res = linprog(self.c, A_ub=self.A, b_ub=self.b, bounds=np.c_[self.lo, hi], method="highs")
@@ -262,8 +266,13 @@ class ExactMILP:
             opts: dict[str, Any] = {"mip_rel_gap": 1e-9, "presolve": presolve}
             if time_limit_s is not None:
                 opts["time_limit"] = time_limit_s
-            res = milp(self.c, constraints=self.constraint, integrality=self.integrality,
-                       bounds=Bounds(self.lo, hi), options=opts)
+            res = milp(
+                self.c,
+                constraints=self.constraint,
+                integrality=self.integrality,
+                bounds=Bounds(self.lo, hi),
+                options=opts,
+            )
             if res.x is not None:
                 z = res.x[self.n : self.n + int(self.offs[-1])]
                 return np.array(

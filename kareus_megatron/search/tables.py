@@ -120,8 +120,13 @@ class PhaseTable:
 
 
 def phase_table(
-    adapter: OverlapCost, model: Any, par: Any, phase: str, clocks_mhz: Sequence[int] | NDArray[np.integer[Any]],
-    nanobatches: int = 2, cross_layer: bool = False,
+    adapter: OverlapCost,
+    model: Any,
+    par: Any,
+    phase: str,
+    clocks_mhz: Sequence[int] | NDArray[np.integer[Any]],
+    nanobatches: int = 2,
+    cross_layer: bool = False,
 ) -> PhaseTable:
     """Knob tables of one layer of `phase` at every clock (1-nanobatch order and `nanobatches` overlap).
 

@@ -84,23 +84,50 @@ def _gemm(name: str, m: float, n: float, k: float, e: int, segment: str | None, 
     bwd = phase == "backward"
     mul = 2 if bwd else 1  # backward = input-gradient GEMM + weight-gradient GEMM
     return Op(
-        name=name, kind="gemm", flops=2.0 * m * n * k * mul, hbm_bytes=e * (m * k + k * n + m * n) * mul,
-        gemm_mnk=(int(m), int(n), int(k)), segment=segment, phase=phase, kernels=mul,
+        name=name,
+        kind="gemm",
+        flops=2.0 * m * n * k * mul,
+        hbm_bytes=e * (m * k + k * n + m * n) * mul,
+        gemm_mnk=(int(m), int(n), int(k)),
+        segment=segment,
+        phase=phase,
+        kernels=mul,
     )
 
 
 def _mem(name: str, bytes_: float, flops: float, segment: str | None, phase: str) -> Op:
-    return Op(name=name, kind="memory", flops=flops, hbm_bytes=bytes_, segment=segment, phase=phase,
-              kernels=1 if bytes_ > 0 else 0)
+    return Op(
+        name=name,
+        kind="memory",
+        flops=flops,
+        hbm_bytes=bytes_,
+        segment=segment,
+        phase=phase,
+        kernels=1 if bytes_ > 0 else 0,
+    )
 
 
-def _coll(par: ParallelConfig, collective: str, bytes_: float, segment: str | None, phase: str,
-          name: str | None = None, kernels: int = 1) -> Op:
+def _coll(
+    par: ParallelConfig,
+    collective: str,
+    bytes_: float,
+    segment: str | None,
+    phase: str,
+    name: str | None = None,
+    kernels: int = 1,
+) -> Op:
     group = collective.split("_", 1)[0]
     size = {"tp": par.tp, "cp": par.cp, "dp": par.dp * par.cp}[group]
     return Op(
-        name=name or f"{segment}_{collective}", kind="collective", collective=collective, comm_bytes=bytes_,
-        group_size=size, link=group_link(par, group), segment=segment, phase=phase, kernels=kernels,
+        name=name or f"{segment}_{collective}",
+        kind="collective",
+        collective=collective,
+        comm_bytes=bytes_,
+        group_size=size,
+        link=group_link(par, group),
+        segment=segment,
+        phase=phase,
+        kernels=kernels,
     )
 
 
@@ -142,39 +169,71 @@ def layer_ops(model: ModelSpec, par: ParallelConfig, phase: str, nanobatches: in
     kv_gather = b * par.seq_length * 2 * kv_w * e  # gathered K and V of the whole sequence
     attn_flops = 4.0 * t * par.seq_length * d * (model.num_attention_heads / tp) * 0.5  # causal
     rope_bytes = (2 * t * (q_w + kv_w) * e if model.position == "rope" else 0.0) + (
-        2 * t * (q_w + kv_w) * e if model.qk_norm else 0.0)
+        2 * t * (q_w + kv_w) * e if model.qk_norm else 0.0
+    )
     norm_bytes = 4 * t_sp * h * e  # read input and residual branch, write sum and normalised output
     norm_flops = 8.0 * t_sp * h
     cp_kv = par.cp > 1
     ops: list[Op] = []
     if phase == "forward":
         ops += [_mem("input_norm", norm_bytes, norm_flops, "attn", phase), *_tp_in(par, t, h, e, "attn", phase)]
-        ops += [_gemm("qkv", t, q_w + 2 * kv_w, h, e, "attn", phase),
-                _mem("rope", rope_bytes, 0.5 * rope_bytes, "attn", phase)]
+        ops += [
+            _gemm("qkv", t, q_w + 2 * kv_w, h, e, "attn", phase),
+            _mem("rope", rope_bytes, 0.5 * rope_bytes, "attn", phase),
+        ]
         if cp_kv:
             ops.append(_coll(par, "cp_all_gather", kv_gather, "attn", phase))
-        ops.append(Op(name="attention", kind="attention", flops=attn_flops, segment="attn", phase=phase,
-                      hbm_bytes=e * (2 * t * q_w) + (kv_gather if cp_kv else 2 * t * kv_w * e)))
+        ops.append(
+            Op(
+                name="attention",
+                kind="attention",
+                flops=attn_flops,
+                segment="attn",
+                phase=phase,
+                hbm_bytes=e * (2 * t * q_w) + (kv_gather if cp_kv else 2 * t * kv_w * e),
+            )
+        )
         ops += [_gemm("proj", t, h, q_w, e, "attn", phase), *_tp_out(par, t, h, e, "attn", phase)]
         ops += [_mem("pre_mlp_norm", norm_bytes, norm_flops, "mlp", phase), *_tp_in(par, t, h, e, "mlp", phase)]
         act_bytes = t * ffn * e * (3 if model.activation == "swiglu" else 2)
-        ops += [_gemm("fc1", t, fc1_n, h, e, "mlp", phase), _mem("activation", act_bytes, 8.0 * t * ffn, "mlp", phase),
-                _gemm("fc2", t, h, ffn, e, "mlp", phase), *_tp_out(par, t, h, e, "mlp", phase)]
+        ops += [
+            _gemm("fc1", t, fc1_n, h, e, "mlp", phase),
+            _mem("activation", act_bytes, 8.0 * t * ffn, "mlp", phase),
+            _gemm("fc2", t, h, ffn, e, "mlp", phase),
+            *_tp_out(par, t, h, e, "mlp", phase),
+        ]
         return tuple(ops)
     # backward: mlp segment, attn segment, tail
     act_bytes = t * ffn * e * (5 if model.activation == "swiglu" else 3)
-    ops += [*_tp_in(par, t, h, e, "mlp", phase), _gemm("fc2", t, h, ffn, e, "mlp", phase),
-            _mem("activation", act_bytes, 12.0 * t * ffn, "mlp", phase),
-            _gemm("fc1", t, fc1_n, h, e, "mlp", phase), *_tp_out(par, t, h, e, "mlp", phase)]
-    ops += [_mem("pre_mlp_norm", norm_bytes, 2 * norm_flops, "attn", phase), *_tp_in(par, t, h, e, "attn", phase),
-            _gemm("proj", t, h, q_w, e, "attn", phase)]
-    ops.append(Op(name="attention", kind="attention", flops=ATTENTION_BWD_FLOP_FACTOR * attn_flops, segment="attn",
-                  phase=phase, hbm_bytes=e * (5 * t * q_w) + 2 * (kv_gather if cp_kv else 2 * t * kv_w * e)))
+    ops += [
+        *_tp_in(par, t, h, e, "mlp", phase),
+        _gemm("fc2", t, h, ffn, e, "mlp", phase),
+        _mem("activation", act_bytes, 12.0 * t * ffn, "mlp", phase),
+        _gemm("fc1", t, fc1_n, h, e, "mlp", phase),
+        *_tp_out(par, t, h, e, "mlp", phase),
+    ]
+    ops += [
+        _mem("pre_mlp_norm", norm_bytes, 2 * norm_flops, "attn", phase),
+        *_tp_in(par, t, h, e, "attn", phase),
+        _gemm("proj", t, h, q_w, e, "attn", phase),
+    ]
+    ops.append(
+        Op(
+            name="attention",
+            kind="attention",
+            flops=ATTENTION_BWD_FLOP_FACTOR * attn_flops,
+            segment="attn",
+            phase=phase,
+            hbm_bytes=e * (5 * t * q_w) + 2 * (kv_gather if cp_kv else 2 * t * kv_w * e),
+        )
+    )
     if cp_kv:
         ops.append(_coll(par, "cp_reduce_scatter", kv_gather, "attn", phase))
-    ops += [_mem("rope", rope_bytes, 0.5 * rope_bytes, "attn", phase),
-            _gemm("qkv", t, q_w + 2 * kv_w, h, e, "attn", phase),
-            *_tp_out(par, t, h, e, "attn", phase)]
+    ops += [
+        _mem("rope", rope_bytes, 0.5 * rope_bytes, "attn", phase),
+        _gemm("qkv", t, q_w + 2 * kv_w, h, e, "attn", phase),
+        *_tp_out(par, t, h, e, "attn", phase),
+    ]
     ops.append(_mem("input_norm", norm_bytes, 2 * norm_flops, "tail", phase))
     return tuple(ops)
 
@@ -219,8 +278,9 @@ def stage_extra_ops(
         if not bwd:
             ops += [norm, *sp_in, out, loss]
             if tp > 1:
-                ops.append(_coll(par, "tp_all_reduce", 3 * t * FP32_BYTES, None, phase, name="loss_tp_all_reduce",
-                                 kernels=3))
+                ops.append(
+                    _coll(par, "tp_all_reduce", 3 * t * FP32_BYTES, None, phase, name="loss_tp_all_reduce", kernels=3)
+                )
         else:
             ops += [loss, out]
             if tp > 1:  # input gradient of the column-parallel output layer
@@ -239,8 +299,15 @@ def p2p_op(model: ModelSpec, par: ParallelConfig, stage: int | None = None) -> O
         link = "network" if par.pp > 1 and group_link(par, "pp") == "network" else "nvlink"
     else:
         link = pp_boundary_link(par, stage)
-    return Op(name="pp_send_recv", kind="p2p", collective="pp_send_recv", comm_bytes=bytes_, group_size=2,
-              link=link, phase="forward")
+    return Op(
+        name="pp_send_recv",
+        kind="p2p",
+        collective="pp_send_recv",
+        comm_bytes=bytes_,
+        group_size=2,
+        link=link,
+        phase="forward",
+    )
 
 
 def stage_params(model: ModelSpec, par: ParallelConfig, stage: int) -> float:
@@ -256,7 +323,7 @@ def stage_params(model: ModelSpec, par: ParallelConfig, stage: int) -> float:
     if stage == 0:
         n += model.embedding_params
     if stage == par.pp - 1:
-        n += (0 if model.tied_embeddings and par.pp == 1 else model.embedding_params)
+        n += 0 if model.tied_embeddings and par.pp == 1 else model.embedding_params
         n += h * (2 if model.norm == "layernorm" else 1)
     return n / par.tp
 
@@ -265,5 +332,13 @@ def dp_grad_ops(model: ModelSpec, par: ParallelConfig, stage: int) -> tuple[Op, 
     """Gradient reduce-scatter over DP×CP (distributed optimizer, fp32 grads) once per iteration."""
     if par.dp * par.cp == 1:
         return ()
-    return (_coll(par, "dp_reduce_scatter", stage_params(model, par, stage) * FP32_BYTES, None, "backward",
-                  name="dp_grad_reduce_scatter"),)
+    return (
+        _coll(
+            par,
+            "dp_reduce_scatter",
+            stage_params(model, par, stage) * FP32_BYTES,
+            None,
+            "backward",
+            name="dp_grad_reduce_scatter",
+        ),
+    )

@@ -18,8 +18,18 @@ from kareus_megatron.workload.models import ModelSpec
 RECOMPUTE = ("none", "full", "selective")
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "tf32": 4, "fp32": 4}
 # Upper bounds of the sizes (far above any real run; beyond them the cost model's numbers overflow).
-MAX_SIZE = {"--seq": 2**20, "--mbs": 2**14, "--microbatches": 2**14, "--tp": 2**12, "--cp": 2**12, "--pp": 2**12,
-            "--vp": 2**12, "--dp": 2**20, "--nodes": 2**20, "--gpus-per-node": 2**12}
+MAX_SIZE = {
+    "--seq": 2**20,
+    "--mbs": 2**14,
+    "--microbatches": 2**14,
+    "--tp": 2**12,
+    "--cp": 2**12,
+    "--pp": 2**12,
+    "--vp": 2**12,
+    "--dp": 2**20,
+    "--nodes": 2**20,
+    "--gpus-per-node": 2**12,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,8 +161,16 @@ def make_parallel(
     dp=None derives DP from nodes × gpus_per_node; nodes=None derives the node count from the world size
     (one node of tp·cp·pp·dp GPUs when that is at most gpus_per_node).
     """
-    for name, v in (("--tp", tp), ("--cp", cp), ("--pp", pp), ("--vp", vp), ("--mbs", micro_batch_size),
-                    ("--seq", seq_length), ("--microbatches", num_microbatches), ("--gpus-per-node", gpus_per_node)):
+    for name, v in (
+        ("--tp", tp),
+        ("--cp", cp),
+        ("--pp", pp),
+        ("--vp", vp),
+        ("--mbs", micro_batch_size),
+        ("--seq", seq_length),
+        ("--microbatches", num_microbatches),
+        ("--gpus-per-node", gpus_per_node),
+    ):
         _positive(name, v)
     if nodes is not None:
         _positive("--nodes", nodes)
@@ -222,8 +240,18 @@ def make_parallel(
             f"(e.g. --dp {max(1, nodes * gpus_per_node // model_gpus)})."
         )
     return ParallelConfig(
-        tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sequence_parallel=bool(sequence_parallel),
-        micro_batch_size=micro_batch_size, seq_length=seq_length, num_microbatches=num_microbatches,
-        recompute=recompute, layers_per_stage=layers, nodes=nodes, gpus_per_node=gpus_per_node,
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        vp=vp,
+        dp=dp,
+        sequence_parallel=bool(sequence_parallel),
+        micro_batch_size=micro_batch_size,
+        seq_length=seq_length,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        layers_per_stage=layers,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
         precision=precision,
     )

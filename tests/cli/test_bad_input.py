@@ -19,12 +19,37 @@ import pytest
 from kareus_megatron.cli.main import main
 
 PROFILE = Path(__file__).parents[1] / "data" / "perseus_gpt3_stage0_7.csv"
-GPT3 = ["--gpu", "a100-sxm4-80gb", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--mbs", "1", "--seq", "2048",
-        "--recompute", "none"]
+GPT3 = [
+    "--gpu",
+    "a100-sxm4-80gb",
+    "--model",
+    "gpt3-175b",
+    "--tp",
+    "8",
+    "--pp",
+    "8",
+    "--mbs",
+    "1",
+    "--seq",
+    "2048",
+    "--recompute",
+    "none",
+]
 BINARY = b"\xff\xfe\x00\x81\x9c binary \xc3\x28\n"
 CLASSES = ("binary", "empty", "truncated", "wrong_shape", "huge", "negative", "under_file", "in_proc", "dir_for_file")
-COMMANDS = ("env", "predict", "partitions", "plan", "calibrate", "solve", "report", "compare", "launch", "validate",
-            "torchrun")
+COMMANDS = (
+    "env",
+    "predict",
+    "partitions",
+    "plan",
+    "calibrate",
+    "solve",
+    "report",
+    "compare",
+    "launch",
+    "validate",
+    "torchrun",
+)
 NOT_APPLICABLE = {("env", c) for c in CLASSES if c not in ("huge", "negative")}  # env reads and writes no file
 NOT_APPLICABLE |= {("validate", c) for c in ("binary", "empty", "truncated", "wrong_shape")}  # reads no file
 NOT_APPLICABLE |= {("torchrun", c) for c in CLASSES}  # every argument is torchrun's (tests/jobs/test_launch.py)
@@ -52,8 +77,11 @@ def _content(cls: str, kind: str) -> bytes | str:
     if cls == "empty":
         return b""
     if cls == "truncated":
-        return {"json": '{"format": "kareus-plan/1", "gpu": "a1', "csv": "stage,instruction,frequency,time,en",
-                "jsonl": '{"kind": "header", "back'}[kind]
+        return {
+            "json": '{"format": "kareus-plan/1", "gpu": "a1',
+            "csv": "stage,instruction,frequency,time,en",
+            "jsonl": '{"kind": "header", "back',
+        }[kind]
     assert cls == "wrong_shape"
     return {"json": "[1, 2, 3]\n", "csv": "a,b\n1,2\n", "jsonl": '[1, 2]\n{"kind": "iteration"}\n'}[kind]
 
@@ -101,8 +129,23 @@ def _argv(cmd: str, cls: str, d: Path, plan_dir: Path) -> tuple[list[str], str]:
         (d / "dir").mkdir()
         return [*base, "-o", str(d / "dir")], "dir"
     if cmd == "solve":
-        base = [cmd, "--pp", "8", "--microbatches", "4", "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048",
-                "--layers-per-stage", "12,12,12,12,12,12,12,12", "--out", str(d / "out")]
+        base = [
+            cmd,
+            "--pp",
+            "8",
+            "--microbatches",
+            "4",
+            "--gpu",
+            "a100-sxm4-80gb",
+            "--mbs",
+            "1",
+            "--seq",
+            "2048",
+            "--layers-per-stage",
+            "12,12,12,12,12,12,12,12",
+            "--out",
+            str(d / "out"),
+        ]
         if cls in content_classes:
             return [*base, "--profile", str(_file(d, "p.csv", _content(cls, "csv")))], "p.csv"
         if cls == "dir_for_file":
@@ -119,8 +162,13 @@ def _argv(cmd: str, cls: str, d: Path, plan_dir: Path) -> tuple[list[str], str]:
     if cmd == "report":
         log = _file(d, "run.jsonl", '{"kind": "header"}\n')
         if cls in content_classes:
-            return [cmd, str(log), "--plan", str(_file(d, "plan.json", _content(cls, "json"))), "--no-plot"], \
-                "plan.json"
+            return [
+                cmd,
+                str(log),
+                "--plan",
+                str(_file(d, "plan.json", _content(cls, "json"))),
+                "--no-plot",
+            ], "plan.json"
         if cls == "huge":
             return [cmd, str(log), "--plan", str(plan), "--skip", "1000000000", "--no-plot"], "skip"
         if cls == "negative":
@@ -237,10 +285,13 @@ def test_oserror_and_unicode_error_from_any_command_are_one_line(monkeypatch, ca
     def raise_(e):
         def run(args):
             raise e
+
         return run
 
-    for exc, word in ((PermissionError(13, "Permission denied", "/x/y"), "'/x/y': Permission denied"),
-                      (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "not UTF-8 text")):
+    for exc, word in (
+        (PermissionError(13, "Permission denied", "/x/y"), "'/x/y': Permission denied"),
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "not UTF-8 text"),
+    ):
         monkeypatch.setattr(env, "run", raise_(exc))
         assert main(["env"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -270,17 +321,41 @@ def test_solve_takes_the_workload_flag_names_and_the_old_ones(tmp_path, capsys):
     profile = _file(tmp_path, "p.csv", capsys.readouterr().out)
     for mbs, seq in (("--mbs", "--seq"), ("--micro-batch-size", "--seq-length")):
         out = tmp_path / mbs.strip("-")
-        assert main(["solve", "--profile", str(profile), "--pp", "2", "--microbatches", "4", "--points", "2",
-                     "--out", str(out), mbs, "2", seq, "512", "--gpu", "a100-sxm4-40gb",
-                     "--layers-per-stage", "14,14"]) == 0
+        assert (
+            main(
+                [
+                    "solve",
+                    "--profile",
+                    str(profile),
+                    "--pp",
+                    "2",
+                    "--microbatches",
+                    "4",
+                    "--points",
+                    "2",
+                    "--out",
+                    str(out),
+                    mbs,
+                    "2",
+                    seq,
+                    "512",
+                    "--gpu",
+                    "a100-sxm4-40gb",
+                    "--layers-per-stage",
+                    "14,14",
+                ]
+            )
+            == 0
+        )
         layout = json.loads((out / "plans" / "solve-00.json").read_text())["parallel"]
         assert (layout["micro_batch_size"], layout["seq_length"]) == (2, 512)
     capsys.readouterr()
 
 
 def _kareus(*args: str, **kw):
-    return subprocess.Popen([sys.executable, "-m", "kareus_megatron.cli.main", *args], stderr=subprocess.PIPE,
-                            text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kareus_megatron.cli.main", *args], stderr=subprocess.PIPE, text=True, **kw
+    )
 
 
 def test_a_closed_stdout_pipe_is_silent_and_succeeds():
@@ -299,12 +374,25 @@ def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, p
     bin_dir.mkdir()
     marker = tmp_path / "child-got-sigint"
     fake = bin_dir / "torchrun"  # the command `kareus launch run` starts: records the SIGINT it gets
-    fake.write_text(f"#!/bin/sh\ntrap 'touch {marker}; exit 130' INT\ntouch {tmp_path}/started\n"
-                    "while true; do sleep 0.05; done\n")
+    fake.write_text(
+        f"#!/bin/sh\ntrap 'touch {marker}; exit 130' INT\ntouch {tmp_path}/started\nwhile true; do sleep 0.05; done\n"
+    )
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    p = _kareus("launch", "run", "--plan-dir", str(plan_dir), "--log-dir", str(tmp_path / "runs"),
-                "--script", "train.py", stdout=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True)
+    p = _kareus(
+        "launch",
+        "run",
+        "--plan-dir",
+        str(plan_dir),
+        "--log-dir",
+        str(tmp_path / "runs"),
+        "--script",
+        "train.py",
+        stdout=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "started").exists():
         assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.stderr else ""

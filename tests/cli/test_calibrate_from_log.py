@@ -38,8 +38,23 @@ def test_from_log_writes_a_calibration_that_kareus_plan_uses(run, capsys):
     params = cal.fit["parameters"]
     assert params["p_blocked_w"]["identified"] and params["nvlink_efficiency"]["status"] == "prior"
     assert cal.fit["columns"]["energy"]["after"]["rms_pct"] < 3 < cal.fit["columns"]["energy"]["before"]["rms_pct"]
-    assert main(["plan", *TINY, "--calibration", str(out), "--methods", "megatron,perseus", "--points", "2",
-                 "--out", str(tmp / "replanned")]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                *TINY,
+                "--calibration",
+                str(out),
+                "--methods",
+                "megatron,perseus",
+                "--points",
+                "2",
+                "--out",
+                str(tmp / "replanned"),
+            ]
+        )
+        == 0
+    )
     replanned = json.loads((tmp / "replanned" / "plans" / "megatron-00.json").read_text())
     assert replanned["calibration_sha256"] == cal.sha256
 
@@ -52,8 +67,9 @@ def test_several_runs_with_one_plan(run, capsys):
     assert cal["fit"]["runs"] == [str(log), str(log2)]
 
 
-@pytest.mark.parametrize("problem", ["no_instructions", "other_plan", "one_clock", "plan_count", "plan_alone",
-                                     "unwritable", "no_log"])
+@pytest.mark.parametrize(
+    "problem", ["no_instructions", "other_plan", "one_clock", "plan_count", "plan_alone", "unwritable", "no_log"]
+)
 def test_bad_input_is_one_line_and_status_2(run, problem, capsys, tmp_path):
     tmp, plan, log = run
     args = ["--from-log", str(log), "--plan", str(plan)]
@@ -85,7 +101,9 @@ def test_force_accepts_another_plan_of_the_same_workload(run, capsys):
 
 
 def test_the_subcommand_starts_without_the_fit_machinery():
-    code = ("import sys; from kareus_megatron.cli.main import build_parser; build_parser(); "
-            "print(sorted(m for m in ('scipy', 'numpy', 'kareus_megatron.cost.calibrate_log') if m in sys.modules))")
+    code = (
+        "import sys; from kareus_megatron.cli.main import build_parser; build_parser(); "
+        "print(sorted(m for m in ('scipy', 'numpy', 'kareus_megatron.cost.calibrate_log') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

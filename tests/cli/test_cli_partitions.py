@@ -32,8 +32,14 @@ def test_json_output(capsys):
     doc = json.loads(out)
     assert doc["clock_mhz"] == 1110 and doc["nanobatches"] == 2 and doc["default_comm_sms"] == 24
     names = [(p["phase"], p["partition"]) for p in doc["partitions"]]
-    assert names == [("forward", "fwd_attn"), ("forward", "fwd_mlp"), ("recompute", "fwd_attn"),
-                     ("recompute", "fwd_mlp"), ("backward", "bwd_mlp"), ("backward", "bwd_attn")]
+    assert names == [
+        ("forward", "fwd_attn"),
+        ("forward", "fwd_mlp"),
+        ("recompute", "fwd_attn"),
+        ("recompute", "fwd_mlp"),
+        ("backward", "bwd_mlp"),
+        ("backward", "bwd_attn"),
+    ]
     for p in doc["partitions"]:
         times = [pt["time_s"] for pt in p["frontier"]]
         assert times == sorted(times) and p["fastest"] == p["frontier"][0]

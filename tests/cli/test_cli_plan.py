@@ -88,15 +88,21 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
     out = work / "again"
     assert cli_main.main(["plan", "--out", str(out), *QUICK]) == 0
     assert "replaced" not in capsys.readouterr().err  # a new directory replaces nothing
-    assert cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "3",
-                          "--timeline", "perseus-01"]) == 0
+    assert (
+        cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "3", "--timeline", "perseus-01"])
+        == 0
+    )
     captured = capsys.readouterr()
     text = captured.out
     assert "perseus-01" in text and "iso-time" in text  # the header may wrap: the cells carry bands
     # never silently: the earlier output's job is named (issue 25: `kareus plan` replaced ./kareus-out unannounced)
     assert f"replaced the earlier output in {out} (llama3.2-3b on 2 × 8 " in " ".join(captured.err.split())
     assert sorted(p.name for p in (out / "plans").iterdir()) == [
-        "megatron-00.json", "perseus-00.json", "perseus-01.json", "perseus-02.json"]
+        "megatron-00.json",
+        "perseus-00.json",
+        "perseus-01.json",
+        "perseus-02.json",
+    ]
     assert not [p for p in work.iterdir() if p.name.startswith(".again")]
 
 
@@ -191,9 +197,19 @@ def test_reproduce_script_writes_the_comparison(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "reproduce.py"), "--out", str(tmp_path), "--only", "8",
-         "--points", "2"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(root / "benchmarks" / "reproduce.py"),
+            "--out",
+            str(tmp_path),
+            "--only",
+            "8",
+            "--points",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "comparison.json").read_text())
@@ -242,9 +258,30 @@ def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
     from kareus_megatron.cli.plan_summary import quantity as _quantity
     from kareus_megatron.plotting.units import energy_unit, time_unit
 
-    small = ["--model", str(Path(__file__).parents[2] / "examples" / "small-gpt.yaml"), "--gpu", "a40", "--pp", "2",
-             "--tp", "1", "--mbs", "8", "--seq", "256", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
-             "--precision", "fp32", "--recompute", "none"]
+    small = [
+        "--model",
+        str(Path(__file__).parents[2] / "examples" / "small-gpt.yaml"),
+        "--gpu",
+        "a40",
+        "--pp",
+        "2",
+        "--tp",
+        "1",
+        "--mbs",
+        "8",
+        "--seq",
+        "256",
+        "--microbatches",
+        "4",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--precision",
+        "fp32",
+        "--recompute",
+        "none",
+    ]
     assert cli_main.main(["plan", "--out", str(tmp_path / "small"), *small, *QUICK]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert any("(ms)" in r and "(J)" in r for r in rows)
@@ -261,11 +298,14 @@ def test_reductions_compare_at_a_tolerance_and_an_na_says_why():
     from kareus_megatron.plan.frontier import frontier_document
 
     def doc(t_fast):
-        return frontier_document({}, {
-            "megatron": [{"time_s": 7.0, "energy_j": 9000.0}],
-            "perseus": [{"time_s": 7.0, "energy_j": 8000.0}, {"time_s": 8.0, "energy_j": 7000.0}],
-            "powercap": [{"time_s": t_fast, "energy_j": 7900.0}, {"time_s": 9.0, "energy_j": 7100.0}],
-        })
+        return frontier_document(
+            {},
+            {
+                "megatron": [{"time_s": 7.0, "energy_j": 9000.0}],
+                "perseus": [{"time_s": 7.0, "energy_j": 8000.0}, {"time_s": 8.0, "energy_j": 7000.0}],
+                "powercap": [{"time_s": t_fast, "energy_j": 7900.0}, {"time_s": 9.0, "energy_j": 7100.0}],
+            },
+        )
 
     assert doc(7.00017)["reductions"]["powercap"]["iso_time_energy"] == pytest.approx(100 / 8000)
     slow = doc(7.01)

@@ -47,8 +47,11 @@ def test_plans_record_cross_layer_and_the_engine_runs_them_for_tp_only(runs, cap
     validate_plan_for_layer(plain)
     validate_plan_for_layer(cross)
     assert cross.parallel.cp == 1 and not cross.parallel.sequence_parallel
-    with pytest.raises(PlanError, match="^the overlap engine runs cross-layer overlap without context parallelism "
-                       "only .*; re-plan without --cross-layer.$"):
+    with pytest.raises(
+        PlanError,
+        match="^the overlap engine runs cross-layer overlap without context parallelism "
+        "only .*; re-plan without --cross-layer.$",
+    ):
         validate_plan_for_layer(cross, cp=2)
 
 
@@ -67,6 +70,9 @@ def test_cross_layer_with_sp_runs_and_with_cp_is_refused(tmp_path, capsys):
     plan = load_plan(tmp_path / "plans" / "nanobatch_perseus-00.json")
     assert plan.cross_layer and plan.parallel.sequence_parallel
     validate_plan_for_layer(plan)  # SP: run by the engine
-    with pytest.raises(PlanError, match="^the overlap engine runs cross-layer overlap without context parallelism "
-                       r"only \(this plan: cp=2\); re-plan without --cross-layer.$"):
+    with pytest.raises(
+        PlanError,
+        match="^the overlap engine runs cross-layer overlap without context parallelism "
+        r"only \(this plan: cp=2\); re-plan without --cross-layer.$",
+    ):
         validate_plan_for_layer(plan, cp=2)

@@ -13,8 +13,22 @@ from kareus_megatron.cli.main import main
 from kareus_megatron.cost.profile import COLUMNS, parse_perseus_profile
 
 FIXTURE = Path(__file__).parents[1] / "data" / "perseus_gpt3_stage0_7.csv"
-GPT3 = ["--gpu", "a100-sxm4-80gb", "--model", "gpt3-175b", "--tp", "8", "--pp", "8", "--mbs", "1", "--seq", "2048",
-        "--recompute", "none"]
+GPT3 = [
+    "--gpu",
+    "a100-sxm4-80gb",
+    "--model",
+    "gpt3-175b",
+    "--tp",
+    "8",
+    "--pp",
+    "8",
+    "--mbs",
+    "1",
+    "--seq",
+    "2048",
+    "--recompute",
+    "none",
+]
 
 
 def test_predict_json_rows(capsys):
@@ -97,8 +111,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
 
 
 def test_bad_input_subprocess():
-    proc = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "predict", "--tp", "5"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", "predict", "--tp", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and "--tp 5" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -110,16 +128,50 @@ def _flags(command: str) -> set[str]:
     return {opt for a in sub._actions for opt in a.option_strings}
 
 
-WORKLOAD_FLAGS = {"--gpu", "--model", "--tp", "--cp", "--pp", "--vp", "--dp", "--sp", "--sequence-parallel", "--mbs",
-                  "--seq", "--microbatches", "--recompute", "--first-stage-layers", "--last-stage-layers", "--nodes",
-                  "--gpus-per-node", "--precision", "--calibration", "-h", "--help"}
+WORKLOAD_FLAGS = {
+    "--gpu",
+    "--model",
+    "--tp",
+    "--cp",
+    "--pp",
+    "--vp",
+    "--dp",
+    "--sp",
+    "--sequence-parallel",
+    "--mbs",
+    "--seq",
+    "--microbatches",
+    "--recompute",
+    "--first-stage-layers",
+    "--last-stage-layers",
+    "--nodes",
+    "--gpus-per-node",
+    "--precision",
+    "--calibration",
+    "-h",
+    "--help",
+}
 
 
 def test_cli_flags_are_deliberate():
     assert _flags("predict") == WORKLOAD_FLAGS | {"--freqs", "--format", "--distributed-optimizer", "--debug"}
-    assert _flags("calibrate") == WORKLOAD_FLAGS | {"--profile", "--run", "--device", "--gpu-index", "--seconds",
-                                                    "--ratios-only", "-o", "--out", "--output", "--debug", "--dry-run",
-                                                    "--from-log", "--plan", "--force", "--iterations"}
+    assert _flags("calibrate") == WORKLOAD_FLAGS | {
+        "--profile",
+        "--run",
+        "--device",
+        "--gpu-index",
+        "--seconds",
+        "--ratios-only",
+        "-o",
+        "--out",
+        "--output",
+        "--debug",
+        "--dry-run",
+        "--from-log",
+        "--plan",
+        "--force",
+        "--iterations",
+    }
 
 
 def test_predict_and_plan_default_to_the_same_clock_grid(capsys):

@@ -54,8 +54,22 @@ def profile(tmp_path):
 
 def test_solve_writes_frontier_plans_and_zeus_files(tmp_path, profile, monkeypatch, capsys):
     out = tmp_path / "out"
-    rc = _kareus(monkeypatch, "--profile", profile, "--pp", 2, "--microbatches", 4, "--points", 5,
-                 "--out", out, "--zeus-format", "--tp", 4)
+    rc = _kareus(
+        monkeypatch,
+        "--profile",
+        profile,
+        "--pp",
+        2,
+        "--microbatches",
+        4,
+        "--points",
+        5,
+        "--out",
+        out,
+        "--zeus-format",
+        "--tp",
+        4,
+    )
     assert rc == 0
     doc = json.loads((out / "frontier.json").read_text())
     assert doc["format"] == "kareus-frontier/1"
@@ -172,8 +186,30 @@ def test_out_current_directory_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "p.csv"
     path.write_text(open(GPT3).read())
-    assert main(["solve", "--profile", str(path), "--pp", "8", "--microbatches", "4", "--out", ".", "--gpu",
-                 "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12,12,12,12,12,12,12"]) == 2
+    assert (
+        main(
+            [
+                "solve",
+                "--profile",
+                str(path),
+                "--pp",
+                "8",
+                "--microbatches",
+                "4",
+                "--out",
+                ".",
+                "--gpu",
+                "a100-sxm4-80gb",
+                "--mbs",
+                "1",
+                "--seq",
+                "2048",
+                "--layers-per-stage",
+                "12,12,12,12,12,12,12,12",
+            ]
+        )
+        == 2
+    )
     assert "current directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"]
 
@@ -185,7 +221,7 @@ def test_the_job_shape_is_required(tmp_path, profile, capsys):
     job = ["--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12"]
     for k in range(0, len(job), 2):
         with pytest.raises(SystemExit) as e:
-            main([*base, *job[:k], *job[k + 2:]])
+            main([*base, *job[:k], *job[k + 2 :]])
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and job[k] in err, err
@@ -209,19 +245,72 @@ def test_the_readme_example_records_a_node_shape_kareus_launch_runs(tmp_path, ca
     runs its plans with --nodes 8 --gpus-per-node 8 or, left out, with the plan's shape."""
     out = tmp_path / "solved"
     prof = _write_csv(tmp_path / "gpt3.csv", _rows(stages=8, every=4))
-    assert cli_main.main(["solve", "--profile", str(prof), "--pp", "8", "--microbatches", "16", "--tp", "8",
-                          "--points", "2", "--out", str(out), "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048",
-                          "--layers-per-stage", "12,12,12,12,12,12,12,12"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "solve",
+                "--profile",
+                str(prof),
+                "--pp",
+                "8",
+                "--microbatches",
+                "16",
+                "--tp",
+                "8",
+                "--points",
+                "2",
+                "--out",
+                str(out),
+                "--gpu",
+                "a100-sxm4-80gb",
+                "--mbs",
+                "1",
+                "--seq",
+                "2048",
+                "--layers-per-stage",
+                "12,12,12,12,12,12,12,12",
+            ]
+        )
+        == 0
+    )
     par = load_plan(out / "plans" / "solve-00.json").parallel
     assert (par.nodes, par.gpus_per_node) == (8, 8)
     capsys.readouterr()
     for shape in (["--nodes", "8", "--gpus-per-node", "8"], []):
-        assert cli_main.main(["launch", "run", "--plan-dir", str(out), *shape, "--script", "train.py",
-                              "--dry-run"]) == 0
+        assert (
+            cli_main.main(["launch", "run", "--plan-dir", str(out), *shape, "--script", "train.py", "--dry-run"]) == 0
+        )
         first = capsys.readouterr().out.splitlines()[0]
         assert "torchrun --nnodes 8 --nproc-per-node 8 " in first, first
-    assert cli_main.main(["solve", "--profile", str(prof), "--pp", "8", "--microbatches", "4", "--tp", "2",
-                          "--points", "2", "--out", str(tmp_path / "small"), "--gpu", "a100-sxm4-80gb", "--mbs", "1",
-                          "--seq", "2048", "--layers-per-stage", "12,12,12,12,12,12,12,12", "--nodes", "4"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "solve",
+                "--profile",
+                str(prof),
+                "--pp",
+                "8",
+                "--microbatches",
+                "4",
+                "--tp",
+                "2",
+                "--points",
+                "2",
+                "--out",
+                str(tmp_path / "small"),
+                "--gpu",
+                "a100-sxm4-80gb",
+                "--mbs",
+                "1",
+                "--seq",
+                "2048",
+                "--layers-per-stage",
+                "12,12,12,12,12,12,12,12",
+                "--nodes",
+                "4",
+            ]
+        )
+        == 0
+    )
     par = load_plan(tmp_path / "small" / "plans" / "solve-00.json").parallel
     assert (par.nodes, par.gpus_per_node) == (4, 4)  # --nodes alone: the GPUs split evenly, as before

@@ -14,9 +14,27 @@ from kareus_megatron.cli.main import main
 from kareus_megatron.cost.calibration import calibration_from_dict
 from kareus_megatron.hardware.gpus import gpu_spec
 
-REPORT_KEYS = {"format", "mode", "dry_run", "backend", "gpu", "sizes", "identity", "clocks", "energy_counter",
-               "planned_sweep_s", "sweep", "kernels", "accuracy", "clock_calls", "device_recorded", "not_run",
-               "elapsed_s", "budget_s", "runtime"}
+REPORT_KEYS = {
+    "format",
+    "mode",
+    "dry_run",
+    "backend",
+    "gpu",
+    "sizes",
+    "identity",
+    "clocks",
+    "energy_counter",
+    "planned_sweep_s",
+    "sweep",
+    "kernels",
+    "accuracy",
+    "clock_calls",
+    "device_recorded",
+    "not_run",
+    "elapsed_s",
+    "budget_s",
+    "runtime",
+}
 KERNELS = {"gemm", "attention", "copy", "idle"}
 RUNTIME_CHECKS = {"megatron_patch", "event_alignment", "partitioned_layer"}
 
@@ -96,14 +114,19 @@ def test_calibrate_run_dry_run_is_randomised_interleaved_and_records_temperature
     clocks = [w["clock_mhz"] for w in windows if w["repeat"] == 0]
     assert clocks != sorted(clocks) and clocks != sorted(clocks, reverse=True)  # not a monotone sweep
     last_of_first = max(i for i, w in enumerate(windows) if w["repeat"] == 0)
-    assert all(w["repeat"] == 1 for w in windows[last_of_first + 1:])  # repeats interleaved, not back to back
+    assert all(w["repeat"] == 1 for w in windows[last_of_first + 1 :])  # repeats interleaved, not back to back
     assert {w["kernel"] for w in windows} == {"gemm", "copy", "idle"}
     assert "reset" in _events(sim_log)
 
 
-@pytest.mark.parametrize("argv", [["validate", "--dry-run", "--seconds", "0"],
-                                  ["validate", "--dry-run", "--seconds", "1e9"],
-                                  ["calibrate", "--dry-run", "--profile", "x.csv"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["validate", "--dry-run", "--seconds", "0"],
+        ["validate", "--dry-run", "--seconds", "1e9"],
+        ["calibrate", "--dry-run", "--profile", "x.csv"],
+    ],
+)
 def test_bad_flags_are_one_line(argv, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2

@@ -30,16 +30,19 @@ def test_the_default_pipeline_keeps_the_uneven_split(argv):
     assert _resolve(*argv)[2].layers_per_stage == (15, 13)
 
 
-@pytest.mark.parametrize("argv, layers", [
-    (("--model", "llama3.2-3b", "--pp", "2"), (14, 14)),  # the same job, named: the even split
-    (("--pp", "2"), (14, 14)),
-    (("--model", "llama3.2-3b"), (14, 14)),
-    (("--vp", "2"), (14, 14)),
-    (("--model", "qwen3-1.7b"), (14, 14)),
-    (("--pp", "4"), (7, 7, 7, 7)),
-    (("--model", "llama3.2-3b", "--pp", "2", "--first-stage-layers", "15", "--last-stage-layers", "13"), (15, 13)),
-    (("--first-stage-layers", "16"), (16, 12)),
-])
+@pytest.mark.parametrize(
+    "argv, layers",
+    [
+        (("--model", "llama3.2-3b", "--pp", "2"), (14, 14)),  # the same job, named: the even split
+        (("--pp", "2"), (14, 14)),
+        (("--model", "llama3.2-3b"), (14, 14)),
+        (("--vp", "2"), (14, 14)),
+        (("--model", "qwen3-1.7b"), (14, 14)),
+        (("--pp", "4"), (7, 7, 7, 7)),
+        (("--model", "llama3.2-3b", "--pp", "2", "--first-stage-layers", "15", "--last-stage-layers", "13"), (15, 13)),
+        (("--first-stage-layers", "16"), (16, 12)),
+    ],
+)
 def test_a_named_model_or_pipeline_gets_the_even_split_unless_told(argv, layers):
     assert _resolve(*argv)[2].layers_per_stage == layers
 

@@ -42,8 +42,12 @@ def gpt3():
 def _power_ratios(km: KernelModel, series) -> tuple[np.ndarray, np.ndarray]:
     """(per-series predicted power ratio P(f)/P(f_max) over the measured one, minus 1; predicted mean power (W))."""
     pred = [s.predict(km) for s in series]
-    err = np.array([(e / t) / (e[0] / t[0]) / ((s.energy_j / s.time_s) / (s.energy_j[0] / s.time_s[0])) - 1
-                    for (t, e), s in zip(pred, series)])
+    err = np.array(
+        [
+            (e / t) / (e[0] / t[0]) / ((s.energy_j / s.time_s) / (s.energy_j[0] / s.time_s[0])) - 1
+            for (t, e), s in zip(pred, series)
+        ]
+    )
     return err, np.mean([e / t for t, e in pred], axis=0)
 
 
@@ -56,8 +60,11 @@ def test_every_a100_preset_on_the_measuring_board_reproduces_the_gpt3_power_rati
     """The board's limit and link set to the measuring board's (its memory stays its own): the die's curves give the
     measured P(f)/P(1410 MHz) at every clock, 1410 -> 855 MHz (measured 0.726 at 1200 MHz)."""
     series, measured = gpt3
-    board = dataclasses.replace(gpu_spec(name), power_limit_w=MEASURING_BOARD.power_limit_w,
-                                nvlink_bytes_per_s=MEASURING_BOARD.nvlink_bytes_per_s)
+    board = dataclasses.replace(
+        gpu_spec(name),
+        power_limit_w=MEASURING_BOARD.power_limit_w,
+        nvlink_bytes_per_s=MEASURING_BOARD.nvlink_bytes_per_s,
+    )
     err, pred = _power_ratios(KernelModel(board), series)
     assert np.mean(np.abs(err)) <= 0.02 and np.max(np.abs(err)) <= 0.05, (np.mean(np.abs(err)), np.max(np.abs(err)))
     i = int(np.flatnonzero(series[0].clocks_mhz == 1200)[0])
@@ -81,11 +88,21 @@ def test_every_a100_preset_on_its_own_board_follows_the_profile_below_its_limit_
 
 # ---- the A100 attention partition reported in issue 24 (benchmarks/data/issue24_a100_attention/README.md) ---------
 
+
 def _attention_partition_power_w(name: str, clock_mhz: int) -> float:
     """Mean power (W) of the forward attention partition at its fastest knobs: a nanobatch of 2 x 4096 tokens,
     hidden 2048, 32 heads, TP=2, fp16, the other nanobatch's all-reduce overlapped."""
-    model = model_from_dict(dict(num_layers=1, hidden_size=2048, num_attention_heads=32, num_query_groups=32,
-                                 ffn_hidden_size=8192, vocab_size=50257), "issue24-attention")
+    model = model_from_dict(
+        dict(
+            num_layers=1,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_query_groups=32,
+            ffn_hidden_size=8192,
+            vocab_size=50257,
+        ),
+        "issue24-attention",
+    )
     par = make_parallel(model, tp=2, micro_batch_size=4, seq_length=4096, gpus_per_node=2)
     table = phase_table(OverlapCost(KernelModel(gpu_spec(name))), model, par, "forward", [clock_mhz], 2)
     t, e = table.partitions["fwd_attn"].time_s[0], table.partitions["fwd_attn"].energy_j[0]
@@ -93,10 +110,13 @@ def _attention_partition_power_w(name: str, clock_mhz: int) -> float:
     return float(e[k] / t[k])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 open: the model's attention partition draws GPT-3-stage power "
-                   "(~480 W uncapped at 1410 MHz, ~365 W at 1200 MHz) where the measured one falls by about a third "
-                   "from well below the 400 W cap; the cause (per-op activity or launch gaps) needs a per-kernel "
-                   "measurement (docs/fidelity.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 24 open: the model's attention partition draws GPT-3-stage power "
+    "(~480 W uncapped at 1410 MHz, ~365 W at 1200 MHz) where the measured one falls by about a third "
+    "from well below the 400 W cap; the cause (per-op activity or launch gaps) needs a per-kernel "
+    "measurement (docs/fidelity.md)",
+)
 @pytest.mark.parametrize("name", [n for n in A100_PRESETS if gpu_spec(n).power_limit_w >= 400])
 def test_the_attention_partition_power_falls_by_about_a_third_from_1410_to_1200_mhz(name):
     p_1410, p_1200 = _attention_partition_power_w(name, 1410), _attention_partition_power_w(name, 1200)

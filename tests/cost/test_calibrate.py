@@ -37,19 +37,22 @@ def test_reads_the_fixture():
     assert 450 < (e / t)[0] < 500  # ~475 W at 1410 MHz (PROVENANCE.md)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("stage,instruction,frequency,time\n0,forward,1410,1\n", "lacks column"),
-    (HEADER + "0,forward,fast,1,1\n", "frequency = 'fast' is not a number"),
-    (HEADER + "0,forward,1410,nan,1\n", "finite"),
-    (HEADER + "0,forward,1410,1,-2\n", "must be positive"),
-    (HEADER + "0,forward,1410,0,1\n", "must be positive"),
-    (HEADER + "0,forward,1410,1,1\n0,forward,1410,2,2\n", "duplicate of line 2"),
-    (HEADER + "0,sideways,1410,1,1\n", "instruction = 'sideways'"),
-    (HEADER + "-1,forward,1410,1,1\n", "stage"),
-    (HEADER + "0,forward,1410.5,1,1\n", "whole number"),
-    (HEADER + "0,forward,1410,,1\n", "time is empty"),
-    (HEADER, "no rows"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("stage,instruction,frequency,time\n0,forward,1410,1\n", "lacks column"),
+        (HEADER + "0,forward,fast,1,1\n", "frequency = 'fast' is not a number"),
+        (HEADER + "0,forward,1410,nan,1\n", "finite"),
+        (HEADER + "0,forward,1410,1,-2\n", "must be positive"),
+        (HEADER + "0,forward,1410,0,1\n", "must be positive"),
+        (HEADER + "0,forward,1410,1,1\n0,forward,1410,2,2\n", "duplicate of line 2"),
+        (HEADER + "0,sideways,1410,1,1\n", "instruction = 'sideways'"),
+        (HEADER + "-1,forward,1410,1,1\n", "stage"),
+        (HEADER + "0,forward,1410.5,1,1\n", "whole number"),
+        (HEADER + "0,forward,1410,,1\n", "time is empty"),
+        (HEADER, "no rows"),
+    ],
+)
 def test_bad_profiles_name_the_problem(text, match):
     with pytest.raises(ProfileError, match=match):
         parse_perseus_profile(text)
@@ -60,13 +63,15 @@ def test_missing_file():
         read_perseus_profile("/nonexistent/profile.csv")
 
 
-_cell = st.one_of(st.integers(-5, 2000).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
-                  st.sampled_from(["forward", "backward", "", "x", "1e400", " 3 "]))
+_cell = st.one_of(
+    st.integers(-5, 2000).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["forward", "backward", "", "x", "1e400", " 3 "]),
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(_cell, _cell, _cell, _cell, _cell), max_size=6),
-       st.permutations(list(COLUMNS)))
+@given(st.lists(st.tuples(_cell, _cell, _cell, _cell, _cell), max_size=6), st.permutations(list(COLUMNS)))
 @example([("1", "forward", "0", "1", "9.223372036854776e+18")], ["time", "instruction", "stage", "energy", "frequency"])
 @example([("1e300", "forward", "1", "1", "1")], ["stage", "instruction", "frequency", "time", "energy"])
 def test_parser_accepts_or_raises_profile_error(rows, header):
@@ -82,15 +87,27 @@ def test_parser_accepts_or_raises_profile_error(rows, header):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 7), st.sampled_from(["forward", "backward"]), st.integers(200, 2000),
-                          st.floats(1e-6, 1e3), st.floats(1e-6, 1e5)), max_size=8,
-                unique_by=lambda r: (r[0], r[1], r[2])))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 7),
+            st.sampled_from(["forward", "backward"]),
+            st.integers(200, 2000),
+            st.floats(1e-6, 1e3),
+            st.floats(1e-6, 1e5),
+        ),
+        max_size=8,
+        unique_by=lambda r: (r[0], r[1], r[2]),
+    )
+)
 def test_csv_round_trip(rows):
     if not rows:
         return
     p = parse_perseus_profile(format_perseus_csv(rows))
-    assert [(int(s), str(i), int(f), float(t), float(e)) for s, i, f, t, e in
-            zip(p.stage, p.instruction, p.frequency_mhz, p.time_s, p.energy_j)] == rows
+    assert [
+        (int(s), str(i), int(f), float(t), float(e))
+        for s, i, f, t, e in zip(p.stage, p.instruction, p.frequency_mhz, p.time_s, p.energy_j)
+    ] == rows
 
 
 def _gpt3():
@@ -136,14 +153,17 @@ def test_fit_refuses_non_positive_measurements(time_s, energy_j):
         fit_series([bad], gpu)
 
 
-@pytest.mark.parametrize("content, match", [
-    ("not json", "not JSON"),
-    ("[]", "JSON object"),
-    ('{"format": "kareus-calibration/9", "gpu": "a40", "params": {}}', "kareus-calibration/9"),
-    ('{"format": "kareus-calibration/1", "gpu": "a40", "params": {"warp_speed": 1}}', "warp_speed"),
-    ('{"format": "kareus-calibration/1", "gpu": "a40", "params": {"gemm_efficiency": -1}}', "gemm_efficiency"),
-    ('{"format": "kareus-calibration/1", "params": {}}', "gpu"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("not json", "not JSON"),
+        ("[]", "JSON object"),
+        ('{"format": "kareus-calibration/9", "gpu": "a40", "params": {}}', "kareus-calibration/9"),
+        ('{"format": "kareus-calibration/1", "gpu": "a40", "params": {"warp_speed": 1}}', "warp_speed"),
+        ('{"format": "kareus-calibration/1", "gpu": "a40", "params": {"gemm_efficiency": -1}}', "gemm_efficiency"),
+        ('{"format": "kareus-calibration/1", "params": {}}', "gpu"),
+    ],
+)
 def test_bad_calibration_files(tmp_path, content, match):
     p = tmp_path / "c.json"
     p.write_text(content)
@@ -175,11 +195,19 @@ def test_microbenchmark_fit_recovers_a_known_gpu():
     from kareus_megatron.hardware.gpus import clock_grid_mhz
 
     preset = gpu_spec("a100-sxm4-40gb")
-    true_gpu = dataclasses.replace(preset, static_power_w=45.0, idle_dynamic_w=60.0, compute_dynamic_w=420.0,
-                                   memory_dynamic_w=70.0, voltage_floor=0.75, voltage_knee_mhz=1050.0)
+    true_gpu = dataclasses.replace(
+        preset,
+        static_power_w=45.0,
+        idle_dynamic_w=60.0,
+        compute_dynamic_w=420.0,
+        memory_dynamic_w=70.0,
+        voltage_floor=0.75,
+        voltage_knee_mhz=1050.0,
+    )
     truth = KernelModel.from_params(true_gpu, KernelParams(gemm_efficiency=0.72, memory_efficiency=0.8))
-    clocks = list(clock_grid_mhz(preset.sm_clocks_mhz, MICROBENCH_CLOCK_STEP_MHZ,
-                                 MICROBENCH_LOWEST_FRACTION))  # as --run
+    clocks = list(
+        clock_grid_mhz(preset.sm_clocks_mhz, MICROBENCH_CLOCK_STEP_MHZ, MICROBENCH_LOWEST_FRACTION)
+    )  # as --run
     meas = {}
     for label, op in microbench_ops().items():
         prof = truth.op_profile([op], np.asarray(clocks, float))

@@ -11,16 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from synthetic_log import (  # noqa: E402
-    BIG,
-    CLOCKS,
-    TINY,
-    TRUTH_PARAMS,
-    make_plan,
-    plan_prediction,
-    truth_calibration,
-    write_log,
-)
+from synthetic_log import BIG, CLOCKS, TINY, TRUTH_PARAMS, make_plan, plan_prediction, truth_calibration, write_log  # noqa: E402
 
 from kareus_megatron.cost.calibrate_log import LogRun, fit_from_logs  # noqa: E402
 from kareus_megatron.cost.calibrate_log_data import FitData, column_errors, prepare  # noqa: E402
@@ -38,8 +29,13 @@ from kareus_megatron.report.runlog import read_run_log  # noqa: E402
 def _run(log_dir: Path, plan_path: Path, min_window_s: float) -> tuple[GPUSpec, LogRun]:
     gpu, model, par = plan_workload(load_plan(plan_path))
     log = read_run_log(log_dir)
-    return gpu, LogRun(label=str(log_dir), model=model, par=par, samples=instruction_samples(log),
-                       windows=energy_windows(log, min_window_s=min_window_s))
+    return gpu, LogRun(
+        label=str(log_dir),
+        model=model,
+        par=par,
+        samples=instruction_samples(log),
+        windows=energy_windows(log, min_window_s=min_window_s),
+    )
 
 
 def _truth_value(gpu: GPUSpec, name: str) -> float:

@@ -49,8 +49,20 @@ def test_quantised_counter_telescopes_and_tags_leave_out_each_clocks_first(bench
     from kareus_megatron.report.runlog import read_run_log
 
     plan = make_plan(tmp_path / "plan", TINY)
-    logs = {q: read_run_log(write_log(tmp_path / f"log-{q}", plan, truth_calibration(), clocks=(1410, 705),
-                                      iters_per_clock=3, tags=True, energy_quantum_s=q)) for q in (0.0, 5e-4)}
+    logs = {
+        q: read_run_log(
+            write_log(
+                tmp_path / f"log-{q}",
+                plan,
+                truth_calibration(),
+                clocks=(1410, 705),
+                iters_per_clock=3,
+                tags=True,
+                energy_quantum_s=q,
+            )
+        )
+        for q in (0.0, 5e-4)
+    }
 
     def energies(log):
         return np.array([[r["energy_j"] for r in rec["ranks"]] for rec in log.iterations])

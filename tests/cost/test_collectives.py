@@ -33,8 +33,11 @@ def coll(kind: str, nbytes: float, g: int = 8) -> Op:
 
 def busbw(km: KernelModel, op: Op, ctas=None, f=None) -> np.ndarray:
     """nccl-tests busbw (bytes/s) of op: message bytes × 2(n-1)/n (all-reduce) or (n-1)/n over time."""
-    factor = 2 * (op.group_size - 1) / op.group_size if op.collective.endswith("all_reduce") else (
-        (op.group_size - 1) / op.group_size)
+    factor = (
+        2 * (op.group_size - 1) / op.group_size
+        if op.collective.endswith("all_reduce")
+        else ((op.group_size - 1) / op.group_size)
+    )
     return op.comm_bytes * factor / km.collective_time_s(op, ctas, f)
 
 
@@ -156,8 +159,16 @@ def test_planning_on_h100_searches_the_hopper_grid():
     from kareus_megatron.workload.parallel import make_parallel
 
     model = model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=8, pp=2, micro_batch_size=8, seq_length=4096, recompute="full",
-                        first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        recompute="full",
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     tables = opt.layer_tables(H100, model, par, KernelModel(H100), (1980, 1500))
     sms = tables.phases["forward"].partitions["fwd_attn"].comm_sms
     assert sms.tolist() == sorted(set(comm_sms_range(H100, "fwd_attn").tolist()) | {16})
@@ -174,8 +185,11 @@ def test_every_preset_architecture_has_a_collective_model_and_an_unknown_one_is_
         assert gpu_spec(name).architecture in DEFAULT_CHANNELS, name
         KernelModel(gpu_spec(name))
     blackwell = dataclasses.replace(H100, name="b200-test", architecture="blackwell")
-    for build in (lambda: KernelModel(blackwell), lambda: node_algorithms(blackwell),
-                  lambda: comm_sms_grid(blackwell, ("all_reduce",))):
+    for build in (
+        lambda: KernelModel(blackwell),
+        lambda: node_algorithms(blackwell),
+        lambda: comm_sms_grid(blackwell, ("all_reduce",)),
+    ):
         with pytest.raises(ConfigError, match="b200-test.*'blackwell'.*ampere, hopper"):
             build()
     with pytest.raises(ConfigError, match=r"\(none\)"):

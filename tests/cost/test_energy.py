@@ -33,8 +33,10 @@ def test_arrays_broadcast():
 def test_simulator_and_solver_charge_the_same_energy():
     dag = build_dag(instruction_order("1f1b", 3, 6), 0.002, dp_reduce_time_s=0.01)
     rng = np.random.default_rng(1)
-    opts = [SimpleNamespace(time_s=np.sort(rng.uniform(0.05, 0.1, 4)), energy_j=np.sort(rng.uniform(10, 30, 4))[::-1])
-            for _ in dag.keys]
+    opts = [
+        SimpleNamespace(time_s=np.sort(rng.uniform(0.05, 0.1, 4)), energy_j=np.sort(rng.uniform(10, 30, 4))[::-1])
+        for _ in dag.keys
+    ]
     for plan in solve_frontier(dag, opts, 83.64, 8, method="lp", budget_s=None):
         sim = simulate_choice(dag, opts, plan.choice, 83.64, 8)
         dur = np.array([o.time_s[c] for o, c in zip(opts, plan.choice)])

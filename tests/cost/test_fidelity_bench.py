@@ -40,9 +40,15 @@ def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
         # leave-one-GPU-out fits on the other GPU only; leave-one-workload-out on the other workload of this GPU
         other_gpu = "A40" if r["gpu"] != "A40" else "A100-SXM4-80GB"
         other_wl = "BLOOM" if r["workload"] == "GPT-3" else "GPT-3"
-        assert r["fitted_on"] == {"presets": "-", "leave-one-GPU-out": other_gpu,
-                                  "boost-draw rule, other GPU": other_gpu,
-                                  "leave-one-workload-out": f"{r['gpu']} {other_wl}"}[r["mode"]], r
+        assert (
+            r["fitted_on"]
+            == {
+                "presets": "-",
+                "leave-one-GPU-out": other_gpu,
+                "boost-draw rule, other GPU": other_gpu,
+                "leave-one-workload-out": f"{r['gpu']} {other_wl}",
+            }[r["mode"]]
+        ), r
     fitted_on = ("GPT-3+BLOOM", "GPT-3", "BLOOM", "boost-draw rule")
     assert set(doc["fits"]) == {f"{g} {w}" for g in ("A100-SXM4-80GB", "A40") for w in fitted_on}
     assert all("compute_dynamic_w" in v for v in doc["fits"].values())
@@ -61,10 +67,17 @@ def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
 def test_perturbed_preset_misses_the_power_target(bench):
     """The fitted A100 preset meets the targets; the same preset drawing 1.5x the power misses them."""
     a100 = gpu_spec("a100-sxm4-80gb")
-    scaled = with_gpu_params(a100, {k: 1.5 * getattr(a100, k) for k in
-                                    ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w")})
-    rows = {m: {r.workload: r for r in bench.run(presets=p, modes=("presets",))[0] if r.gpu == "A100-SXM4-80GB"}
-            for m, p in (("as shipped", None), ("perturbed", {"A100-SXM4-80GB": scaled}))}
+    scaled = with_gpu_params(
+        a100,
+        {
+            k: 1.5 * getattr(a100, k)
+            for k in ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w")
+        },
+    )
+    rows = {
+        m: {r.workload: r for r in bench.run(presets=p, modes=("presets",))[0] if r.gpu == "A100-SXM4-80GB"}
+        for m, p in (("as shipped", None), ("perturbed", {"A100-SXM4-80GB": scaled}))
+    }
     assert all(r.met and r.power_mape_pct <= 12 for r in rows["as shipped"].values()), rows
     assert all(not r.met and r.power_mape_pct > 12 for r in rows["perturbed"].values()), rows
 
@@ -93,8 +106,10 @@ def test_leave_one_gpu_out_never_fits_on_the_held_out_gpu(bench, monkeypatch):
 
 
 def test_bad_paths_are_one_line_and_status_2(bench, tmp_path, capsys):
-    for args, named in ((["--data", str(tmp_path / "nowhere")], "nowhere"),
-                        (["--json", str(tmp_path / "no-dir" / "f.json")], "no-dir")):
+    for args, named in (
+        (["--data", str(tmp_path / "nowhere")], "nowhere"),
+        (["--json", str(tmp_path / "no-dir" / "f.json")], "no-dir"),
+    ):
         assert bench.main([*args, "--quick"]) == 2
         captured = capsys.readouterr()
         err = captured.err.strip()

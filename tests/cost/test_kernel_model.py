@@ -89,8 +89,17 @@ def test_halving_a_gemm_costs_efficiency():
 
 def test_collective_bandwidth_saturates_with_sms():
     km = KernelModel(A100)
-    par = make_parallel(model_spec("llama3.2-3b"), tp=8, pp=2, micro_batch_size=8, seq_length=4096, nodes=2,
-                        gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        model_spec("llama3.2-3b"),
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     ar = next(o for o in layer_ops(model_spec("llama3.2-3b"), par, "forward") if o.kind == "collective")
     sms = np.arange(3, 61, 3)
     t = km.collective_time_s(ar, sms)
@@ -107,8 +116,12 @@ def test_collective_bandwidth_saturates_with_sms():
 
 def test_profile_broadcasts_over_clocks_and_sms():
     km = KernelModel(A100)
-    ops = layer_ops(model_spec("qwen3-1.7b"), make_parallel(model_spec("qwen3-1.7b"), tp=8, micro_batch_size=4,
-                                                            seq_length=4096), "forward", nanobatches=2)
+    ops = layer_ops(
+        model_spec("qwen3-1.7b"),
+        make_parallel(model_spec("qwen3-1.7b"), tp=8, micro_batch_size=4, seq_length=4096),
+        "forward",
+        nanobatches=2,
+    )
     prof = km.op_profile(ops, CLOCKS[:, None], sms=np.array([108, 90, 72])[None, :])
     assert prof.time_s.shape == (len(ops), len(CLOCKS), 3)
     for arr in (prof.compute_activity, prof.memory_activity):
@@ -119,15 +132,35 @@ def test_profile_broadcasts_over_clocks_and_sms():
 
 def test_instruction_cost_is_vectorised_and_recompute_costs_time():
     m = model_spec("llama3.2-3b")
-    par = make_parallel(m, tp=8, pp=2, micro_batch_size=8, seq_length=4096, recompute="full", nodes=2,
-                        gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        m,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     km = KernelModel(gpu_spec("a100-sxm4-40gb"))
     t, e = km.instruction_cost(m, par, 0, "backward", CLOCKS)
     for i in (0, 7, len(CLOCKS) - 1):
         ti, ei = km.instruction_cost(m, par, 0, "backward", CLOCKS[i])
         assert float(ti) == pytest.approx(t[i]) and float(ei) == pytest.approx(e[i])
-    no_rc = make_parallel(m, tp=8, pp=2, micro_batch_size=8, seq_length=4096, recompute="none", nodes=2,
-                          gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    no_rc = make_parallel(
+        m,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        recompute="none",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     t_fwd, _ = km.instruction_cost(m, par, 0, "forward", CLOCKS)
     t_nr, _ = km.instruction_cost(m, no_rc, 0, "backward", CLOCKS)
     assert np.allclose(t - t_nr, t_fwd, rtol=0.02)  # full recompute = one more forward pass
@@ -144,9 +177,14 @@ def test_shipped_calibration_loads_and_applies():
 
 
 @settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 65536), n=st.integers(1, 65536), k=st.integers(1, 16384),
-       gpu=st.sampled_from(gpu_names()),  # every table of gpus.toml
-       sms=st.integers(1, 132), frac=st.floats(0.3, 1.0))
+@given(
+    m=st.integers(1, 65536),
+    n=st.integers(1, 65536),
+    k=st.integers(1, 16384),
+    gpu=st.sampled_from(gpu_names()),  # every table of gpus.toml
+    sms=st.integers(1, 132),
+    frac=st.floats(0.3, 1.0),
+)
 def test_op_profile_invariants(m, n, k, gpu, sms, frac):
     g = gpu_spec(gpu)
     km = KernelModel(g)

@@ -27,8 +27,19 @@ from kareus_megatron.workload.models import model_from_dict, model_spec
 from kareus_megatron.workload.parallel import make_parallel
 
 # GPT-style model with the paper's assumptions: MHA, GeLU MLP of 4h, LayerNorm
-GPT = model_from_dict({"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "ffn_hidden_size": 8192,
-                       "vocab_size": 51200, "activation": "gelu", "norm": "layernorm", "position": "learned"}, "gpt")
+GPT = model_from_dict(
+    {
+        "num_layers": 24,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "ffn_hidden_size": 8192,
+        "vocab_size": 51200,
+        "activation": "gelu",
+        "norm": "layernorm",
+        "position": "learned",
+    },
+    "gpt",
+)
 
 
 def test_layer_activations_are_korthikanti_34sbh_plus_5as2b():
@@ -66,11 +77,22 @@ def _megatron_formula(model, par, distributed_optimizer):
     return shard * per_param, act / t
 
 
-@pytest.mark.parametrize("tp,pp,vp,dp,dist", [(2, 2, 1, 1, False), (4, 4, 1, 2, True), (8, 2, 1, 4, True),
-                                              (2, 4, 2, 1, False)])
+@pytest.mark.parametrize(
+    "tp,pp,vp,dp,dist", [(2, 2, 1, 1, False), (4, 4, 1, 2, True), (8, 2, 1, 4, True), (2, 4, 2, 1, False)]
+)
 def test_stage_0_matches_megatron_formula(tp, pp, vp, dp, dist):
-    par = make_parallel(GPT, tp=tp, pp=pp, vp=vp, dp=dp, sequence_parallel=True, micro_batch_size=2,
-                        seq_length=2048, num_microbatches=8, recompute="selective")
+    par = make_parallel(
+        GPT,
+        tp=tp,
+        pp=pp,
+        vp=vp,
+        dp=dp,
+        sequence_parallel=True,
+        micro_batch_size=2,
+        seq_length=2048,
+        num_microbatches=8,
+        recompute="selective",
+    )
     m = stage_memory(GPT, par, 0, distributed_optimizer=dist, dropout=True)
     ref_state, ref_act = _megatron_formula(GPT, par, dist)
     # state: Megatron counts LayerNorm biases and 1/PP of the final norm, this model neither (< 0.01%)
@@ -102,9 +124,14 @@ def test_more_tp_or_pp_means_less_per_gpu():
 
 def test_full_recompute_holds_less_activation_memory_than_selective_than_none():
     llama = model_spec("llama3.2-3b")
-    act = {r: stage_memory(llama, make_parallel(llama, tp=8, pp=2, micro_batch_size=8, seq_length=4096,
-                                                 num_microbatches=8, recompute=r), 0).activations_bytes
-           for r in ("none", "selective", "full")}
+    act = {
+        r: stage_memory(
+            llama,
+            make_parallel(llama, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute=r),
+            0,
+        ).activations_bytes
+        for r in ("none", "selective", "full")
+    }
     assert act["full"] < act["selective"] < act["none"]
 
 
@@ -119,8 +146,17 @@ def test_distributed_optimizer_shards_optimizer_state_over_dp():
 def test_default_job_fits_and_70b_on_one_gpu_does_not():
     gpu = gpu_spec("a100-sxm4-40gb")
     llama = model_spec("llama3.2-3b")
-    par = make_parallel(llama, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        llama,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     assert max(m.total_bytes for m in check_fits(gpu, llama, par)) < gpu.memory_bytes
     big = model_spec("llama3.3-70b")
     with pytest.raises(InfeasibleConfigError, match=r"needs [\d.]+ GB per GPU on stage 0 \(weights"):
@@ -128,11 +164,24 @@ def test_default_job_fits_and_70b_on_one_gpu_does_not():
 
 
 def test_cli_refuses_70b_on_one_a100_40gb_with_one_line_exit_2(tmp_path):
-    argv = ["--gpu", "a100-sxm4-40gb", "--model", "llama3.3-70b", "--tp", "1", "--pp", "1", "--mbs", "1",
-            "--gpus-per-node", "1"]
+    argv = [
+        "--gpu",
+        "a100-sxm4-40gb",
+        "--model",
+        "llama3.3-70b",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--mbs",
+        "1",
+        "--gpus-per-node",
+        "1",
+    ]
     for cmd in (["plan", "--out", str(tmp_path / "out")], ["predict"]):
-        r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", *cmd, *argv], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "kareus_megatron.cli.main", *cmd, *argv], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -143,8 +192,17 @@ def test_cli_refuses_70b_on_one_a100_40gb_with_one_line_exit_2(tmp_path):
 
 def test_full_recompute_keeps_layer_inputs_plus_one_rematerialised_layer_and_the_logits():
     llama = model_spec("llama3.2-3b")
-    par = make_parallel(llama, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        llama,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     tokens, h = 8 * 4096, llama.hidden_size
     one_layer = layer_activation_bytes(llama, par, "none")
     # stage 0: 2 microbatches in flight × 15 layer inputs (bf16), one layer recomputed, int64 token ids
@@ -152,5 +210,6 @@ def test_full_recompute_keeps_layer_inputs_plus_one_rematerialised_layer_and_the
     assert first == pytest.approx(2 * 15 * 2 * tokens * h + one_layer + 2 * 8 * tokens, rel=1e-12)
     # last stage: 1 in flight × 13 inputs, one layer, final-norm and output inputs, fp32 softmax over vocab / TP
     last = stage_memory(llama, par, 1).activations_bytes
-    assert last == pytest.approx(13 * 2 * tokens * h + one_layer + 4 * tokens * h + 4 * tokens * llama.vocab_size / 8,
-                                 rel=1e-12)
+    assert last == pytest.approx(
+        13 * 2 * tokens * h + one_layer + 4 * tokens * h + 4 * tokens * llama.vocab_size / 8, rel=1e-12
+    )

@@ -23,8 +23,17 @@ SMS = np.array([3.0, 12.0, 24.0, 30.0])
 
 def _instances():
     model = model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", nodes=2, gpus_per_node=8)
+    par = make_parallel(
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+    )
     for phase in ("forward", "backward"):
         yield from layer_schedule(phase, layer_ops(model, par, phase, 2), 2).instances
 

@@ -109,6 +109,7 @@ def test_contention_factor():
 
 # ---- the same properties on the real cost model, over the whole knob grid -------------------------
 
+
 def _real_instances():
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.cost.overlap import OverlapCost
@@ -120,8 +121,18 @@ def _real_instances():
     from kareus_megatron.workload.parallel import make_parallel
 
     gpu, model = gpu_spec("a100-sxm4-40gb"), model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=4, cp=2, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", nodes=2, gpus_per_node=8)
+    par = make_parallel(
+        model,
+        tp=4,
+        cp=2,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+    )
     adapter = OverlapCost(KernelModel(gpu))
     for phase in ("forward", "backward"):
         for inst in layer_schedule(phase, layer_ops(model, par, phase, 2), 2).instances:

@@ -52,8 +52,9 @@ def test_rank_bins_integrate_energy_exactly_and_job_parts_count_blocked_gpus():
     step = period / n
     assert p.sum() * step == pytest.approx(180.0) and busy.sum() * step == pytest.approx(0.6)
     assert p.max() == pytest.approx(300.0) and p[0] == 0.0
-    a, b, step = job_parts([(start, end, energy), (np.array([0.0]), np.array([1.0]), np.array([200.0]))],
-                           period, gpus_per_stage=4)
+    a, b, step = job_parts(
+        [(start, end, energy), (np.array([0.0]), np.array([1.0]), np.array([200.0]))], period, gpus_per_stage=4
+    )
     assert a.sum() * step == pytest.approx(4 * 380.0)
     assert b.sum() * step == pytest.approx(4 * 0.4)  # rank 0 blocked 0.4 s, rank 1 never
     with pytest.raises(ConfigError, match="iteration time"):

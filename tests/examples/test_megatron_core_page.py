@@ -37,21 +37,37 @@ def test_the_page_runs_as_printed(tmp_path, monkeypatch, capsys):
     assert main(argv[1:]) == 0
     capsys.readouterr()
     (tmp_path / "train.py").write_text(program)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAREUS_", "MASTER_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LATENCY_MS="1", OMP_NUM_THREADS="1",
-               TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
-               KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KAREUS_", "MASTER_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    env.update(
+        KAREUS_GPU_BACKEND="simulated",
+        KAREUS_SIMULATED_LATENCY_MS="1",
+        OMP_NUM_THREADS="1",
+        TORCHDYNAMO_DISABLE="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=str(ROOT),
+        KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"iteration \d: loss ([0-9.]+)", r.stdout)]
     assert len(losses) == 3 and all(4.0 < x < 5.5 for x in losses), r.stdout
     plan = load_plan(tmp_path / "kareus-out" / "plans" / "nanobatch_perseus-00.json")
     assert {i.nanobatches for i in plan.stages[0].instructions} == {2}
     for rank in range(2):
-        lines = [json.loads(x) for x in (tmp_path / "runs" / "nanobatch" / f"rank-{rank:05d}.jsonl").read_text()
-                 .splitlines()]
+        lines = [
+            json.loads(x) for x in (tmp_path / "runs" / "nanobatch" / f"rank-{rank:05d}.jsonl").read_text().splitlines()
+        ]
         assert lines[0]["kind"] == "header" and lines[0]["plan"].endswith("nanobatch_perseus-00.json")
         assert [x["iteration"] for x in lines[1:] if x["kind"] == "iteration"] == [0, 1, 2]
     clocks = [json.loads(x) for x in (tmp_path / "clocks.jsonl").read_text().splitlines()]

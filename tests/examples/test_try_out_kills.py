@@ -34,9 +34,31 @@ K = 25  # finished iterations printed before the signal
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("try") / "plan"
-    assert main(["plan", "--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", "a100-sxm4-40gb", *JOB,
-                 "--nodes", "1", "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
-                 "--points", "3", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(ROOT / "examples" / "tiny-gpt.yaml"),
+                "--gpu",
+                "a100-sxm4-40gb",
+                *JOB,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--precision",
+                "fp32",
+                "--recompute",
+                "none",
+                "--points",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -45,14 +67,37 @@ class _Run:
 
     def __init__(self, plan: Path, tmp: Path, iterations: int, point: str = "kareus-00") -> None:
         self.log_dir, self.clock_log = tmp / "run", tmp / "clocks.jsonl"
-        env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LOG": str(self.clock_log),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "kareus_megatron.launch", "--kareus-plan", str(plan), "--kareus-point", point,
-               "--kareus-log", str(self.log_dir), "--", str(ROOT / "examples" / "tiny_train.py"),
-               "--iterations", str(iterations), *JOB]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
+        env = {
+            **os.environ,
+            "KAREUS_GPU_BACKEND": "simulated",
+            "KAREUS_SIMULATED_LOG": str(self.clock_log),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kareus_megatron.launch",
+            "--kareus-plan",
+            str(plan),
+            "--kareus-point",
+            point,
+            "--kareus-log",
+            str(self.log_dir),
+            "--",
+            str(ROOT / "examples" / "tiny_train.py"),
+            "--iterations",
+            str(iterations),
+            *JOB,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
         self.finished = 0  # iterations printed so far
         threading.Thread(target=self._read, daemon=True).start()
@@ -154,13 +199,38 @@ def test_a_killed_try_out_run_keeps_every_finished_iteration(plan_dir: Path, tmp
     assert max(resets.values()) <= 1.0, f"clock resets after the signal (s): {resets}\n{tail}"
 
 
-def test_a_killed_powercap_run_restores_every_power_limit(tmp_path_factory: pytest.TempPathFactory,
-                                                          tmp_path: Path) -> None:
+def test_a_killed_powercap_run_restores_every_power_limit(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
     """The same SIGKILL as above on a powercap plan: each GPU's limit was set, and is restored within 1 s."""
     plan = tmp_path_factory.mktemp("try-powercap") / "plan"
-    assert main(["plan", "--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", "a100-sxm4-40gb", *JOB,
-                 "--nodes", "1", "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
-                 "--methods", "powercap", "--points", "3", "--out", str(plan)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(ROOT / "examples" / "tiny-gpt.yaml"),
+                "--gpu",
+                "a100-sxm4-40gb",
+                *JOB,
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--precision",
+                "fp32",
+                "--recompute",
+                "none",
+                "--methods",
+                "powercap",
+                "--points",
+                "3",
+                "--out",
+                str(plan),
+            ]
+        )
+        == 0
+    )
     point = sorted(p.stem for p in (plan / "plans").glob("powercap-*.json"))[-1]  # the lowest cap planned
     limit = json.loads((plan / "plans" / f"{point}.json").read_text())["power_limit_w"]
     run = _Run(plan, tmp_path, iterations=10_000, point=point)

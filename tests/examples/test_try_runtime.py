@@ -24,8 +24,14 @@ def _make(*args: str, timeout_s: float = 120, **env_vars: str) -> subprocess.Com
     install step (`.venv/.test`) is taken as done: the test runs inside the environment it would install."""
     bin_dir = os.path.dirname(sys.executable)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_vars}
-    return subprocess.run(["make", "--no-print-directory", "-o", ".venv/.test", "try-runtime", f"BIN={bin_dir}",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        ["make", "--no-print-directory", "-o", ".venv/.test", "try-runtime", f"BIN={bin_dir}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def _nanobatches(plan: Path) -> set[int]:
@@ -62,9 +68,23 @@ def test_try_runtime_pp2_perseus_replaces_an_old_try_out(tmp_path: Path) -> None
 def _assert_like_with_like(out: Path, name: str) -> None:
     """Issue 25: the simulated GPU runs each instruction TIME_SCALE × its predicted time, the log records the scale,
     and the report compares like with like: every stage's time and energy within 25% of the scaled prediction."""
-    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(out / "run"), "--plan",
-                        str(out / "plan" / "plans" / f"{name}.json"), "--format", "json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kareus_megatron.cli.main",
+            "report",
+            str(out / "run"),
+            "--plan",
+            str(out / "plan" / "plans" / f"{name}.json"),
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     doc = json.loads(r.stdout)
     assert doc["simulated"] is True and doc["time_scale"] == 500  # the Makefile's TIME_SCALE default
     assert any("time_scale 500" in n for n in doc["notes"])
@@ -79,8 +99,23 @@ def _assert_power(out: Path, name: str) -> None:
     from kareus_megatron.cost.waveform import METRIC_NAMES
 
     plan = out / "plan" / "plans" / f"{name}.json"
-    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(out / "run"), "--plan",
-                        str(plan), "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kareus_megatron.cli.main",
+            "report",
+            str(out / "run"),
+            "--plan",
+            str(plan),
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     power = json.loads(r.stdout)["power"]
     measured, predicted = power["measured"], power["predicted"]
@@ -110,8 +145,14 @@ def test_try_runtime_tp2_nanobatch_perseus_with_cross_layer_overlap(tmp_path: Pa
     """PLAN_ARGS=--cross-layer: the plan records it and the run carries layer 1's last all-reduce into layer 2's
     call (the overlap trace of each rank, KAREUS_OVERLAP_TRACE)."""
     out, traces = tmp_path / "try", tmp_path / "traces"
-    r = _make(f"ITERATIONS={ITERATIONS}", f"OUT={out}", "PARALLEL=--tp 2", "METHOD=nanobatch_perseus",
-              "PLAN_ARGS=--cross-layer", KAREUS_OVERLAP_TRACE=str(traces))
+    r = _make(
+        f"ITERATIONS={ITERATIONS}",
+        f"OUT={out}",
+        "PARALLEL=--tp 2",
+        "METHOD=nanobatch_perseus",
+        "PLAN_ARGS=--cross-layer",
+        KAREUS_OVERLAP_TRACE=str(traces),
+    )
     _assert_complete(r, out, "nanobatch_perseus-00", stages=1)
     plan = out / "plan" / "plans" / "nanobatch_perseus-00.json"
     assert _nanobatches(plan) == {2} and json.loads(plan.read_text())["cross_layer"] is True
@@ -132,13 +173,20 @@ def test_try_runtime_cp2_kareus(tmp_path: Path) -> None:
     assert "layer spec: partitioned" in r.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("METHOD=bogus",), "kareus plan: error: unknown method(s) bogus"),
-    (("PARALLEL=--tp 2 --pp 2",), "kareus plan: error: 1 nodes × 2 GPUs = 2 GPUs is not a multiple of TP×CP×PP = 4"),
-    (("METHOD=megatron", "POINT=05"), "try-runtime: no plan megatron-05 in"),
-])
-def test_try_runtime_refuses_a_bad_method_layout_or_point_in_one_line(tmp_path: Path, args: tuple[str, ...],
-                                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("METHOD=bogus",), "kareus plan: error: unknown method(s) bogus"),
+        (
+            ("PARALLEL=--tp 2 --pp 2",),
+            "kareus plan: error: 1 nodes × 2 GPUs = 2 GPUs is not a multiple of TP×CP×PP = 4",
+        ),
+        (("METHOD=megatron", "POINT=05"), "try-runtime: no plan megatron-05 in"),
+    ],
+)
+def test_try_runtime_refuses_a_bad_method_layout_or_point_in_one_line(
+    tmp_path: Path, args: tuple[str, ...], message: str
+) -> None:
     r = _make(f"OUT={tmp_path / 'try'}", *args, timeout_s=60)
     assert r.returncode == 2
     # make's own "Error 2" line ("make[1]: ***" when the suite itself runs under make, as `make test` does)
@@ -158,8 +206,10 @@ def test_try_runtime_refuses_a_directory_that_is_not_a_try_out(tmp_path: Path) -
 
 def test_cpu_shim_imports_without_torch() -> None:
     """The shim is a runtime module; importing it must not load torch (only apply() does)."""
-    code = ("import sys, kareus_megatron.runtime.frameworks.cpu_shim as s; "
-            "assert callable(s.apply); print('torch' in sys.modules)")
+    code = (
+        "import sys, kareus_megatron.runtime.frameworks.cpu_shim as s; "
+        "assert callable(s.apply); print('torch' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"

@@ -143,8 +143,12 @@ class _FieldValue:
 def nvmlDeviceGetFieldValues(handle: str, fields: list[int]) -> list[_FieldValue]:
     """The instantaneous power field answers unless KAREUS_FAKE_NVML_NO_INSTANT is set (a board without it)."""
     instant = not os.environ.get("KAREUS_FAKE_NVML_NO_INSTANT")
-    return [_FieldValue(f, NVML_SUCCESS, int(_POWER_W * 1000)) if f == NVML_FI_DEV_POWER_INSTANT and instant
-            else _FieldValue(f, NVML_ERROR_NOT_SUPPORTED, 0) for f in fields]
+    return [
+        _FieldValue(f, NVML_SUCCESS, int(_POWER_W * 1000))
+        if f == NVML_FI_DEV_POWER_INSTANT and instant
+        else _FieldValue(f, NVML_ERROR_NOT_SUPPORTED, 0)
+        for f in fields
+    ]
 
 
 def nvmlDeviceGetTemperature(handle: str, sensor: int) -> int:

@@ -26,11 +26,18 @@ from kareus_megatron.workload.opgraph import Op
 ROOT = Path(__file__).resolve().parents[2]
 # Every die whose curves are derived, not measured (its compute coefficient says [DERIVED] in dies.toml), and
 # every preset of such a die: read from the tables, not a hand list (adding a preset or a die is one table).
-DERIVED_DIES = [d for d in die_names() if "[DERIVED]" in gpu_spec(die_table(d)["reference_preset"])
-                .sources["compute_dynamic_w"]]
+DERIVED_DIES = [
+    d for d in die_names() if "[DERIVED]" in gpu_spec(die_table(d)["reference_preset"]).sources["compute_dynamic_w"]
+]
 DERIVED_PRESETS = [n for n in gpu_names() if gpu_spec(n).die in DERIVED_DIES]
-POWER_FIELDS = ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "memory_dynamic_w", "voltage_floor",
-                "voltage_knee_mhz")
+POWER_FIELDS = (
+    "static_power_w",
+    "idle_dynamic_w",
+    "compute_dynamic_w",
+    "memory_dynamic_w",
+    "voltage_floor",
+    "voltage_knee_mhz",
+)
 
 
 def _gemm(m: int, n: int, k: int) -> Op:
@@ -155,6 +162,7 @@ def test_every_preset_has_the_datasheet_facts_with_sources(name):
 
 
 # ---- the base-clock rule (derive.py base_draw_fraction; docs/sources.md#base-clock-rule) --------------------------
+
 
 def test_the_base_clock_rule_is_the_measured_die_s_draw_and_the_old_rule_is_contradicted():
     """GA100 curves (fitted to the Perseus A100 profile) at the SXM4 base clock 1095 MHz: full compute, no memory

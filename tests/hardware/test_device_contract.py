@@ -136,8 +136,11 @@ def test_read_only_records_and_changes_nothing(read_only_gpu, tmp_path):
     assert gpu.energy_j() >= 0.0
     gpu.close()
     assert _resets_in_log(tmp_path) == []
-    assert not [r for r in _records(tmp_path / "sim.jsonl") if r["event"] == "set"] if isinstance(
-        gpu, SimulatedGPU) else True
+    assert (
+        not [r for r in _records(tmp_path / "sim.jsonl") if r["event"] == "set"]
+        if isinstance(gpu, SimulatedGPU)
+        else True
+    )
 
 
 def test_read_only_environment_wins_over_the_argument(monkeypatch):
@@ -196,7 +199,11 @@ def test_simulated_log_records_every_change_with_latency(tmp_path):
     dev.close()  # a locked clock is reset on close
     recs = _records(log)
     assert [(r["event"], r["mhz"]) for r in recs] == [
-        ("open", 1410), ("set", 1200), ("set", 990), ("reset", 1410), ("close", 1410)
+        ("open", 1410),
+        ("set", 1200),
+        ("set", 990),
+        ("reset", 1410),
+        ("close", 1410),
     ]
     assert all(r["gpu"] == 3 for r in recs)
     ts = [r["t"] for r in recs]

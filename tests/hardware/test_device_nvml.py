@@ -28,8 +28,9 @@ def fake(monkeypatch):
             setattr(f, name, getattr(pynvml, name))
     f.nvmlDeviceGetHandleByIndex.return_value = "handle0"
     f.nvmlDeviceGetName.return_value = "NVIDIA A100-SXM4-40GB"
-    f.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
-                                                            pynvml.NVML_CLOCK_SM: 1410}[kind]
+    f.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215, pynvml.NVML_CLOCK_SM: 1410}[
+        kind
+    ]
     f.nvmlDeviceGetSupportedMemoryClocks.return_value = [405, 1215]
     f.nvmlDeviceGetSupportedGraphicsClocks.return_value = [1200, 1410, 1395, 1410]
     f.nvmlDeviceGetMigMode.return_value = [0, 0]
@@ -116,8 +117,9 @@ def test_temperature_reads_the_gpu_sensor(fake):
 
 def test_supported_clocks_at_the_highest_memory_clock(fake):
     """A GDDR board idling in a low memory P-state: the current memory clock would list few clocks."""
-    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 405,
-                                                               pynvml.NVML_CLOCK_SM: 210}[kind]
+    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 405, pynvml.NVML_CLOCK_SM: 210}[
+        kind
+    ]
     NVMLGPU(0)
     fake.nvmlDeviceGetSupportedGraphicsClocks.assert_called_once_with("handle0", 1215)
     fake.nvmlDeviceGetSupportedMemoryClocks.side_effect = _nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -224,8 +226,9 @@ def test_permission_check_without_capability_changes_nothing(fake, monkeypatch):
 
 def test_try_lock_resets_only_its_own_lock(fake, monkeypatch):
     monkeypatch.setattr(nvml_report, "may_administer", lambda: True)
-    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215,
-                                                               pynvml.NVML_CLOCK_SM: 1390}[kind]
+    fake.nvmlDeviceGetClockInfo.side_effect = lambda h, kind: {pynvml.NVML_CLOCK_MEM: 1215, pynvml.NVML_CLOCK_SM: 1390}[
+        kind
+    ]
     rep = nvml_report.nvml_report(0, check_permission=True, try_lock=True)
     assert rep["clock_permission"] is True and rep["permission_method"] == "lock" and rep["locked_mhz"] == 1395
     fake.nvmlDeviceSetGpuLockedClocks.assert_called_once_with("handle0", 1395, 1395)  # nearest supported
@@ -285,9 +288,16 @@ def test_the_choke_point_refuses_in_read_only_mode(fake, monkeypatch):
         nvml_access.change_setting("locking", "nvmlDeviceSetGpuLockedClocks", "handle0", 1410, 1410, read_only=False)
     # the module handed out in read-only mode refuses every changing call, whoever makes it
     guarded = nvml_access.nvml_module()
-    for name in ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit",
-                 "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetApplicationsClocks", "nvmlDeviceResetMemoryLockedClocks",
-                 "nvmlDeviceSetMemoryLockedClocks", "nvmlDevicePowerSmoothingSetState"):
+    for name in (
+        "nvmlDeviceSetGpuLockedClocks",
+        "nvmlDeviceResetGpuLockedClocks",
+        "nvmlDeviceSetPowerManagementLimit",
+        "nvmlDeviceSetPersistenceMode",
+        "nvmlDeviceSetApplicationsClocks",
+        "nvmlDeviceResetMemoryLockedClocks",
+        "nvmlDeviceSetMemoryLockedClocks",
+        "nvmlDevicePowerSmoothingSetState",
+    ):
         with pytest.raises(nvml_access.ReadOnlyViolation, match=name):
             getattr(guarded, name)("handle0")
         getattr(fake, name).assert_not_called()
@@ -298,12 +308,21 @@ def test_the_choke_point_refuses_in_read_only_mode(fake, monkeypatch):
 
 def test_every_changing_nvml_function_is_classified():
     """Every nvml* function of the installed nvidia-ml-py is a getter (is_read_call) or is refused read-only."""
-    names = [n for n in dir(pynvml) if n.startswith("nvml") and callable(getattr(pynvml, n))
-             and not isinstance(getattr(pynvml, n), type)]
+    names = [
+        n
+        for n in dir(pynvml)
+        if n.startswith("nvml") and callable(getattr(pynvml, n)) and not isinstance(getattr(pynvml, n), type)
+    ]
     changing = {n for n in names if not nvml_access.is_read_call(n)}
-    assert {"nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit",
-            "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetApplicationsClocks", "nvmlDeviceClearEccErrorCounts",
-            "nvmlDeviceSetMigMode"} <= changing
+    assert {
+        "nvmlDeviceSetGpuLockedClocks",
+        "nvmlDeviceResetGpuLockedClocks",
+        "nvmlDeviceSetPowerManagementLimit",
+        "nvmlDeviceSetPersistenceMode",
+        "nvmlDeviceSetApplicationsClocks",
+        "nvmlDeviceClearEccErrorCounts",
+        "nvmlDeviceSetMigMode",
+    } <= changing
     assert not {n for n in changing if "Get" in n}  # no getter is taken for a change
     assert "nvmlDeviceGetTotalEnergyConsumption" not in changing and "nvmlInit" not in changing
 

@@ -56,8 +56,15 @@ def test_boards_of_one_die_differ_only_in_board_fields():
     for boards in groups.values():
         first = boards[0]
         for b in boards[1:]:
-            for k in ("static_power_w", "idle_dynamic_w", "compute_dynamic_w", "voltage_floor", "voltage_knee_mhz",
-                      "p_blocked_w", "architecture"):
+            for k in (
+                "static_power_w",
+                "idle_dynamic_w",
+                "compute_dynamic_w",
+                "voltage_floor",
+                "voltage_knee_mhz",
+                "p_blocked_w",
+                "architecture",
+            ):
                 assert getattr(b, k) == getattr(first, k), (b.name, k)
 
 

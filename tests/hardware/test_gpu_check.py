@@ -10,16 +10,30 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("nvidia_smi_before", "env", "energy_counter", "selfcheck", "host_syncs", "nccl_comms", "controller",
-         "kernels", "nvidia_smi_after")
+STEPS = (
+    "nvidia_smi_before",
+    "env",
+    "energy_counter",
+    "selfcheck",
+    "host_syncs",
+    "nccl_comms",
+    "controller",
+    "kernels",
+    "nvidia_smi_after",
+)
 
 
 def _check(tmp_path: Path, *args: str, **extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAREUS_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "fake_nvml"), str(ROOT)]),
-               PATH=os.pathsep.join([str(ROOT / "tests" / "data" / "fake_smi"), env["PATH"]]),
-               KAREUS_GPU_BACKEND="nvml", KAREUS_FAKE_NVML_LOG=str(tmp_path / "nvml-calls.jsonl"),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "fake_nvml"), str(ROOT)]),
+        PATH=os.pathsep.join([str(ROOT / "tests" / "data" / "fake_smi"), env["PATH"]]),
+        KAREUS_GPU_BACKEND="nvml",
+        KAREUS_FAKE_NVML_LOG=str(tmp_path / "nvml-calls.jsonl"),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        **extra,
+    )
     out = tmp_path / "check"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
@@ -49,8 +63,12 @@ def test_dry_run_runs_every_step_and_changes_nothing(tmp_path):
 
 
 def test_a_changed_setting_fails_the_check(tmp_path):
-    r, report = _check(tmp_path, "--skip", "env,energy_counter,selfcheck,host_syncs,nccl_comms,controller,kernels",
-                       KAREUS_FAKE_SMI_CHANGE=str(tmp_path / "changed"))
+    r, report = _check(
+        tmp_path,
+        "--skip",
+        "env,energy_counter,selfcheck,host_syncs,nccl_comms,controller,kernels",
+        KAREUS_FAKE_SMI_CHANGE=str(tmp_path / "changed"),
+    )
     assert r.returncode == 1
     assert report["settings_unchanged"] is False and not report["ok"]
     assert "verdict: FAILED" in (tmp_path / "check" / "gpu_check.txt").read_text()

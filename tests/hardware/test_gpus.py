@@ -58,9 +58,24 @@ def test_every_number_has_a_source_comment():
     """Beside the number in gpus.toml, or in dies.toml for the fields a preset takes from its die."""
     for name in PRESETS:
         src = gpu_spec(name).sources
-        keys = [f for f in ("sm_count", "sm_clock_max_mhz", "peak_tflops", "hbm_gb_per_s", "nvlink_gb_per_s",
-                            "internode_gb_per_s", "power_limit_w", "p_blocked_w", "static_power_w",
-                            "compute_dynamic_w", "memory_dynamic_w", "voltage_floor", "voltage_knee_mhz")]
+        keys = [
+            f
+            for f in (
+                "sm_count",
+                "sm_clock_max_mhz",
+                "peak_tflops",
+                "hbm_gb_per_s",
+                "nvlink_gb_per_s",
+                "internode_gb_per_s",
+                "power_limit_w",
+                "p_blocked_w",
+                "static_power_w",
+                "compute_dynamic_w",
+                "memory_dynamic_w",
+                "voltage_floor",
+                "voltage_knee_mhz",
+            )
+        ]
         missing = [k for k in keys if not src.get(k) or src[k].startswith("[die") and "[" not in src[k][4:]]
         assert not missing, f"{name}: no source beside {missing}"
 
@@ -121,6 +136,7 @@ def test_a_limit_no_clock_meets_stops_at_the_lowest_clock():
 
 # ---- the one clock-grid policy (hardware/gpus.py clock_grid_mhz) ----------------------------------
 
+
 def test_default_clock_grid_is_every_30_mhz_down_to_60_percent():
     a100 = gpu_spec("a100-sxm4-40gb")
     grid = a100.clock_grid_mhz()
@@ -143,8 +159,12 @@ def test_clock_grid_snaps_to_lockable_clocks():
 
 
 def test_a_preset_without_fp32_throughput_is_refused():
-    t = {k: v for k, v in tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
-                                        .read_text(encoding="utf-8"))["a40"].items()}
+    t = {
+        k: v
+        for k, v in tomllib.loads(
+            resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text(encoding="utf-8")
+        )["a40"].items()
+    }
     t["peak_tflops"] = {"bf16": 149.7}
     with pytest.raises(ConfigError, match="peak_tflops.fp32"):
         spec_from_table("a40-no-fp32", t)
@@ -166,8 +186,11 @@ def test_presets_carry_nvmls_minimum_power_limit_where_published():
 
 @pytest.mark.parametrize("bad", [0, -5, 401])
 def test_a_minimum_power_limit_outside_the_board_range_is_refused(bad):
-    t = dict(tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
-                           .read_text(encoding="utf-8"))["a100-sxm4-40gb"])
+    t = dict(
+        tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text(encoding="utf-8"))[
+            "a100-sxm4-40gb"
+        ]
+    )
     t["min_power_limit_w"] = bad
     with pytest.raises(ConfigError, match="min_power_limit_w"):
         spec_from_table("a100-bad-min", t)
@@ -182,8 +205,11 @@ def test_every_preset_carries_its_clock_latency_with_a_source(bad):
         g = gpu_spec(name)
         assert 0.005 <= g.clock_latency_s <= 0.05, name
         assert g.sources["clock_latency_ms"].startswith("[LAT]"), name
-    t = dict(tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml")
-                           .read_text(encoding="utf-8"))["h100-sxm5-80gb"])
+    t = dict(
+        tomllib.loads(resources.files("kareus_megatron.hardware").joinpath("gpus.toml").read_text(encoding="utf-8"))[
+            "h100-sxm5-80gb"
+        ]
+    )
     t["clock_latency_ms"] = bad
     with pytest.raises(ConfigError, match="clock_latency_ms"):
         spec_from_table("h100-bad-latency", t)

@@ -58,21 +58,41 @@ def test_interleaved_order_visits_every_pair_once_per_repeat_in_fresh_orders():
 
 def test_warm_up_stops_once_the_temperature_holds():
     dev = SteppingCounter(0.01, temps=[30, 40, 50, 60, 61, 61.2, 61.1, 61.3, 61.2])
-    got = warm_up(dev, lambda: None, lambda: None,  # type: ignore[arg-type]
-                  WindowPolicy(warmup_max_s=5.0, warmup_stable_s=0.03, stable_c=1.0))
+    got = warm_up(
+        dev,
+        lambda: None,
+        lambda: None,  # type: ignore[arg-type]
+        WindowPolicy(warmup_max_s=5.0, warmup_stable_s=0.03, stable_c=1.0),
+    )
     assert got["stable"] and got["end_c"] >= 60 and got["seconds"] < 1.0
     # never settles (2 °C per reading, above stable_c even when a loaded host reads twice per span): bounded
     hot = SteppingCounter(0.01, temps=[float(t) for t in range(30, 800, 2)])
-    got = warm_up(hot, lambda: None, lambda: None,  # type: ignore[arg-type]
-                  WindowPolicy(warmup_max_s=0.1, warmup_stable_s=0.02))
+    got = warm_up(
+        hot,
+        lambda: None,
+        lambda: None,  # type: ignore[arg-type]
+        WindowPolicy(warmup_max_s=0.1, warmup_stable_s=0.02),
+    )
     assert got["stable"] is False and got["seconds"] < 0.5
 
 
 def test_per_clock_pools_repeats_total_over_total():
-    w = dict(kernel="gemm", clock_mhz=1410, seconds=1.0, read_clock_mhz=1410, temperature_start_c=None,
-             temperature_end_c=None, started_s=0.0, power_w=0.0)
-    s = Sweep(windows=[Window(repeat=0, calls=10, time_s=0.1, energy_j=10.0, **w),
-                       Window(repeat=1, calls=30, time_s=0.2, energy_j=20.0, **w)])
+    w = dict(
+        kernel="gemm",
+        clock_mhz=1410,
+        seconds=1.0,
+        read_clock_mhz=1410,
+        temperature_start_c=None,
+        temperature_end_c=None,
+        started_s=0.0,
+        power_w=0.0,
+    )
+    s = Sweep(
+        windows=[
+            Window(repeat=0, calls=10, time_s=0.1, energy_j=10.0, **w),
+            Window(repeat=1, calls=30, time_s=0.2, energy_j=20.0, **w),
+        ]
+    )
     clocks, t, e = s.per_clock("gemm")
     assert clocks == [1410] and t == [pytest.approx(0.175)] and e == [pytest.approx(17.5)]
 
@@ -106,6 +126,10 @@ def test_one_reading_within_the_stable_span_is_not_stable(monkeypatch):
     clock = iter([0.0, 0.0, 0.0, 0.05, 0.05, 0.05, 1.0, 1.0, 1.0, 1.05, 1.05, 1.05, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0])
     monkeypatch.setattr(measure.time, "monotonic", lambda: next(clock, 9.0))
     hot = SteppingCounter(0.01, temps=[30.0, 40.0, 50.0, 60.0, 70.0])
-    got = warm_up(hot, lambda: None, lambda: None,  # type: ignore[arg-type]
-                  WindowPolicy(warmup_max_s=2.5, warmup_stable_s=0.02, stable_c=1.0))
+    got = warm_up(
+        hot,
+        lambda: None,
+        lambda: None,  # type: ignore[arg-type]
+        WindowPolicy(warmup_max_s=2.5, warmup_stable_s=0.02, stable_c=1.0),
+    )
     assert got["stable"] is False, got["trace"]

@@ -22,9 +22,14 @@ FAKE = ROOT / "tests" / "fake_nvml"
 
 def _env(tmp_path: Path, read_only: bool, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KAREUS_", "CUDA_VISIBLE"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(FAKE), str(ROOT), env.get("PYTHONPATH", "")]),
-               KAREUS_FAKE_NVML_LOG=str(tmp_path / "nvml-calls.jsonl"), KAREUS_GPU_BACKEND="nvml",
-               PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(FAKE), str(ROOT), env.get("PYTHONPATH", "")]),
+        KAREUS_FAKE_NVML_LOG=str(tmp_path / "nvml-calls.jsonl"),
+        KAREUS_GPU_BACKEND="nvml",
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     if read_only:
         env["KAREUS_GPU_READ_ONLY"] = "1"
     return env
@@ -36,13 +41,23 @@ def _changes(tmp_path: Path) -> list[dict]:
 
 
 def _kareus(tmp_path: Path, args: list[str], read_only: bool, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", *args], cwd=tmp_path,
-                          env=_env(tmp_path, read_only), capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", *args],
+        cwd=tmp_path,
+        env=_env(tmp_path, read_only),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_the_stand_in_is_what_the_commands_import(tmp_path):
-    r = subprocess.run([sys.executable, "-c", "import pynvml; print(pynvml.__file__)"], env=_env(tmp_path, False),
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "import pynvml; print(pynvml.__file__)"],
+        env=_env(tmp_path, False),
+        capture_output=True,
+        text=True,
+    )
     assert r.stdout.strip() == str(FAKE / "pynvml.py")
 
 
@@ -63,8 +78,10 @@ def test_env_try_lock_is_refused_read_only_and_locks_once_otherwise(tmp_path):
     r = _kareus(tmp_path, ["env", "--check-permission", "--try-lock", "--json"], read_only=False)
     assert r.returncode == 0, r.stderr
     if json.loads(r.stdout)["nvml"]["capability"]:  # root here: the harness sees the one lock and its reset
-        assert [c["call"] for c in _changes(tmp_path)] == ["nvmlDeviceSetGpuLockedClocks",
-                                                         "nvmlDeviceResetGpuLockedClocks"]
+        assert [c["call"] for c in _changes(tmp_path)] == [
+            "nvmlDeviceSetGpuLockedClocks",
+            "nvmlDeviceResetGpuLockedClocks",
+        ]
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -99,8 +116,14 @@ def test_calibrate_run_is_refused_read_only(tmp_path):
 def test_selfcheck_changes_nothing(tmp_path):
     out = tmp_path / "selfcheck.json"
     for read_only in (True, False):  # the self-check opens its device read-only whatever the environment says
-        r = subprocess.run([sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--dry-run", "--out", str(out)],
-                           cwd=tmp_path, env=_env(tmp_path, read_only), capture_output=True, text=True, timeout=240)
+        r = subprocess.run(
+            [sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--dry-run", "--out", str(out)],
+            cwd=tmp_path,
+            env=_env(tmp_path, read_only),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         assert json.loads(out.read_text())["megatron_patch"]["status"] == "ok"
     assert _changes(tmp_path) == []
@@ -111,19 +134,72 @@ def _train(tmp_path: Path, read_only: bool, name: str) -> subprocess.CompletedPr
     clock controller in its side process on the (stand-in) NVML device."""
     plan_dir = tmp_path / "plan"
     if not plan_dir.exists():
-        r = _kareus(tmp_path, ["plan", "--model", str(ROOT / "examples" / "small-gpt.yaml"), "--gpu", "a40",
-                               "--tp", "1", "--pp", "2", "--mbs", "8", "--seq", "256", "--microbatches", "4",
-                               "--nodes", "1", "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none",
-                               "--methods", "perseus", "--out", str(plan_dir)], read_only=False)
+        r = _kareus(
+            tmp_path,
+            [
+                "plan",
+                "--model",
+                str(ROOT / "examples" / "small-gpt.yaml"),
+                "--gpu",
+                "a40",
+                "--tp",
+                "1",
+                "--pp",
+                "2",
+                "--mbs",
+                "8",
+                "--seq",
+                "256",
+                "--microbatches",
+                "4",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--precision",
+                "fp32",
+                "--recompute",
+                "none",
+                "--methods",
+                "perseus",
+                "--out",
+                str(plan_dir),
+            ],
+            read_only=False,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
         (tmp_path / "nvml-calls.jsonl").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "kareus_megatron.launch", "--kareus-plan", str(plan_dir), "--kareus-point", "perseus-00",
-           "--kareus-log", str(tmp_path / name), "--", str(ROOT / "examples" / "tiny_train.py"), "--iterations", "3",
-           "--model", str(ROOT / "examples" / "small-gpt.yaml"), "--pp", "2", "--mbs", "8", "--seq", "256",
-           "--microbatches", "4"]
-    return subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, read_only), capture_output=True, text=True,
-                          timeout=240)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "kareus_megatron.launch",
+        "--kareus-plan",
+        str(plan_dir),
+        "--kareus-point",
+        "perseus-00",
+        "--kareus-log",
+        str(tmp_path / name),
+        "--",
+        str(ROOT / "examples" / "tiny_train.py"),
+        "--iterations",
+        "3",
+        "--model",
+        str(ROOT / "examples" / "small-gpt.yaml"),
+        "--pp",
+        "2",
+        "--mbs",
+        "8",
+        "--seq",
+        "256",
+        "--microbatches",
+        "4",
+    ]
+    return subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path, read_only), capture_output=True, text=True, timeout=240)
 
 
 def test_launcher_read_only_changes_nothing_and_full_mode_locks(tmp_path):

@@ -22,10 +22,21 @@ def planner_mean_activities() -> tuple[float, float]:
     """(compute, memory) activity of the default job, weighted by each op's time at the max clock."""
     d = DEFAULT_JOB
     gpu, model = gpu_spec(d["gpu"]), model_spec(d["model"])
-    par = make_parallel(model, tp=d["tp"], cp=d["cp"], pp=d["pp"], vp=d["vp"], micro_batch_size=d["mbs"],
-                        seq_length=d["seq"], num_microbatches=d["microbatches"], recompute=d["recompute"],
-                        first_stage_layers=d["first_stage_layers"], last_stage_layers=d["last_stage_layers"],
-                        gpus_per_node=d["gpus_per_node"], precision=d["precision"])
+    par = make_parallel(
+        model,
+        tp=d["tp"],
+        cp=d["cp"],
+        pp=d["pp"],
+        vp=d["vp"],
+        micro_batch_size=d["mbs"],
+        seq_length=d["seq"],
+        num_microbatches=d["microbatches"],
+        recompute=d["recompute"],
+        first_stage_layers=d["first_stage_layers"],
+        last_stage_layers=d["last_stage_layers"],
+        gpus_per_node=d["gpus_per_node"],
+        precision=d["precision"],
+    )
     k = KernelModel(gpu)
     t_sum = ca_sum = ma_sum = 0.0
     for stage in range(par.pp):

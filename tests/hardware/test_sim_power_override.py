@@ -37,10 +37,10 @@ def test_busy_edges_draw_the_given_power_and_the_model_where_none():
     dev, t0 = _opened()
     p_idle, p_model = dev.spec.p_blocked_w, _model_busy_w(dev)
     # idle 1 ms; busy 10 ms at 123 W; idle 10 ms; busy 10 ms at the model's power; idle 10 ms
-    dev.busy_edges([t0 + 1 * MS, 1.0, t0 + 11 * MS, 0.0, t0 + 21 * MS, 1.0, t0 + 31 * MS, 0.0],
-                   [123.0, NAN, NAN, NAN])
+    dev.busy_edges([t0 + 1 * MS, 1.0, t0 + 11 * MS, 0.0, t0 + 21 * MS, 1.0, t0 + 31 * MS, 0.0], [123.0, NAN, NAN, NAN])
     assert dev.energy_j_at(t0 + 41 * MS) == pytest.approx(
-        p_idle * 1 * MS + 123.0 * 10 * MS + p_idle * 10 * MS + p_model * 10 * MS + p_idle * 10 * MS, rel=1e-9)
+        p_idle * 1 * MS + 123.0 * 10 * MS + p_idle * 10 * MS + p_model * 10 * MS + p_idle * 10 * MS, rel=1e-9
+    )
 
 
 def test_power_override_on_the_general_path_and_set_busy():
@@ -51,7 +51,8 @@ def test_power_override_on_the_general_path_and_set_busy():
     dev.set_busy(True, t0 + 22 * MS, power_w=50.0)
     dev.set_busy(False, t0 + 32 * MS)
     assert dev.energy_j_at(t0 + 32 * MS) == pytest.approx(
-        dev.spec.p_blocked_w * 12 * MS + 200.0 * 10 * MS + 50.0 * 10 * MS, rel=1e-9)
+        dev.spec.p_blocked_w * 12 * MS + 200.0 * 10 * MS + 50.0 * 10 * MS, rel=1e-9
+    )
 
 
 def test_use_power_model_sets_blocked_power_and_limit():
@@ -72,5 +73,6 @@ def test_temperature_reading_leaves_late_edges_their_own_times():
     dev.busy_edges([t0 + 1 * MS, 1.0], [300.0])
     dev.temperature_c()
     dev.busy_edges([t0 + 11 * MS, 0.0])
-    assert dev.energy_j_at(t0 + 41 * MS) == pytest.approx(p_idle * 1 * MS + 300.0 * 10 * MS + p_idle * 30 * MS,
-                                                          rel=1e-9)
+    assert dev.energy_j_at(t0 + 41 * MS) == pytest.approx(
+        p_idle * 1 * MS + 300.0 * 10 * MS + p_idle * 30 * MS, rel=1e-9
+    )

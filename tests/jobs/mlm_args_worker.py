@@ -15,8 +15,11 @@ import sys
 from types import SimpleNamespace
 from unittest import mock
 
-for _name in ("megatron.core.transformer.custom_layers.batch_invariant_kernels",
-              "megatron.core.transformer.moe.ops.paged_stash", "megatron.core.transformer.moe.paged_stash"):
+for _name in (
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+    "megatron.core.transformer.moe.ops.paged_stash",
+    "megatron.core.transformer.moe.paged_stash",
+):
     sys.modules[_name] = mock.MagicMock()  # they import triton at module level; nothing here calls them
 
 
@@ -33,10 +36,13 @@ def main() -> None:
         args = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)
         args.rank, args.world_size = 0, args.tensor_model_parallel_size * args.pipeline_model_parallel_size
         validate_args(args)
-        gpt = SimpleNamespace(position_embedding_type=args.position_embedding_type,
-                              share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-        built.append(live_architecture(core_transformer_config_from_args(args), gpt,
-                                       torch.get_float32_matmul_precision()))
+        gpt = SimpleNamespace(
+            position_embedding_type=args.position_embedding_type,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        )
+        built.append(
+            live_architecture(core_transformer_config_from_args(args), gpt, torch.get_float32_matmul_precision())
+        )
     out.write(json.dumps(built))
 
 

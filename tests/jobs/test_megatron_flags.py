@@ -25,13 +25,25 @@ from kareus_megatron.workload.models import model_from_dict, model_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT = ROOT.parent / "shared" / "vendor" / "Megatron-LM-core_v0.16.1.tar.gz"
-GPT2ISH = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128,
-               activation="gelu", norm="layernorm", position="learned", bias_linear=True, tied_embeddings=True)
+GPT2ISH = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=256,
+    vocab_size=128,
+    activation="gelu",
+    norm="layernorm",
+    position="learned",
+    bias_linear=True,
+    tied_embeddings=True,
+)
 # The CPU needs Megatron-LM's fused kernels off; the rest makes a parseable pretrain_gpt.py command line.
-RUN_FLAGS = ("--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --train-iters 1 --lr 1e-4 "
-             "--mock-data --tokenizer-type NullTokenizer --vocab-size 127 --transformer-impl local "
-             "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
-             "--no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm").split()
+RUN_FLAGS = (
+    "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --train-iters 1 --lr 1e-4 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 127 --transformer-impl local "
+    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm"
+).split()
 
 
 def record(name_or_dict: str | dict, precision: str = "bf16") -> ModelShape:
@@ -41,20 +53,39 @@ def record(name_or_dict: str | dict, precision: str = "bf16") -> ModelShape:
 
 def test_a_gelu_layernorm_learned_fp32_model_gets_its_own_flags():
     flags = model_args(record(GPT2ISH, "fp32"))
-    assert flags == ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                     "--ffn-hidden-size", "256", "--kv-channels", "16", "--normalization", "LayerNorm",
-                     "--position-embedding-type", "learned_absolute"]  # gelu, biases, tied, fp32: the defaults
+    assert flags == [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "256",
+        "--kv-channels",
+        "16",
+        "--normalization",
+        "LayerNorm",
+        "--position-embedding-type",
+        "learned_absolute",
+    ]  # gelu, biases, tied, fp32: the defaults
 
 
-@pytest.mark.parametrize("change, present, absent", [
-    (dict(activation="swiglu"), ["--swiglu"], []),
-    (dict(bias_linear=False), ["--disable-bias-linear"], ["--add-qkv-bias"]),
-    (dict(bias_linear=False, qkv_bias=True), ["--disable-bias-linear", "--add-qkv-bias"], []),
-    (dict(tied_embeddings=False), ["--untie-embeddings-and-output-weights"], []),
-    (dict(qk_norm=True, head_dim=32), ["--qk-layernorm", "--kv-channels 32"], ["--kv-channels 16"]),
-    (dict(norm="rmsnorm", position="rope"), ["--normalization RMSNorm", "--position-embedding-type rope"],
-     ["LayerNorm", "learned_absolute"]),
-])
+@pytest.mark.parametrize(
+    "change, present, absent",
+    [
+        (dict(activation="swiglu"), ["--swiglu"], []),
+        (dict(bias_linear=False), ["--disable-bias-linear"], ["--add-qkv-bias"]),
+        (dict(bias_linear=False, qkv_bias=True), ["--disable-bias-linear", "--add-qkv-bias"], []),
+        (dict(tied_embeddings=False), ["--untie-embeddings-and-output-weights"], []),
+        (dict(qk_norm=True, head_dim=32), ["--qk-layernorm", "--kv-channels 32"], ["--kv-channels 16"]),
+        (
+            dict(norm="rmsnorm", position="rope"),
+            ["--normalization RMSNorm", "--position-embedding-type rope"],
+            ["LayerNorm", "learned_absolute"],
+        ),
+    ],
+)
 def test_each_recorded_field_sets_its_flag(change, present, absent):
     line = " ".join(model_args(record({**GPT2ISH, **change}, "fp32")))
     for flag in present:
@@ -63,11 +94,13 @@ def test_each_recorded_field_sets_its_flag(change, present, absent):
         assert flag not in line
 
 
-@pytest.mark.parametrize("precision, flags", [("bf16", ["--bf16"]), ("fp16", ["--fp16"]), ("fp32", []),
-                                              ("fp8", ["--bf16", "--fp8-format", "hybrid"])])
+@pytest.mark.parametrize(
+    "precision, flags",
+    [("bf16", ["--bf16"]), ("fp16", ["--fp16"]), ("fp32", []), ("fp8", ["--bf16", "--fp8-format", "hybrid"])],
+)
 def test_precision_flags(precision, flags):
     got = model_args(record(GPT2ISH, precision))
-    assert got[got.index("learned_absolute") + 1:] == flags
+    assert got[got.index("learned_absolute") + 1 :] == flags
 
 
 def test_models_megatron_lm_cannot_build_are_refused_with_one_line():
@@ -93,20 +126,30 @@ def megatron_lm_0161(tmp_path_factory) -> Path:
         pytest.fail(f"{SNAPSHOT} is missing (the vendored Megatron-LM snapshots, see its README.md)", pytrace=False)
     base = tmp_path_factory.mktemp("mlm")
     with tarfile.open(SNAPSHOT) as tf:
-        tf.extractall(base, members=[m for m in tf.getmembers() if m.name.split("/")[1:2] == ["megatron"]],
-                      filter="data")
+        tf.extractall(
+            base, members=[m for m in tf.getmembers() if m.name.split("/")[1:2] == ["megatron"]], filter="data"
+        )
     (tree,) = base.iterdir()
     return tree
 
 
 def test_megatron_lm_builds_the_recorded_model_from_the_flags(megatron_lm_0161):
-    records = [record("llama3.2-3b"), record("llama3.3-70b"), record("qwen3-1.7b", "fp16"),
-               record("gpt3-175b", "fp32"),
-               record({**GPT2ISH, "bias_linear": False, "qkv_bias": True, "tied_embeddings": False}, "bf16")]
+    records = [
+        record("llama3.2-3b"),
+        record("llama3.3-70b"),
+        record("qwen3-1.7b", "fp16"),
+        record("gpt3-175b", "fp32"),
+        record({**GPT2ISH, "bias_linear": False, "qkv_bias": True, "tied_embeddings": False}, "bf16"),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(megatron_lm_0161), str(ROOT)])}
-    r = subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).with_name("mlm_args_worker.py"))],
-                       input=json.dumps([model_args(m) + RUN_FLAGS for m in records]), capture_output=True,
-                       text=True, env=env, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", str(Path(__file__).with_name("mlm_args_worker.py"))],
+        input=json.dumps([model_args(m) + RUN_FLAGS for m in records]),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for rec, built in zip(records, json.loads(r.stdout)):
         assert built == {k: getattr(rec, k) for k in MODEL_RECORD_FIELDS}, rec.name

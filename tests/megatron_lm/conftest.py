@@ -21,8 +21,11 @@ from mlm_runs import CONFIGS, MICROBATCHES, ROOT, VENDOR, child_env, plan_comman
 def _require_vendor(tag: str) -> Path:
     tarball = VENDOR / f"Megatron-LM-{tag}.tar.gz"
     if not tarball.is_file():
-        pytest.fail(f"{tarball} is missing: these tests need the vendored Megatron-LM snapshots in "
-                    f"../shared/vendor/ beside the repository (see that directory's README.md)", pytrace=False)
+        pytest.fail(
+            f"{tarball} is missing: these tests need the vendored Megatron-LM snapshots in "
+            f"../shared/vendor/ beside the repository (see that directory's README.md)",
+            pytrace=False,
+        )
     return tarball
 
 
@@ -31,8 +34,9 @@ def _build_dataset_helper(tree: Path) -> None:
     datasets = tree / "megatron" / "core" / "datasets"
     r = subprocess.run(["make", "-C", str(datasets)], env=child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"building {datasets}/helpers.cpp failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
-    probe = subprocess.run([sys.executable, "-c", "import helpers_cpp"], cwd=datasets, capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import helpers_cpp"], cwd=datasets, capture_output=True, text=True, timeout=60
+    )
     assert probe.returncode == 0, f"the built dataset helper does not import:\n{probe.stderr[-2000:]}"
 
 
@@ -80,5 +84,3 @@ def plan_dir(tmp_path_factory):
         return cache[name, microbatches]
 
     return make
-
-

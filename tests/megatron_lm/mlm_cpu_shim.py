@@ -101,19 +101,35 @@ def fake_cuda_runtime() -> None:
     import torch
 
     c = torch.cuda
-    props = types.SimpleNamespace(major=HOPPER_MAJOR, minor=0, name="CPU (test shim: Hopper-class)",
-                                  total_memory=24 << 30, multi_processor_count=132)
+    props = types.SimpleNamespace(
+        major=HOPPER_MAJOR,
+        minor=0,
+        name="CPU (test shim: Hopper-class)",
+        total_memory=24 << 30,
+        multi_processor_count=132,
+    )
     none = lambda *a, **k: None  # noqa: E731
     zero = lambda *a, **k: 0  # noqa: E731
     stand_ins: dict[str, Any] = {
-        "device_count": lambda: 1, "current_device": lambda: 0, "set_device": none, "synchronize": none,
-        "empty_cache": none, "Stream": _FakeStream, "stream": lambda s=None: contextlib.nullcontext(),
-        "current_stream": lambda *a, **k: _FakeStream(), "default_stream": lambda *a, **k: _FakeStream(),
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": none,
+        "synchronize": none,
+        "empty_cache": none,
+        "Stream": _FakeStream,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "current_stream": lambda *a, **k: _FakeStream(),
+        "default_stream": lambda *a, **k: _FakeStream(),
         "get_device_properties": lambda *a, **k: props,
         "get_device_capability": lambda *a, **k: (HOPPER_MAJOR, 0),
-        "get_rng_state": lambda *a, **k: torch.ByteTensor(), "set_rng_state": none, "manual_seed": none,
-        "manual_seed_all": none, "memory_allocated": zero, "max_memory_allocated": zero,
-        "memory_reserved": zero, "max_memory_reserved": zero,
+        "get_rng_state": lambda *a, **k: torch.ByteTensor(),
+        "set_rng_state": none,
+        "manual_seed": none,
+        "manual_seed_all": none,
+        "memory_allocated": zero,
+        "max_memory_allocated": zero,
+        "memory_reserved": zero,
+        "max_memory_reserved": zero,
     }
     for name, value in stand_ins.items():
         setattr(c, name, value)
@@ -125,8 +141,9 @@ def cpu_device_mode() -> Any:
     from torch.overrides import TorchFunctionMode
 
     class CpuDeviceMode(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                               kwargs: dict[str, Any] | None = None) -> Any:
+        def __torch_function__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
             kwargs = kwargs or {}
             if is_cuda_device(kwargs.get("device")):
                 kwargs["device"] = "cpu"
@@ -159,8 +176,10 @@ def gloo_safe_p2p() -> None:
         in_flight[:] = [(req, st) for req, st in in_flight if not req.is_completed()]
         recv_prev, recv_next, reqs = communicate(self, **kwargs)
         if isinstance(reqs, dict):  # not waited: the unbatched path (batch_p2p_comm=False) with overlap
-            for key, tensor in (("send_next", kwargs.get("tensor_send_next")),
-                                ("send_prev", kwargs.get("tensor_send_prev"))):
+            for key, tensor in (
+                ("send_next", kwargs.get("tensor_send_next")),
+                ("send_prev", kwargs.get("tensor_send_prev")),
+            ):
                 if key in reqs and tensor is not None:
                     in_flight.append((reqs[key], tensor.untyped_storage()))
         return recv_prev, recv_next, reqs
@@ -172,8 +191,10 @@ def gloo_safe_p2p() -> None:
         init(self, pp_group, config)
         vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
         if getattr(config, "batch_p2p_comm", False) and vp and pp_group.size() == 2:
-            raise RuntimeError("test shim: interleaved schedule with PP=2 and batch_p2p_comm=True swaps "
-                               "activations and gradients on gloo (notes A.4); make batch_p2p_comm False")
+            raise RuntimeError(
+                "test shim: interleaved schedule with PP=2 and batch_p2p_comm=True swaps "
+                "activations and gradients on gloo (notes A.4); make batch_p2p_comm False"
+            )
 
     p2p.P2PCommunicator.__init__ = guarded_init
 

@@ -67,59 +67,142 @@ CONFIGS = {
     # batch_p2p_comm = not overlap_p2p_comm, and validate_args refuses --no-overlap-p2p-communication
     # with PP=2 (arguments.py, "pipeline-model-parallel size should be greater than 2"). mlm_cpu_shim's
     # P2PCommunicator guard fails the run should batched p2p ever be chosen here.
-    "vp2": Config("vp2", ("--tp", "1", "--pp", "2", "--vp", "2"),
-                  ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")),
+    "vp2": Config(
+        "vp2",
+        ("--tp", "1", "--pp", "2", "--vp", "2"),
+        ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+    ),
     # 2-nanobatch points (test_mlm_overlap.py): kareus's plans under SLOW_LINKS run every TP/SP instruction as
     # 2 nanobatches; for CP=2 no kareus point does at this size, so the nanobatch_perseus point runs there.
-    "tp2-nb": Config("tp2-nb", ("--tp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
-                     ("--tensor-model-parallel-size", "2"), point="kareus-00", pp=1),
-    "tp2sp-nb": Config("tp2sp-nb", ("--tp", "2", "--pp", "1", "--sp", "--calibration", str(SLOW_LINKS)),
-                       ("--tensor-model-parallel-size", "2", "--sequence-parallel"), point="kareus-00", pp=1),
-    "cp2-nb": Config("cp2-nb", ("--tp", "1", "--cp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
-                     ("--context-parallel-size", "2"), point="nanobatch_perseus-00", pp=1),
-    "pp2tp2-nb": Config("pp2tp2-nb", ("--tp", "2", "--pp", "2", "--calibration", str(SLOW_LINKS)),
-                        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
-                        point="kareus-00", world=4),
+    "tp2-nb": Config(
+        "tp2-nb",
+        ("--tp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
+        ("--tensor-model-parallel-size", "2"),
+        point="kareus-00",
+        pp=1,
+    ),
+    "tp2sp-nb": Config(
+        "tp2sp-nb",
+        ("--tp", "2", "--pp", "1", "--sp", "--calibration", str(SLOW_LINKS)),
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+        point="kareus-00",
+        pp=1,
+    ),
+    "cp2-nb": Config(
+        "cp2-nb",
+        ("--tp", "1", "--cp", "2", "--pp", "1", "--calibration", str(SLOW_LINKS)),
+        ("--context-parallel-size", "2"),
+        point="nanobatch_perseus-00",
+        pp=1,
+    ),
+    "pp2tp2-nb": Config(
+        "pp2tp2-nb",
+        ("--tp", "2", "--pp", "2", "--calibration", str(SLOW_LINKS)),
+        ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"),
+        point="kareus-00",
+        world=4,
+    ),
 }
 
 
 def plan_command(config: Config, out: Path, microbatches: int = MICROBATCHES) -> list[str]:
     """`kareus plan` arguments (without the program name) for `config`."""
-    return ["plan", "--model", str(MODEL_YAML), "--gpu", GPU, *config.plan_flags, "--mbs", str(MBS),
-            "--seq", str(SEQ), "--microbatches", str(microbatches), "--nodes", "1",
-            "--gpus-per-node", str(config.world),
-            "--precision", "fp32", "--recompute", "none", "--out", str(out)]
+    return [
+        "plan",
+        "--model",
+        str(MODEL_YAML),
+        "--gpu",
+        GPU,
+        *config.plan_flags,
+        "--mbs",
+        str(MBS),
+        "--seq",
+        str(SEQ),
+        "--microbatches",
+        str(microbatches),
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        str(config.world),
+        "--precision",
+        "fp32",
+        "--recompute",
+        "none",
+        "--out",
+        str(out),
+    ]
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """Environment of a training run: simulated GPUs, venv first on PATH, no inherited launch settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KAREUS_", "MASTER_", "SLURM_", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_LM_DIR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KAREUS_", "MASTER_", "SLURM_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_LM_DIR")
+    }
     # megatron/core/datasets/Makefile runs `python3 -m pybind11` and python3-config from PATH.
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-               KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LATENCY_MS="1", OMP_NUM_THREADS="1",
-               TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore", **extra)
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        KAREUS_GPU_BACKEND="simulated",
+        KAREUS_SIMULATED_LATENCY_MS="1",
+        OMP_NUM_THREADS="1",
+        TORCHDYNAMO_DISABLE="1",
+        PYTHONWARNINGS="ignore",
+        **extra,
+    )
     return env
 
 
-def mlm_command(tree: Path, native: bool, config: Config, plan: Path, log: Path,
-                global_batch: int = MBS * MICROBATCHES, extra: tuple[str, ...] = ()) -> list[str]:
+def mlm_command(
+    tree: Path,
+    native: bool,
+    config: Config,
+    plan: Path,
+    log: Path,
+    global_batch: int = MBS * MICROBATCHES,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """run_on_cpu.py's arguments: the drop-in (native=False) or the patched tree's own pretrain_gpt.py."""
     script = [str(tree / "pretrain_gpt.py")] if native else [str(DROP_IN), "--megatron-lm-dir", str(tree)]
     model = load_point_plan(str(plan), config.point)[0].model
     assert model is not None
-    return [str(WRAPPER), str(tree), *script, "--kareus-plan", str(plan), "--kareus-point", config.point,
-            "--kareus-log", str(log), *config.mlm_flags, *model_args(model), *MLM_RUN_ARGS,
-            "--global-batch-size", str(global_batch), *extra]
+    return [
+        str(WRAPPER),
+        str(tree),
+        *script,
+        "--kareus-plan",
+        str(plan),
+        "--kareus-point",
+        config.point,
+        "--kareus-log",
+        str(log),
+        *config.mlm_flags,
+        *model_args(model),
+        *MLM_RUN_ARGS,
+        "--global-batch-size",
+        str(global_batch),
+        *extra,
+    ]
 
 
 def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess:
     """torchrun --standalone, `nproc` processes; each rank's output goes to cwd/torchrun-logs.
 
     On timeout torchrun gets SIGTERM first, so that it stops its workers (each in its own session)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--log-dir", str(cwd / "torchrun-logs"), "--redirects", "3", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--log-dir",
+        str(cwd / "torchrun-logs"),
+        "--redirects",
+        "3",
+        *args,
+    ]
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = p.communicate(timeout=RUN_TIMEOUT_S)
@@ -129,8 +212,9 @@ def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2
             p.communicate(timeout=30)
         finally:
             p.kill()
-        raise AssertionError(f"torchrun ran past {RUN_TIMEOUT_S} s\n{rank_output(cwd, 0)}\n"
-                             f"{rank_output(cwd, 1)}") from None
+        raise AssertionError(
+            f"torchrun ran past {RUN_TIMEOUT_S} s\n{rank_output(cwd, 0)}\n{rank_output(cwd, 1)}"
+        ) from None
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
 
 
@@ -148,10 +232,30 @@ def run_ranks(args: list[str], cwd: Path, env: dict[str, str]) -> list[subproces
     from _dist import free_port
 
     port = free_port()
-    envs = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True, env=e) for e in envs]
+    envs = [
+        dict(
+            env,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        for r in range(2)
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=e,
+        )
+        for e in envs
+    ]
     out = []
     try:
         for p in procs:

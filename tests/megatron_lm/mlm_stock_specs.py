@@ -17,5 +17,6 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from kareus_megatron.megatron_spec import StageBlockSubmodules
 from kareus_megatron.runtime.overlap.norm import sp_capable_norms
 
-local_sp_block_spec = ModuleSpec(module=TransformerBlock,
-                                 submodules=StageBlockSubmodules(sp_capable_norms(get_gpt_layer_local_spec())))
+local_sp_block_spec = ModuleSpec(
+    module=TransformerBlock, submodules=StageBlockSubmodules(sp_capable_norms(get_gpt_layer_local_spec()))
+)

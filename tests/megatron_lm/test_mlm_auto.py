@@ -26,7 +26,7 @@ def test_pretrain_gpt_closes_the_loop(tag, native, megatron_lm_tree, plan_dir, t
     truth.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": {"time_scale": 300.0}}))
     args = mlm_command(tree, native, config, plans, tmp_path / "run", extra=("--train-iters", str(ITERATIONS)))
     k = args.index("--kareus-plan")
-    args[k:k + 4] = ["--kareus-plan", "auto", "--kareus-workload", str(plans)]  # instead of plan + point
+    args[k : k + 4] = ["--kareus-plan", "auto", "--kareus-workload", str(plans)]  # instead of plan + point
     r = run_torchrun(args, tmp_path, child_env(KAREUS_SIMULATED_TRUTH=str(truth)))
     assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}\n{rank_output(tmp_path, 1)}"
     assert len(megatron_losses(tmp_path)) == ITERATIONS

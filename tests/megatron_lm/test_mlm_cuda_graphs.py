@@ -18,7 +18,8 @@ def test_native_patch_refuses_cuda_graphs_before_step_one(tag, megatron_lm_tree,
     for rank, r in enumerate(results):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and "Traceback" not in r.stderr, (
-            f"rank {rank}: exit {r.returncode}\n{r.stderr[-3000:]}")
+            f"rank {rank}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        )
         assert len(lines) == 1 and "CUDA graphs are on" in lines[0] and "--cuda-graph-impl local" in lines[0], lines
         assert "iteration        1/" not in r.stdout  # Megatron-LM's log line of step 1
     assert not (tmp_path / "clocks.jsonl").exists()  # no session was started

@@ -45,9 +45,12 @@ TE = ("--transformer-impl", "transformer_engine")  # Megatron-LM's default; TE i
 # (tag, config, entry point): every layout on both releases, the entry point alternating between them. One run
 # keeps Megatron-LM's default --transformer-impl (docs/layer_choice.md: local modules, said in the line).
 CASES = [
-    ("core_v0.16.1", "tp2-nb", "drop-in"), ("core_v0.19.0", "tp2-nb", "patched+te"),
-    ("core_v0.16.1", "tp2sp-nb", "patched"), ("core_v0.19.0", "tp2sp-nb", "drop-in"),
-    ("core_v0.16.1", "cp2-nb", "drop-in"), ("core_v0.19.0", "cp2-nb", "patched"),
+    ("core_v0.16.1", "tp2-nb", "drop-in"),
+    ("core_v0.19.0", "tp2-nb", "patched+te"),
+    ("core_v0.16.1", "tp2sp-nb", "patched"),
+    ("core_v0.19.0", "tp2sp-nb", "drop-in"),
+    ("core_v0.16.1", "cp2-nb", "drop-in"),
+    ("core_v0.19.0", "cp2-nb", "patched"),
     ("core_v0.19.0", "pp2tp2-nb", "drop-in"),
 ]
 TIMES: dict[str, float] = {}  # run wall times (s), printed at the end of the session (-s) for the README table
@@ -62,12 +65,28 @@ def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
     Megatron-LM's own ``--spec kareus_megatron.megatron_spec partitioned_layer_spec``."""
     if "--context-parallel-size" in config.mlm_flags:
         one_nb = dataclasses.replace(config, point="perseus-00")
-        return mlm_command(tree, False, one_nb, plans, cwd / "run", extra=(
-            *NO_DROPOUT, "--spec", "kareus_megatron.megatron_spec", "partitioned_layer_spec"))
+        return mlm_command(
+            tree,
+            False,
+            one_nb,
+            plans,
+            cwd / "run",
+            extra=(*NO_DROPOUT, "--spec", "kareus_megatron.megatron_spec", "partitioned_layer_spec"),
+        )
     plan, _ = load_point_plan(str(plans), config.point)
     spec = ("--spec", "mlm_stock_specs", "local_sp_block_spec") if "--sequence-parallel" in config.mlm_flags else ()
-    return [str(WRAPPER), str(tree), str(tree / "pretrain_gpt.py"), *config.mlm_flags, *model_args(plan.model),
-            *MLM_RUN_ARGS, "--global-batch-size", str(MBS * MICROBATCHES), *NO_DROPOUT, *spec]
+    return [
+        str(WRAPPER),
+        str(tree),
+        str(tree / "pretrain_gpt.py"),
+        *config.mlm_flags,
+        *model_args(plan.model),
+        *MLM_RUN_ARGS,
+        "--global-batch-size",
+        str(MBS * MICROBATCHES),
+        *NO_DROPOUT,
+        *spec,
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -109,8 +128,9 @@ def _clock_sequences(path: Path, world: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("tag,config_name,path", CASES, ids=[f"{t[6:]}-{c}-{p}" for t, c, p in CASES])
-def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_lm_tree, plan_dir, baseline_losses,
-                                               tmp_path):
+def test_two_nanobatch_point_runs_without_spec(
+    tag, config_name, path, megatron_lm_tree, plan_dir, baseline_losses, tmp_path
+):
     config = CONFIGS[config_name]
     native = path.startswith("patched")
     te = path.endswith("+te")
@@ -159,13 +179,14 @@ def test_two_nanobatch_point_runs_without_spec(tag, config_name, path, megatron_
 
 # What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
 # parser keeps the last value of a repeated flag.
-CPU_FLAGS = ("--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
-             "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
-             "--no-persist-layer-norm --clip-grad 0").split()
+CPU_FLAGS = (
+    "--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --clip-grad 0"
+).split()
 
 
-def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, plan_dir, tmp_path, capsys,
-                                                           monkeypatch):
+def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, plan_dir, tmp_path, capsys, monkeypatch):
     """The torchrun line `kareus launch comparison` writes for a 2-nanobatch kareus point, executed: its
     script and arguments unchanged behind run_on_cpu.py, plus the CPU flags (gloo, no fusions)."""
     import shlex
@@ -177,17 +198,43 @@ def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, pla
     shutil.copytree(plan_dir("tp2-nb"), tmp_path / "plan")
     monkeypatch.chdir(tmp_path)  # the command names the plan as the user gave it: plan/plans/NAME.json
     capsys.readouterr()
-    assert main(["launch", "comparison", "--plan-dir", "plan", "--methods", "kareus", "--point", config.point,
-                 "--launcher", "torchrun", "--nodes", "1", "--gpus-per-node", "2", "--train-iters", str(ITERS),
-                 "--log-dir", "runs", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "launch",
+                "comparison",
+                "--plan-dir",
+                "plan",
+                "--methods",
+                "kareus",
+                "--point",
+                config.point,
+                "--launcher",
+                "torchrun",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--train-iters",
+                str(ITERS),
+                "--log-dir",
+                "runs",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     lines = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ ") and "torchrun" in ln]
     assert len(lines) == 1, lines
     argv = shlex.split(lines[0])
-    env_assign = [a for a in argv[:argv.index("torchrun")] if "=" in a]
+    env_assign = [a for a in argv[: argv.index("torchrun")] if "=" in a]
     script_at = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
     tree = megatron_lm_tree("core_v0.16.1")
-    env = _env(MEGATRON_LM_DIR=str(tree), KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
-               **dict(a.split("=", 1) for a in env_assign))
+    env = _env(
+        MEGATRON_LM_DIR=str(tree),
+        KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+        **dict(a.split("=", 1) for a in env_assign),
+    )
     t0 = time.perf_counter()
     r = run_torchrun([str(WRAPPER), str(tree), *argv[script_at:], *CPU_FLAGS], tmp_path, env)
     TIMES["core_v0.16.1 kareus launch comparison command"] = time.perf_counter() - t0

@@ -12,17 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from mlm_runs import (
-    CONFIGS,
-    ITERS,
-    MBS,
-    child_env,
-    megatron_losses,
-    mlm_command,
-    rank_output,
-    run_ranks,
-    run_torchrun,
-)
+from mlm_runs import CONFIGS, ITERS, MBS, child_env, megatron_losses, mlm_command, rank_output, run_ranks, run_torchrun
 
 from kareus_megatron.cli.main import main
 from kareus_megatron.plan.points import load_point_plan
@@ -31,9 +21,13 @@ from kareus_megatron.report.runlog import read_run_log
 PATHS = {"drop-in": False, "patched": True}
 # The interleaved schedule (vp2) runs on the patched path only: the drop-in reaches the same runtime patch, and
 # the suite's time is bounded (each run ~11 s).
-CASES = [(tag, config, path)
-         for tag, configs in (("core_v0.16.1", ("pp2", "tp2", "vp2")), ("core_v0.19.0", ("pp2", "tp2", "vp2")))
-         for config in configs for path in PATHS if config != "vp2" or PATHS[path]]
+CASES = [
+    (tag, config, path)
+    for tag, configs in (("core_v0.16.1", ("pp2", "tp2", "vp2")), ("core_v0.19.0", ("pp2", "tp2", "vp2")))
+    for config in configs
+    for path in PATHS
+    if config != "vp2" or PATHS[path]
+]
 
 
 def _clock_sequences(log_text: str, world: int) -> list[list[int]]:
@@ -72,21 +66,24 @@ def test_pretrain_gpt_runs_the_plan(tag, config_name, path, megatron_lm_tree, pl
     assert all(f"stage {s} energy" in out for s in range(config.pp)), out
 
 
-@pytest.mark.parametrize(("path", "tag"), [("drop-in", "core_v0.16.1"), ("patched", "core_v0.19.0")],
-                         ids=["drop-in-0.16.1", "patched-0.19.0"])
+@pytest.mark.parametrize(
+    ("path", "tag"),
+    [("drop-in", "core_v0.16.1"), ("patched", "core_v0.19.0")],
+    ids=["drop-in-0.16.1", "patched-0.19.0"],
+)
 def test_mismatched_plan_is_refused_before_step_one(tag, path, megatron_lm_tree, plan_dir, tmp_path):
     """A plan for 8 microbatches against a run of 4: each rank exits 2 with one line on stderr, untrained (each
     path on one release: the refusal is the runtime's own check, the same on both)."""
     native = PATHS[path]
     tree = megatron_lm_tree(tag, patched=native)
     config = CONFIGS["pp2"]
-    cmd = mlm_command(tree, native, config, plan_dir("pp2", microbatches=8), tmp_path / "run",
-                      global_batch=MBS * 4)
+    cmd = mlm_command(tree, native, config, plan_dir("pp2", microbatches=8), tmp_path / "run", global_batch=MBS * 4)
     results = run_ranks(cmd, tmp_path, child_env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl")))
     for rank, r in enumerate(results):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, (
-            f"rank {rank}: exit {r.returncode}\n{r.stderr[-3000:]}")
+            f"rank {rank}: exit {r.returncode}\n{r.stderr[-3000:]}"
+        )
         assert "microbatches per iteration: plan 8, run 4" in lines[0] and "perseus-05" in lines[0], lines[0]
         assert "iteration        1/" not in r.stdout  # Megatron-LM's log line of step 1
     clocks = tmp_path / "clocks.jsonl"

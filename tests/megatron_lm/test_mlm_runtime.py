@@ -26,8 +26,20 @@ TAG = "core_v0.16.1"
 
 def _kareus_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`kareus torchrun --standalone --nproc-per-node 2 ARGS` (each rank's output to cwd/torchrun-logs)."""
-    cmd = [sys.executable, "-m", "kareus_megatron.cli.main", "torchrun", "--standalone", "--nproc-per-node", "2",
-           "--log-dir", str(cwd / "torchrun-logs"), "--redirects", "3", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kareus_megatron.cli.main",
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(cwd / "torchrun-logs"),
+        "--redirects",
+        "3",
+        *args,
+    ]
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = p.communicate(timeout=RUN_TIMEOUT_S)
@@ -79,8 +91,10 @@ def test_a_refused_start_leaves_nothing_that_blocks_the_corrected_rerun(megatron
     code, out, err = _report(capsys, str(log), "--plan", str(tmp_path / "kept"))  # a plan directory: the log's point
     assert code == 0 and "kept/plans/perseus-05.json (perseus, " in out and "; the log's point of --plan)" in out, err
     # another job's plan: one line, exit 2
-    others = ((plan_dir("pp2", microbatches=8), "microbatches 4 (run) vs 8 (plan)"),
-              (plan_dir("tp2") / "plans" / "perseus-05.json", "TP 1 (run) vs 2 (plan); PP 2 (run) vs 1"))
+    others = (
+        (plan_dir("pp2", microbatches=8), "microbatches 4 (run) vs 8 (plan)"),
+        (plan_dir("tp2") / "plans" / "perseus-05.json", "TP 1 (run) vs 2 (plan); PP 2 (run) vs 1"),
+    )
     capsys.readouterr()  # what kareus plan printed
     for other, why in others:
         code, out, err = _report(capsys, str(log), "--plan", str(other))

@@ -20,9 +20,30 @@ from kareus_megatron.plan.points import FrontierPoint
 from kareus_megatron.plan.workload import plan_cli_args, plan_workload, write_model_file
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ["--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", "a100-sxm4-40gb", "--tp", "1", "--pp", "2",
-       "--mbs", "2", "--seq", "16", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
-       "--precision", "fp32", "--recompute", "none"]
+JOB = [
+    "--model",
+    str(ROOT / "examples" / "tiny-gpt.yaml"),
+    "--gpu",
+    "a100-sxm4-40gb",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--mbs",
+    "2",
+    "--seq",
+    "16",
+    "--microbatches",
+    "4",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "2",
+    "--precision",
+    "fp32",
+    "--recompute",
+    "none",
+]
 
 
 def _pt(i: int, t: float, e: float) -> FrontierPoint:
@@ -32,9 +53,15 @@ def _pt(i: int, t: float, e: float) -> FrontierPoint:
 POINTS = [_pt(0, 1.0, 10.0), _pt(1, 1.1, 8.0), _pt(2, 1.3, 7.0), _pt(3, 1.6, 6.5)]
 
 
-@pytest.mark.parametrize("text, want", [("iso-time", Objective("iso-time")), ("min-energy", Objective("min-energy")),
-                                        ("max-time=1.5", Objective("max-time", 1.5)),
-                                        (" energy=7.5 ", Objective("energy", 7.5))])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("iso-time", Objective("iso-time")),
+        ("min-energy", Objective("min-energy")),
+        ("max-time=1.5", Objective("max-time", 1.5)),
+        (" energy=7.5 ", Objective("energy", 7.5)),
+    ],
+)
 def test_parse(text: str, want: Objective) -> None:
     assert parse_objective(text) == want
 
@@ -65,8 +92,10 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
     from kareus_megatron.vocab import ISO_REL_TOL
 
     mega = 1.0166450081633176
-    pts = [FrontierPoint(method="perseus", index=0, plan_path=Path("p0"), time_s=1.0168138211904123, energy_j=161.1),
-           FrontierPoint(method="perseus", index=1, plan_path=Path("p1"), time_s=1.111351958396094, energy_j=153.4)]
+    pts = [
+        FrontierPoint(method="perseus", index=0, plan_path=Path("p0"), time_s=1.0168138211904123, energy_j=161.1),
+        FrontierPoint(method="perseus", index=1, plan_path=Path("p1"), time_s=1.111351958396094, energy_j=153.4),
+    ]
     assert select_point(pts, Objective("iso-time"), reference_time_s=mega).index == 0
     assert iso_time_index([{"time_s": p.time_s, "energy_j": p.energy_j} for p in pts], mega) == 0
     with pytest.raises(ObjectiveError, match="no plan is as fast"):
@@ -78,8 +107,11 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("plan") / "p"
-    subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "plan", *JOB, "--points", "4",
-                    "--out", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", "plan", *JOB, "--points", "4", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -88,8 +120,11 @@ def test_cli_args_replan_the_same_job(planned: Path, tmp_path: Path) -> None:
     plan = load_plan(planned / "plans" / "kareus-01.json")
     args = plan_cli_args(plan, write_model_file(plan, tmp_path / "model.json"))
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "plan", *args, "--points", "4",
-                    "--out", str(again)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", "plan", *args, "--points", "4", "--out", str(again)],
+        check=True,
+        capture_output=True,
+    )
     for name in ("kareus-01", "megatron-00"):
         a = json.loads((planned / "plans" / f"{name}.json").read_text())
         b = json.loads((again / "plans" / f"{name}.json").read_text())

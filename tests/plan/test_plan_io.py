@@ -36,17 +36,33 @@ def sample_plan_dict(pp: int = 2, m: int = 2) -> dict:
         "method": "kareus",
         "gpu": "a100-sxm4-40gb",
         "parallel": {
-            "tp": 2, "cp": 1, "pp": pp, "vp": 1, "dp": 1, "micro_batch_size": 2, "seq_length": 16,
-            "num_microbatches": m, "recompute": "none", "layers_per_stage": [1] * pp,
-            "nodes": 1, "gpus_per_node": 2 * pp,
+            "tp": 2,
+            "cp": 1,
+            "pp": pp,
+            "vp": 1,
+            "dp": 1,
+            "micro_batch_size": 2,
+            "seq_length": 16,
+            "num_microbatches": m,
+            "recompute": "none",
+            "layers_per_stage": [1] * pp,
+            "nodes": 1,
+            "gpus_per_node": 2 * pp,
         },
         "predicted": {"iteration_time_s": 1.0, "iteration_energy_j": 100.0},
         "stages": stages,
     }
 
 
-TINY_MODEL = dict(name="tiny", num_layers=2, hidden_size=8, num_attention_heads=1, num_query_groups=1,
-                  ffn_hidden_size=8, vocab_size=16)
+TINY_MODEL = dict(
+    name="tiny",
+    num_layers=2,
+    hidden_size=8,
+    num_attention_heads=1,
+    num_query_groups=1,
+    ffn_hidden_size=8,
+    vocab_size=16,
+)
 
 
 def test_plans_without_the_model_architecture_load_and_hash_as_before():
@@ -66,9 +82,17 @@ def test_kareus_plan_records_the_model_and_precision():
 
     rec = model_shape(model_spec("qwen3-1.7b"), "fp16")
     assert rec.unknown_fields() == []
-    assert (rec.activation, rec.normalization, rec.position_embedding, rec.kv_channels, rec.qk_norm,
-            rec.bias_linear, rec.qkv_bias, rec.tied_embeddings, rec.precision) == (
-        "swiglu", "rmsnorm", "rope", 128, True, False, False, True, "fp16")
+    assert (
+        rec.activation,
+        rec.normalization,
+        rec.position_embedding,
+        rec.kv_channels,
+        rec.qk_norm,
+        rec.bias_linear,
+        rec.qkv_bias,
+        rec.tied_embeddings,
+        rec.precision,
+    ) == ("swiglu", "rmsnorm", "rope", 128, True, False, False, True, "fp16")
 
 
 def test_roundtrip(tmp_path):
@@ -84,8 +108,12 @@ def test_roundtrip(tmp_path):
 @pytest.mark.parametrize(
     "mutate, needle",
     [
-        (lambda d: d["stages"][0]["instructions"][2]["partitions"].update(bogus={"comm_sms": 3, "launch_slot": "fc1"}),
-         "bogus"),
+        (
+            lambda d: d["stages"][0]["instructions"][2]["partitions"].update(
+                bogus={"comm_sms": 3, "launch_slot": "fc1"}
+            ),
+            "bogus",
+        ),
         (lambda d: d["stages"][0]["instructions"][2]["partitions"]["bwd_mlp"].update(launch_slot="qkv"), "launch_slot"),
         (lambda d: d["stages"][0]["instructions"][0].update(nanobatches=3), "nanobatches"),
         (lambda d: d["stages"][1]["instructions"].pop(), "backward"),
@@ -125,8 +153,14 @@ json_values = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(path=st.lists(st.sampled_from(["stages", 0, "instructions", 1, "parallel", "tp", "kind", "partitions",
-                                      "predicted"]), min_size=1, max_size=4), value=json_values)
+@given(
+    path=st.lists(
+        st.sampled_from(["stages", 0, "instructions", 1, "parallel", "tp", "kind", "partitions", "predicted"]),
+        min_size=1,
+        max_size=4,
+    ),
+    value=json_values,
+)
 def test_fuzzed_plans_either_load_or_raise_plan_error(path, value):
     d = copy.deepcopy(sample_plan_dict())
     node = d
@@ -176,8 +210,12 @@ def test_check_output_dir_refuses_what_a_swap_would_damage(tmp_path, monkeypatch
     (tmp_path / "file").write_text("x")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("mine")
-    for bad, needle in ((tmp_path / "file", "not a directory"), (tmp_path, "current directory"),
-                        (tmp_path.parent, "current directory"), (tmp_path / "foreign", "no frontier.json")):
+    for bad, needle in (
+        (tmp_path / "file", "not a directory"),
+        (tmp_path, "current directory"),
+        (tmp_path.parent, "current directory"),
+        (tmp_path / "foreign", "no frontier.json"),
+    ):
         with pytest.raises(ConfigError, match=needle):
             check_output_dir(bad)
     check_output_dir(tmp_path / "new")

@@ -11,8 +11,15 @@ from kareus_megatron.plan.points import FrontierPoint
 
 
 def point(i, t, e, t_hi, e_hi):
-    return FrontierPoint(method="kareus", index=i, plan_path=Path(f"plans/kareus-{i:02d}.json"), time_s=t,
-                         energy_j=e, time_s_band=(0.9 * t, t_hi), energy_j_band=(0.9 * e, e_hi))
+    return FrontierPoint(
+        method="kareus",
+        index=i,
+        plan_path=Path(f"plans/kareus-{i:02d}.json"),
+        time_s=t,
+        energy_j=e,
+        time_s_band=(0.9 * t, t_hi),
+        energy_j_band=(0.9 * e, e_hi),
+    )
 
 
 # 01 is the point estimate's pick for max-time=10 and energy=90, but its bands reach past both bounds

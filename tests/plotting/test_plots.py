@@ -50,9 +50,9 @@ PARETO = {
 
 
 def _doc(methods, source="measured"):
-    return frontier_document({"source": source}, {
-        m: [{"time_s": t, "energy_j": e} for t, e in pts] for m, pts in methods.items()
-    })
+    return frontier_document(
+        {"source": source}, {m: [{"time_s": t, "energy_j": e} for t, e in pts] for m, pts in methods.items()}
+    )
 
 
 def test_units_scale_with_the_data():
@@ -129,8 +129,11 @@ def _colorbar_norm(ax):
 
 def test_timeline_colours_span_the_plans_own_clocks():
     clocks = [1200, 1350, 1410, 1275]
-    bars = [Bar(rank=r, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
-            for r in (0, 1) for k, c in enumerate(clocks)]
+    bars = [
+        Bar(rank=r, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
+        for r in (0, 1)
+        for k, c in enumerate(clocks)
+    ]
     ax = plot_timeline(bars, _ax(), title="t")
     norm = _colorbar_norm(ax)
     assert (norm.vmin, norm.vmax) == (1200, 1410)
@@ -144,8 +147,10 @@ def test_colour_bar_labels_never_crowd():
     from kareus_megatron.plotting.timeline import spaced_ticks
 
     clocks = [1200, 1215, 1230, 1410, 1965, 1980]
-    bars = [Bar(rank=0, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
-            for k, c in enumerate(clocks)]
+    bars = [
+        Bar(rank=0, start_s=0.01 * k, end_s=0.01 * k + 0.008, clock_mhz=c, kind="forward", microbatch=k)
+        for k, c in enumerate(clocks)
+    ]
     ax = plot_timeline(bars, _ax())
     cax = [a for a in ax.figure.axes if a is not ax][0]
     ticks = sorted(float(t) for t in cax.get_yticks())
@@ -171,8 +176,10 @@ def test_plan_command_draws_the_timeline_on_the_chosen_plans_clocks(tmp_path, mo
     monkeypatch.setattr(cli_main, "COMMANDS", {"plan": "plan"})
     monkeypatch.setattr(timeline, "plot_timeline", spy)
     out = tmp_path / "out"
-    assert cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "2",
-                          "--timeline", "perseus-01"]) == 0  # the low-energy end: a narrow clock range
+    assert (
+        cli_main.main(["plan", "--out", str(out), "--methods", "perseus", "--points", "2", "--timeline", "perseus-01"])
+        == 0
+    )  # the low-energy end: a narrow clock range
     (ax,) = seen
     name = ax.get_title().split(" ")[0]
     plan = load_plan(out / "plans" / f"{name}.json")
@@ -185,8 +192,11 @@ def test_plan_command_draws_the_timeline_on_the_chosen_plans_clocks(tmp_path, mo
 
 
 def test_report_ticks_whole_iterations_and_scales_units():
-    cmp = SimpleNamespace(iteration_time_s=[6.1, 4.9, None, 4.85], skipped=1,
-                          stage_energy_j={0: (52_000.0, 50_500.0), 1: (49_000.0, None)})
+    cmp = SimpleNamespace(
+        iteration_time_s=[6.1, 4.9, None, 4.85],
+        skipped=1,
+        stage_energy_j={0: (52_000.0, 50_500.0), 1: (49_000.0, None)},
+    )
     fig = plot_run_report(cmp, 4.7, title="short run")
     ax_t, ax_e = fig.axes
     fig.canvas.draw()

@@ -75,8 +75,12 @@ def test_what_the_meter_writes_is_what_the_report_reads(tmp_path):
         def wait(self, timeout_s: float) -> bool:
             return True
 
-    meter = IterationMeter(open_rank_log(tmp_path / "m", 0), mark=Ticket,
-                           header={"backend": "simulated", "rank": 0, "world": 1}, flush_interval_s=None)
+    meter = IterationMeter(
+        open_rank_log(tmp_path / "m", 0),
+        mark=Ticket,
+        header={"backend": "simulated", "rank": 0, "world": 1},
+        flush_interval_s=None,
+    )
     for it in range(len(durations)):
         meter.begin(it)
         meter.end(it)
@@ -101,18 +105,24 @@ def test_report_notes_a_log_of_another_plan(tmp_path, capsys):
     assert "note: the log was recorded with a different plan" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("", "has 0 iteration(s) and none with both time and energy"),
-    ("{oops\n", "run.jsonl:1 is not valid JSON"),
-    ('{"kind": "something"}\n', "unknown record kind"),
-    ('{"kind": "iteration", "iteration": 0, "time_s": -1, "energy_j": 1}\n',
-     "time_s = -1 must be a finite non-negative"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("", "has 0 iteration(s) and none with both time and energy"),
+        ("{oops\n", "run.jsonl:1 is not valid JSON"),
+        ('{"kind": "something"}\n', "unknown record kind"),
+        (
+            '{"kind": "iteration", "iteration": 0, "time_s": -1, "energy_j": 1}\n',
+            "time_s = -1 must be a finite non-negative",
+        ),
+    ],
+)
 def test_report_bad_log(tmp_path, capsys, content, needle):
     save_plan(tiny_plan(), tmp_path / "plan.json")
     (tmp_path / "run.jsonl").write_text(content)
-    _one_line(capsys, cli_main.main(["report", str(tmp_path / "run.jsonl"), "--plan", str(tmp_path / "plan.json")]),
-              needle)
+    _one_line(
+        capsys, cli_main.main(["report", str(tmp_path / "run.jsonl"), "--plan", str(tmp_path / "plan.json")]), needle
+    )
 
 
 def _gpt3_profile(path: Path) -> Path:
@@ -129,10 +139,36 @@ def _gpt3_profile(path: Path) -> Path:
 
 def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
     out = tmp_path / "solved"
-    assert cli_main.main(["solve", "--profile", str(_gpt3_profile(tmp_path / "p.csv")), "--pp", "2",
-                          "--microbatches", "4", "--points", "2", "--tp", "2", "--p-blocked", "75",
-                          "--gpu", "a100-sxm4-80gb", "--mbs", "1", "--seq", "2048", "--layers-per-stage", "12,12",
-                          "--out", str(out)]) == 0
+    assert (
+        cli_main.main(
+            [
+                "solve",
+                "--profile",
+                str(_gpt3_profile(tmp_path / "p.csv")),
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+                "--points",
+                "2",
+                "--tp",
+                "2",
+                "--p-blocked",
+                "75",
+                "--gpu",
+                "a100-sxm4-80gb",
+                "--mbs",
+                "1",
+                "--seq",
+                "2048",
+                "--layers-per-stage",
+                "12,12",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan_file = out / "plans" / "solve-00.json"
     plan = load_plan(plan_file)
     assert plan.gpu == "a100-sxm4-80gb" and plan.p_blocked_w == 75.0  # --p-blocked, not the preset's: carried
@@ -145,13 +181,17 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
     pred = compare(summarize(read_run_log(log)), plan).stage_energy_j
     for st in plan.stages:
         busy = sum(i.predicted_time_s for i in st.instructions)
-        want = 2 * (sum(i.predicted_energy_j for i in st.instructions)
-                    + 75.0 * max(0.0, plan.predicted.iteration_time_s - busy))
+        want = 2 * (
+            sum(i.predicted_energy_j for i in st.instructions) + 75.0 * max(0.0, plan.predicted.iteration_time_s - busy)
+        )
         assert pred[st.pp_rank][1] == pytest.approx(want)
     older = tmp_path / "older.json"  # the same plan as kareus solve wrote it before plans recorded p_blocked_w
     save_plan(plan.model_copy(update={"p_blocked_w": None, "gpu": "measured"}), older)
-    _one_line(capsys, cli_main.main(["report", str(log), "--plan", str(older), "--no-plot"]),
-              f"plan {older} records no blocked power (p_blocked_w) and its GPU 'measured' is not a preset")
+    _one_line(
+        capsys,
+        cli_main.main(["report", str(log), "--plan", str(older), "--no-plot"]),
+        f"plan {older} records no blocked power (p_blocked_w) and its GPU 'measured' is not a preset",
+    )
 
 
 def test_kareus_plan_records_the_blocked_power_it_predicted_with(tmp_path):
@@ -194,5 +234,13 @@ def test_a_simulated_truths_time_scale_scales_the_prediction(tmp_path):
     for scaled, base in zip(cmp.rows, plain.rows):
         assert scaled.measured == base.measured and scaled.predicted == pytest.approx(10 * base.predicted)
     assert any("time_scale 10" in n for n in cmp.notes)
-    assert [truth_time_scale(h) for h in ({}, {"truth": {"time_scale": 0}}, {"truth": {"time_scale": True}},
-                                          {"truth": "x"}, {"truth": {"time_scale": 2.5}})] == [1.0, 1.0, 1.0, 1.0, 2.5]
+    assert [
+        truth_time_scale(h)
+        for h in (
+            {},
+            {"truth": {"time_scale": 0}},
+            {"truth": {"time_scale": True}},
+            {"truth": "x"},
+            {"truth": {"time_scale": 2.5}},
+        )
+    ] == [1.0, 1.0, 1.0, 1.0, 2.5]

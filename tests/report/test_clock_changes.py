@@ -38,8 +38,12 @@ def write_rank(d, rank, ranks, per_iteration, iterations):
         def wait(self, timeout_s: float) -> bool:
             return True
 
-    meter = IterationMeter(open_rank_log(d, rank), mark=Ticket, flush_interval_s=None,
-                           header={"backend": "simulated", "rank": rank, "world": ranks, "pp": ranks, "pp_rank": rank})
+    meter = IterationMeter(
+        open_rank_log(d, rank),
+        mark=Ticket,
+        flush_interval_s=None,
+        header={"backend": "simulated", "rank": rank, "world": ranks, "pp": ranks, "pp_rank": rank},
+    )
     for it in range(iterations):
         meter.begin(it)
         a, late, s = per_iteration
@@ -57,8 +61,7 @@ def write_run(d, per_iteration, iterations=6, ranks=2):
 
 def report(capsys, tmp_path, log, fmt="text"):
     save_plan(tiny_plan(tp=1), tmp_path / "plan.json")
-    assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json"), "--no-plot",
-                          "--format", fmt]) == 0
+    assert cli_main.main(["report", str(log), "--plan", str(tmp_path / "plan.json"), "--no-plot", "--format", fmt]) == 0
     return capsys.readouterr().out
 
 
@@ -78,17 +81,28 @@ def test_a_run_with_many_late_or_skipped_changes_is_flagged_in_text_and_json(tmp
     assert line.startswith("WARNING clock changes: 144 requested, 8 applied late, 16 skipped (16.7%)")
     assert f"more than {LATE_SHARE_LIMIT * 100:g}%" in line
     doc = json.loads(report(capsys, tmp_path, log, "json"))
-    assert doc["clock_changes"] == {"requested": 144, "applied": 128, "late": 8, "skipped": 16,
-                                    "share_late_or_skipped": pytest.approx(24 / 144), "limit": 0.05,
-                                    "flagged": True, "iterations": 4}
+    assert doc["clock_changes"] == {
+        "requested": 144,
+        "applied": 128,
+        "late": 8,
+        "skipped": 16,
+        "share_late_or_skipped": pytest.approx(24 / 144),
+        "limit": 0.05,
+        "flagged": True,
+        "iterations": 4,
+    }
 
 
 def test_a_log_without_the_counts_has_no_section(tmp_path, capsys):
     log = write_run(tmp_path / "old", (3, 0, 0))
     for f in log.iterdir():  # an older log: no clock_applied / clock_late
         lines = [json.loads(x) for x in f.read_text().splitlines()]
-        f.write_text("".join(json.dumps({k: v for k, v in x.items() if k not in ("clock_applied", "clock_late")})
-                             + "\n" for x in lines))
+        f.write_text(
+            "".join(
+                json.dumps({k: v for k, v in x.items() if k not in ("clock_applied", "clock_late")}) + "\n"
+                for x in lines
+            )
+        )
     assert clock_changes(read_run_log(log), 2) is None
     assert "clock changes" not in report(capsys, tmp_path, log)
     assert json.loads(report(capsys, tmp_path, log, "json"))["clock_changes"] is None

@@ -20,12 +20,12 @@ from kareus_megatron.report.runlog import read_run_log, summarize
 
 # run -> per-iteration (time_s, energy_j); iteration 0 is warm-up (skipped with --skip-iterations 1).
 RUNS = {
-    "megatron-00": [(9.0, 999.0), (2.0, 1000.0), (2.2, 1100.0)],   # median 2.1 s, 1050 J
-    "perseus-00": [(9.0, 999.0), (2.0, 900.0), (2.2, 940.0)],      # 2.1 s, 920 J   (Perseus fastest)
-    "perseus-01": [(9.0, 999.0), (2.4, 800.0), (2.6, 820.0)],      # 2.5 s, 810 J   (Perseus min energy)
-    "nanobatch_perseus-00": [(9.0, 999.0), (2.05, 880.0)],         # 2.05 s, 880 J
-    "kareus-00": [(9.0, 999.0), (1.9, 840.0), (2.1, 860.0)],       # 2.0 s, 850 J
-    "kareus-01": [(9.0, 999.0), (2.4, 700.0)],                     # 2.4 s, 700 J
+    "megatron-00": [(9.0, 999.0), (2.0, 1000.0), (2.2, 1100.0)],  # median 2.1 s, 1050 J
+    "perseus-00": [(9.0, 999.0), (2.0, 900.0), (2.2, 940.0)],  # 2.1 s, 920 J   (Perseus fastest)
+    "perseus-01": [(9.0, 999.0), (2.4, 800.0), (2.6, 820.0)],  # 2.5 s, 810 J   (Perseus min energy)
+    "nanobatch_perseus-00": [(9.0, 999.0), (2.05, 880.0)],  # 2.05 s, 880 J
+    "kareus-00": [(9.0, 999.0), (1.9, 840.0), (2.1, 860.0)],  # 2.0 s, 850 J
+    "kareus-01": [(9.0, 999.0), (2.4, 700.0)],  # 2.4 s, 700 J
 }
 
 
@@ -42,14 +42,33 @@ def main(argv: list[str]) -> int:
 def write_run(root: Path, name: str, rows, *, manifest: bool = True, header: bool = True) -> Path:
     d = root / name
     d.mkdir(parents=True)
-    lines = [{"kind": "header", "world": 16, "gpu": "a100-sxm4-40gb",
-              "predicted": {"iteration_time_s": 2.0, "iteration_energy_j": 900.0}}] if header else []
-    lines += [{"kind": "iteration", "iteration": i, "time_s": t, "energy_j": e, "stages": []}
-              for i, (t, e) in enumerate(rows)]
+    lines = (
+        [
+            {
+                "kind": "header",
+                "world": 16,
+                "gpu": "a100-sxm4-40gb",
+                "predicted": {"iteration_time_s": 2.0, "iteration_energy_j": 900.0},
+            }
+        ]
+        if header
+        else []
+    )
+    lines += [
+        {"kind": "iteration", "iteration": i, "time_s": t, "energy_j": e, "stages": []} for i, (t, e) in enumerate(rows)
+    ]
     (d / "measurement.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if manifest:
-        (d / "run.json").write_text(json.dumps({"format": "kareus-run/1", "method": name.rsplit("-", 1)[0],
-                                                "point": int(name[-2:]), "plan": f"plans/{name}.json"}))
+        (d / "run.json").write_text(
+            json.dumps(
+                {
+                    "format": "kareus-run/1",
+                    "method": name.rsplit("-", 1)[0],
+                    "point": int(name[-2:]),
+                    "plan": f"plans/{name}.json",
+                }
+            )
+        )
     return d
 
 
@@ -91,8 +110,12 @@ def test_layout_is_kareus_plans(log_dir, tmp_path):
     doc = read_frontier(out)  # the reader launch/ uses on `kareus plan` output
     assert list(doc) == ["format", "config", "methods", "reductions"]
     assert list(doc["methods"]) == ["megatron", "perseus", "nanobatch_perseus", "kareus"]
-    assert set(doc["reductions"]["kareus"]) == {"iso_time_energy", "iso_energy_time",
-                                                "max_throughput_time_vs_megatron", "max_throughput_energy_vs_megatron"}
+    assert set(doc["reductions"]["kareus"]) == {
+        "iso_time_energy",
+        "iso_energy_time",
+        "max_throughput_time_vs_megatron",
+        "max_throughput_energy_vs_megatron",
+    }
     p = doc["methods"]["kareus"]["points"][0]
     assert p["run"] == "kareus-00" and p["plan"] == "plans/kareus-00.json" and p["iterations"] == 2
     assert doc["config"]["source"] == "measured" and doc["config"]["gpu"] == "a100-sxm4-40gb"
@@ -105,8 +128,10 @@ def test_default_skip_and_output_dir(log_dir):
     (log_dir / "nanobatch_perseus-00" / "measurement.jsonl").unlink()
     (log_dir / "nanobatch_perseus-00" / "run.json").unlink(missing_ok=True)  # no longer a run directory
     (log_dir / "kareus-01" / "measurement.jsonl").write_text(
-        "".join(json.dumps({"kind": "iteration", "iteration": i, "time_s": 1.0, "energy_j": 2.0}) + "\n"
-                for i in range(3)))
+        "".join(
+            json.dumps({"kind": "iteration", "iteration": i, "time_s": 1.0, "energy_j": 2.0}) + "\n" for i in range(3)
+        )
+    )
     assert main(["compare", str(log_dir)]) == 0
     doc = json.loads((log_dir / "compare" / "frontier.json").read_text())
     assert doc["config"]["skip_iterations"] == 2
@@ -121,17 +146,20 @@ def _bad(tmp_path: Path, name: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("missing", "does not exist"),
-    ("empty", "holds no runs"),
-    ("no-perseus", "no perseus runs"),
-    ("corrupt", "is not valid JSON"),
-    ("no-log", "has no measurement log"),
-    ("short", "none with both time and energy"),
-    ("unknown-method", "method 'zeus' is not one of"),
-    ("two-headers", "holds 2 runs"),
-    ("negative", "must be a finite non-negative number"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("missing", "does not exist"),
+        ("empty", "holds no runs"),
+        ("no-perseus", "no perseus runs"),
+        ("corrupt", "is not valid JSON"),
+        ("no-log", "has no measurement log"),
+        ("short", "none with both time and energy"),
+        ("unknown-method", "method 'zeus' is not one of"),
+        ("two-headers", "holds 2 runs"),
+        ("negative", "must be a finite non-negative number"),
+    ],
+)
 def test_bad_log_dirs_are_one_line_exit_2(tmp_path, capsys, case, fragment):
     root = _bad(tmp_path, case)
     if case == "missing":
@@ -173,13 +201,15 @@ def test_time_is_a_median_and_energy_total_over_total(tmp_path):
 
 
 _value = st.one_of(st.none(), st.booleans(), st.integers(-3, 5), st.floats(allow_nan=True), st.text(max_size=3))
-_record = st.dictionaries(st.sampled_from(["kind", "iteration", "time_s", "energy_j", "x"]),
-                          st.one_of(_value, st.sampled_from(["header", "iteration"])), max_size=5)
+_record = st.dictionaries(
+    st.sampled_from(["kind", "iteration", "time_s", "energy_j", "x"]),
+    st.one_of(_value, st.sampled_from(["header", "iteration"])),
+    max_size=5,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(records=st.lists(st.one_of(_record, st.just("garbage"), st.integers()), max_size=6),
-       skip=st.integers(0, 3))
+@given(records=st.lists(st.one_of(_record, st.just("garbage"), st.integers()), max_size=6), skip=st.integers(0, 3))
 def test_log_parser_accepts_or_names_the_problem(tmp_path, records, skip):
     p = tmp_path / "m.jsonl"
     p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))

@@ -14,20 +14,39 @@ from kareus_megatron.report.runlog import read_run_log, summarize
 
 def _cols(times, clock=1410):
     n = len(times)
-    return {"index": list(range(n)), "chunk": [0] * n, "microbatch": [k // 2 for k in range(n)],
-            "kind": "FB" * (n // 2), "sm_clock_mhz": [clock] * n, "t_start_s": [0.01 * k for k in range(n)],
-            "time_s": times}
+    return {
+        "index": list(range(n)),
+        "chunk": [0] * n,
+        "microbatch": [k // 2 for k in range(n)],
+        "kind": "FB" * (n // 2),
+        "sm_clock_mhz": [clock] * n,
+        "t_start_s": [0.01 * k for k in range(n)],
+        "time_s": times,
+    }
 
 
 def _line(i, time_s=0.4, energy_j=100.0, **extra):
-    return {"kind": "iteration", "iteration": i, "t_start": 10.0 + i, "t_end": 10.0 + i + time_s, "time_s": time_s,
-            "energy_j": energy_j, **extra}
+    return {
+        "kind": "iteration",
+        "iteration": i,
+        "t_start": 10.0 + i,
+        "t_end": 10.0 + i + time_s,
+        "time_s": time_s,
+        "energy_j": energy_j,
+        **extra,
+    }
 
 
 def _write(d, rank, lines, pp_rank=0, world=1):
     d.mkdir(exist_ok=True)
-    head = {"kind": "header", "format": "kareus-rank-log/1", "rank": rank, "world": world, "pp_rank": pp_rank,
-            "pp": world}
+    head = {
+        "kind": "header",
+        "format": "kareus-rank-log/1",
+        "rank": rank,
+        "world": world,
+        "pp_rank": pp_rank,
+        "pp": world,
+    }
     (d / f"rank-{rank:05d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [head, *lines]))
     return d
 
@@ -57,18 +76,32 @@ def test_windows_aggregate_until_a_second_and_break_at_switches_stale_calls_and_
     assert len(samples) == 2 * 11
     s = samples[-1]
     assert (s.iteration, s.index, s.kind, s.microbatch, s.sm_clock_mhz, s.time_s, s.tags) == (
-        10, 1, "backward", 0, 1200, 0.2, {"phase": "plan"})
+        10,
+        1,
+        "backward",
+        0,
+        1200,
+        0.2,
+        {"phase": "plan"},
+    )
 
 
 def test_windows_are_per_rank_and_events_are_merged_in_time_order(tmp_path):
     d = tmp_path / "log"
     for rank in (0, 1):
         ev = {"kind": "event", "event": "switch", "iteration": 2, "t": 12.0 + 0.1 * (1 - rank), "to": "plan"}
-        _write(d, rank, [_line(0), _line(1), ev, _line(2, energy_j=50.0 * (rank + 1)), _line(3), _line(4)],
-               pp_rank=rank, world=2)
+        _write(
+            d,
+            rank,
+            [_line(0), _line(1), ev, _line(2, energy_j=50.0 * (rank + 1)), _line(3), _line(4)],
+            pp_rank=rank,
+            world=2,
+        )
     log = read_run_log(d)
     assert [(w.rank, w.pp_rank, w.iterations) for w in energy_windows(log, skip_iterations=0)] == [
-        (0, 0, (0, 1, 2)), (1, 1, (0, 1, 2))]
+        (0, 0, (0, 1, 2)),
+        (1, 1, (0, 1, 2)),
+    ]
     assert [w.energy_j for w in energy_windows(log, skip_iterations=0)] == [250.0, 300.0]
     events = run_events(log)
     assert [e["rank"] for e in events] == [1, 0] and all(e["to"] == "plan" and e["iteration"] == 2 for e in events)
@@ -82,12 +115,15 @@ def test_old_logs_without_the_new_keys_still_read(tmp_path):
     assert [w.iterations for w in ws] == [(2, 3, 4)] and ws[0].temperature_c is None and ws[0].tags == {}
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda c: c["time_s"].pop(), r"column 'time_s' must be a list of 2 values"),
-    (lambda c: c.update(kind="FX"), r"'kind' is a string of F and B"),
-    (lambda c: c.update(index=[0, -1]), r"column 'index' holds a value that is not an integer >= 0"),
-    (lambda c: c.update(time_s=[0.1, "x"]), r"column 'time_s' holds a value that is not a time"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda c: c["time_s"].pop(), r"column 'time_s' must be a list of 2 values"),
+        (lambda c: c.update(kind="FX"), r"'kind' is a string of F and B"),
+        (lambda c: c.update(index=[0, -1]), r"column 'index' holds a value that is not an integer >= 0"),
+        (lambda c: c.update(time_s=[0.1, "x"]), r"column 'time_s' holds a value that is not a time"),
+    ],
+)
 def test_a_bad_instructions_object_is_one_line_naming_file_and_line(tmp_path, change, message):
     cols = _cols([0.1, 0.2])
     change(cols)

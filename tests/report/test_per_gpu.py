@@ -18,8 +18,12 @@ from kareus_megatron.report.per_gpu import per_gpu
 from kareus_megatron.report.runlog import read_run_log, summarize
 
 # rank -> per-iteration energy (J); iterations 0, 1 are warm-up. Time: rank r takes 0.5 + 0.1 r s.
-ENERGY = {0: [900, 900, 100, 120, 110], 1: [900, 900, 200, 240, 220],
-          2: [900, 900, 300, 360, 330], 3: [900, 900, 400, 480, 440]}
+ENERGY = {
+    0: [900, 900, 100, 120, 110],
+    1: [900, 900, 200, 240, 220],
+    2: [900, 900, 300, 360, 330],
+    3: [900, 900, 400, 480, 440],
+}
 UUID = "GPU-5a8b3c1d-0000-1111-2222-3333444455{:02d}"
 
 
@@ -33,12 +37,30 @@ def write_rank_dir(d: Path, energy=ENERGY, *, gpu_keys: bool = True, world: int 
     world = world or len(energy)
     d.mkdir(parents=True)
     for r, es in energy.items():
-        head = {"kind": "header", "format": "kareus-rank-log/1", "rank": r, "world": world, "pp": 2,
-                "pp_rank": r * 2 // world, "tp": world // 2, "gpu": "a100-sxm4-40gb", "backend": "simulated"}
+        head = {
+            "kind": "header",
+            "format": "kareus-rank-log/1",
+            "rank": r,
+            "world": world,
+            "pp": 2,
+            "pp_rank": r * 2 // world,
+            "tp": world // 2,
+            "gpu": "a100-sxm4-40gb",
+            "backend": "simulated",
+        }
         if gpu_keys:
             head.update(local_rank=r % 8, gpu_index=r % 8, gpu_uuid=UUID.format(r), gpu_name="NVIDIA A100")
-        lines = [head] + [{"kind": "iteration", "iteration": i, "t_start": 0.0, "t_end": 0.5 + 0.1 * r,
-                           "time_s": 0.5 + 0.1 * r, "energy_j": float(e)} for i, e in enumerate(es)]
+        lines = [head] + [
+            {
+                "kind": "iteration",
+                "iteration": i,
+                "t_start": 0.0,
+                "t_end": 0.5 + 0.1 * r,
+                "time_s": 0.5 + 0.1 * r,
+                "energy_j": float(e),
+            }
+            for i, e in enumerate(es)
+        ]
         (d / f"rank-{r:05d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return d
 
@@ -48,9 +70,19 @@ def test_merged_records_keep_every_ranks_figures_and_which_gpu(tmp_path):
     rec = log.iterations[2]
     assert rec["energy_j"] == 1000.0  # the sum is still there
     assert [(x["rank"], x["pp_rank"], x["energy_j"], x["time_s"]) for x in rec["ranks"]] == [
-        (0, 0, 100.0, 0.5), (1, 0, 200.0, 0.6), (2, 1, 300.0, 0.7), (3, 1, 400.0, 0.8)]
-    assert log.gpus[2] == {"rank": 2, "pp_rank": 1, "local_rank": 2, "gpu_index": 2, "gpu_uuid": UUID.format(2),
-                           "gpu_name": "NVIDIA A100"}
+        (0, 0, 100.0, 0.5),
+        (1, 0, 200.0, 0.6),
+        (2, 1, 300.0, 0.7),
+        (3, 1, 400.0, 0.8),
+    ]
+    assert log.gpus[2] == {
+        "rank": 2,
+        "pp_rank": 1,
+        "local_rank": 2,
+        "gpu_index": 2,
+        "gpu_uuid": UUID.format(2),
+        "gpu_name": "NVIDIA A100",
+    }
     assert "gpu_uuid" not in log.header  # rank 0's GPU is not the job's
 
 
@@ -76,7 +108,11 @@ def test_report_lists_every_gpu_in_text_and_json(tmp_path, capsys):
     assert cli_main.main(["report", str(run), "--plan", str(tmp_path / "plan.json"), "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(g["rank"], g["gpu_index"], g["measured_energy_j"]) for g in doc["gpus"]] == [
-        (0, 0, 110.0), (1, 1, 220.0), (2, 2, 330.0), (3, 3, 440.0)]
+        (0, 0, 110.0),
+        (1, 1, 220.0),
+        (2, 2, 330.0),
+        (3, 3, 440.0),
+    ]
     assert doc["gpus"][3]["gpu_uuid"] == UUID.format(3) and doc["gpus"][3]["share"] == pytest.approx(0.4)
 
 
@@ -87,8 +123,10 @@ def test_a_large_job_gets_one_line_unless_asked(tmp_path, capsys):
     argv = ["report", str(run), "--plan", str(tmp_path / "plan.json"), "--no-plot"]
     assert cli_main.main(argv) == 0
     out = capsys.readouterr().out
-    assert ("per GPU energy (mean per iteration): least 100.0 J (rank 0, GPU 0 GPU-5a8b3c1d), most 119.0 J "
-            "(rank 19, GPU 3 GPU-5a8b3c1d) of 20 GPUs; --per-gpu lists them all") in out
+    assert (
+        "per GPU energy (mean per iteration): least 100.0 J (rank 0, GPU 0 GPU-5a8b3c1d), most 119.0 J "
+        "(rank 19, GPU 3 GPU-5a8b3c1d) of 20 GPUs; --per-gpu lists them all"
+    ) in out
     assert cli_main.main([*argv, "--per-gpu"]) == 0
     assert len(re.findall(r"^ +\d+ +[01] ", capsys.readouterr().out, re.M)) == 20
 

@@ -15,8 +15,13 @@ def _line(rank: int, t_start: float, watts: list[float], **over: object) -> dict
 
 def test_ranks_fold_onto_one_iteration_and_add_up():
     # a 0.2 s iteration at 20 Hz: rank 0 busy in its first half, rank 1 in its second: the job is flat at 400 W
-    recs = [{"iteration": i, "ranks": [_line(0, 10.0 + 0.2 * i, [300, 300, 100, 100]),
-                                       _line(1, 10.0 + 0.2 * i, [100, 100, 300, 300])]} for i in range(3)]
+    recs = [
+        {
+            "iteration": i,
+            "ranks": [_line(0, 10.0 + 0.2 * i, [300, 300, 100, 100]), _line(1, 10.0 + 0.2 * i, [100, 100, 300, 300])],
+        }
+        for i in range(3)
+    ]
     m, job, step = measured_power(recs, 0.2)
     assert job.tolist() == [400.0] * 4 and step == pytest.approx(0.05)
     assert (m["swing_w"], m["mean_power_w"], m["gpus"], m["samples"]) == (0.0, 400.0, 2, 24)

@@ -101,8 +101,10 @@ def test_two_runs_in_one_log_are_refused_by_both(runs, capsys):
 
 def test_both_commands_skip_2_warm_up_iterations_by_default():
     parser = cli_main.build_parser()
-    defaults = {name: parser.parse_args([name, "x", *(["--plan", "p"] if name == "report" else [])]).skip_iterations
-                for name in ("report", "compare")}
+    defaults = {
+        name: parser.parse_args([name, "x", *(["--plan", "p"] if name == "report" else [])]).skip_iterations
+        for name in ("report", "compare")
+    }
     assert defaults == {"report": 2, "compare": 2}
 
 

@@ -95,11 +95,19 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     result["wrong_m"] = _rejected(2, None, plans.tiny_plan(pp=2, vp=1, m=M + 4), out_dir)
     result["wrong_pp_and_m"] = _rejected(2, None, plans.tiny_plan(pp=4, vp=1, m=M + 1), out_dir)
     result["live_model"] = _live_model(2, None)
-    llama_like = dict(activation="swiglu", normalization="rmsnorm", position_embedding="rope", precision="bf16",
-                      bias_linear=False, qkv_bias=False, tied_embeddings=True)
+    llama_like = dict(
+        activation="swiglu",
+        normalization="rmsnorm",
+        position_embedding="rope",
+        precision="bf16",
+        bias_linear=False,
+        qkv_bias=False,
+        tied_embeddings=True,
+    )
     plan = plans.tiny_plan(pp=2, vp=1, m=M)
-    result["wrong_arch"] = _rejected(2, None, plan.model_copy(update={"model": plan.model.model_copy(
-        update=llama_like)}), out_dir)
+    result["wrong_arch"] = _rejected(
+        2, None, plan.model_copy(update={"model": plan.model.model_copy(update=llama_like)}), out_dir
+    )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.barrier()

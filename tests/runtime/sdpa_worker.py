@@ -26,9 +26,16 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _config(**kw: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2,
-                pipeline_dtype=torch.float32)
+    base = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
     return TransformerConfig(**{**base, **kw})
 
 
@@ -38,8 +45,13 @@ def _core_pair(cfg, layer_number: int = 1, mask_type=None, **kw):
 
     from kareus_megatron.runtime.overlap.attention import SDPAttention
 
-    args = dict(config=cfg, layer_number=layer_number, attn_mask_type=mask_type or AttnMaskType.causal,
-                attention_type="self", **kw)
+    args = dict(
+        config=cfg,
+        layer_number=layer_number,
+        attn_mask_type=mask_type or AttnMaskType.causal,
+        attention_type="self",
+        **kw,
+    )
     return DotProductAttention(**args), SDPAttention(**args)
 
 
@@ -63,8 +75,12 @@ def _run_core(mod, q, k, v, mask, **kw):
 def _cmp_core(ref, sdpa, q, k, v, mask, **kw) -> dict[str, Any]:
     o0, g0 = _run_core(ref, q, k, v, mask, **kw)
     o1, g1 = _run_core(sdpa, q, k, v, mask, **kw)
-    return {"out": _rel_diff(o1, o0), "grads": max(_rel_diff(a, b) for a, b in zip(g1, g0)),
-            "shape": list(o1.shape), "ref_shape": list(o0.shape)}
+    return {
+        "out": _rel_diff(o1, o0),
+        "grads": max(_rel_diff(a, b) for a, b in zip(g1, g0)),
+        "shape": list(o1.shape),
+        "ref_shape": list(o0.shape),
+    }
 
 
 def _core_scenarios(res: dict[str, Any]) -> None:
@@ -83,8 +99,12 @@ def _core_scenarios(res: dict[str, Any]) -> None:
         "gqa.causal.mask": (dict(num_query_groups=4), {}, causal, AttnMaskType.causal),
         "gqa.padding.mask": (dict(num_query_groups=2), {}, padding, AttnMaskType.padding),
         "scale.causal": (dict(), dict(softmax_scale=0.37), None, AttnMaskType.causal),
-        "qk_layer_scaling": (dict(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True),
-                             dict(layer_number=3), causal, AttnMaskType.causal),
+        "qk_layer_scaling": (
+            dict(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True),
+            dict(layer_number=3),
+            causal,
+            AttnMaskType.causal,
+        ),
         "kv_channels": (dict(kv_channels=12), {}, causal, AttnMaskType.causal),
     }
     for i, (name, (cfg_kw, mod_kw, mask, mtype)) in enumerate(cases.items()):
@@ -98,7 +118,7 @@ def _core_scenarios(res: dict[str, Any]) -> None:
     q, k, v = _qkv(cfg, 40)
     bias = torch.randn(1, q.shape[2], SEQ, SEQ, generator=g)
     got = sdpa(q, k, v, causal, attention_bias=bias)
-    s = torch.einsum("qbhd,kbhd->bhqk", q, k) / cfg.kv_channels ** 0.5 + bias
+    s = torch.einsum("qbhd,kbhd->bhqk", q, k) / cfg.kv_channels**0.5 + bias
     want = torch.einsum("bhqk,kbhd->qbhd", s.masked_fill(causal, float("-inf")).softmax(-1), v).flatten(2)
     res["core.bias"] = {"out": _rel_diff(got, want)}
 
@@ -116,8 +136,11 @@ def _core_scenarios(res: dict[str, Any]) -> None:
     out = sdpa(q0, q0.clone(), v1, None, attn_mask_type=AttnMaskType.no_mask)
     kept = out[out != 0]
     res["core.dropout.train"] = {
-        "finite": bool(torch.isfinite(out).all()), "dropped": float((out == 0).float().mean()),
-        "kept_value": float(kept.mean()), "kept_spread": float(kept.max() - kept.min()), "want": 1 / (sk * (1 - p)),
+        "finite": bool(torch.isfinite(out).all()),
+        "dropped": float((out == 0).float().mean()),
+        "kept_value": float(kept.mean()),
+        "kept_spread": float(kept.max() - kept.min()),
+        "want": 1 / (sk * (1 - p)),
     }
 
     # refusals: one line each
@@ -151,9 +174,13 @@ def _fwd_bwd(model, inputs: tuple, weight_seed: int = 0):
 def _cmp_models(a, b, inputs: tuple) -> dict[str, Any]:
     (o0, g0), (o1, g1) = _fwd_bwd(a, inputs), _fwd_bwd(b, inputs)
     grads = {k: _rel_diff(g1[k], g0[k]) for k in g0}
-    return {"out": _rel_diff(o1, o0), "grads": max(grads.values()), "n_grads": len(grads),
-            "same_keys": sorted(a.state_dict()) == sorted(b.state_dict()) and set(g0) == set(g1),
-            "n_params": len(list(a.parameters()))}
+    return {
+        "out": _rel_diff(o1, o0),
+        "grads": max(grads.values()),
+        "n_grads": len(grads),
+        "same_keys": sorted(a.state_dict()) == sorted(b.state_dict()) and set(g0) == set(g1),
+        "n_params": len(list(a.parameters())),
+    }
 
 
 def _layer_and_model_scenarios(res: dict[str, Any]) -> None:
@@ -176,8 +203,15 @@ def _layer_and_model_scenarios(res: dict[str, Any]) -> None:
     for tag, mask in (("mask", causal), ("nomask", None)):
         res[f"layer.{tag}"] = _cmp_models(ref, sdpa, (x.clone().requires_grad_(), mask))
 
-    llama = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", num_query_groups=2,
-                 qk_layernorm=True, add_bias_linear=False, bias_activation_fusion=False)
+    llama = dict(
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        num_query_groups=2,
+        qk_layernorm=True,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+    )
     for tag, cfg_kw, spec_kw, model_kw in (
         ("gpt", {}, {}, {}),
         ("llama", llama, dict(normalization="RMSNorm", qk_layernorm=True), dict(position_embedding_type="rope")),
@@ -208,8 +242,9 @@ def _partitioned_scenarios(res: dict[str, Any]) -> None:
     tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=torch.Generator().manual_seed(6))
     pos = torch.arange(SEQ).expand(MBS, SEQ)
     for core in ("sdpa", "local"):
-        part = GPTModel(cfg, get_partitioned_gpt_layer_spec(core_attention=core), vocab_size=VOCAB,
-                        max_sequence_length=SEQ)
+        part = GPTModel(
+            cfg, get_partitioned_gpt_layer_spec(core_attention=core), vocab_size=VOCAB, max_sequence_length=SEQ
+        )
         part.load_state_dict(ref.state_dict())
         for n in (1, 2):
             engine = setup_overlap(trace=True, settings=LayerSettings(nanobatches=n))

@@ -24,18 +24,29 @@ def workload(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _launch(tmp: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     script = tmp / "train.py"
     script.write_text("raise SystemExit(0)\n")
-    return subprocess.run([sys.executable, "-m", "kareus_megatron.launch", *flags, "--", str(script)], cwd=tmp,
-                          capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "KAREUS_GPU_BACKEND": "simulated"})
+    return subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.launch", *flags, "--", str(script)],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KAREUS_GPU_BACKEND": "simulated"},
+    )
 
 
-@pytest.mark.parametrize("flags, says", [
-    ((), "needs --kareus-workload"),
-    (("--kareus-workload", "{W}"), "needs --kareus-log"),
-    (("--kareus-workload", "{W}", "--kareus-log", "{T}/run", "--kareus-objective", "fastest"), "--kareus-objective"),
-    (("--kareus-workload", "{W}", "--kareus-log", "{T}/run", "--kareus-objective", "max-time=-2"), "positive"),
-    (("--kareus-workload", "{T}/missing", "--kareus-log", "{T}/run"), "--kareus-workload"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        ((), "needs --kareus-workload"),
+        (("--kareus-workload", "{W}"), "needs --kareus-log"),
+        (
+            ("--kareus-workload", "{W}", "--kareus-log", "{T}/run", "--kareus-objective", "fastest"),
+            "--kareus-objective",
+        ),
+        (("--kareus-workload", "{W}", "--kareus-log", "{T}/run", "--kareus-objective", "max-time=-2"), "positive"),
+        (("--kareus-workload", "{T}/missing", "--kareus-log", "{T}/run"), "--kareus-workload"),
+    ],
+)
 def test_bad_auto_flags(tmp_path: Path, workload: Path, flags: tuple[str, ...], says: str) -> None:
     args = [f.format(W=workload, T=tmp_path) for f in flags]
     r = _launch(tmp_path, "--kareus-plan", "auto", *args)

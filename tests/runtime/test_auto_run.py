@@ -31,8 +31,21 @@ from kareus_megatron.report.runlog import read_run_log
 ROOT = Path(__file__).resolve().parents[2]
 GPU = "a100-sxm4-40gb"
 JOB = ["--tp", "1", "--pp", "2", "--mbs", "2", "--seq", "16", "--microbatches", "4"]
-PLAN_JOB = ["--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", GPU, *JOB, "--nodes", "1",
-            "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none"]
+PLAN_JOB = [
+    "--model",
+    str(ROOT / "examples" / "tiny-gpt.yaml"),
+    "--gpu",
+    GPU,
+    *JOB,
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "2",
+    "--precision",
+    "fp32",
+    "--recompute",
+    "none",
+]
 # time_scale: the truth's instructions take 400x the tiny GPT's A100 model time (tens of ms), longer than the CPU's
 # own work, so every instruction runs as long as the truth says; the CPU framework's gaps between instructions
 # (~0.5 ms each, not in the model) are then ~1% of an iteration. At 250x a scheduler hiccup on a 2-core machine
@@ -40,15 +53,26 @@ PLAN_JOB = ["--model", str(ROOT / "examples" / "tiny-gpt.yaml"), "--gpu", GPU, *
 SCALE = {"time_scale": 400.0}
 # 15-30% off the preset (gpus.toml a100-sxm4-40gb: static 28.38 W, idle dynamic 55.22 W, voltage floor 0.808,
 # blocked 83.64 W; cost/params.py launch overhead 4 us).
-TRUTH = {"time_scale": 400.0, "launch_overhead_s": 5e-6, "static_power_w": 36.0, "idle_dynamic_w": 66.0,
-         "voltage_floor": 0.70, "p_blocked_w": 100.0}
+TRUTH = {
+    "time_scale": 400.0,
+    "launch_overhead_s": 5e-6,
+    "static_power_w": 36.0,
+    "idle_dynamic_w": 66.0,
+    "voltage_floor": 0.70,
+    "p_blocked_w": 100.0,
+}
 DRIFT_AT = 42
 DRIFT = {"static_power_w": 70.0}  # a "thermal" rise of the static power, from iteration DRIFT_AT on
 
 
 def _kareus(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", *args], check=True, capture_output=True,
-                   text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +88,43 @@ def _run(tmp: Path, workload: Path, truth: dict[str, Any], iterations: int, *fla
     log = tmp / "run"
     # clock calls at once (the auto worker plans a simulated GPU at its own latency): the truth-scaled instructions
     # (tens of ms) would otherwise pay a 15 ms lag per change, and no plan would be as fast as max clocks (iso-time)
-    env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_TRUTH": str(truth_file),
-           "KAREUS_SIMULATED_LATENCY_MS": "0", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "kareus_megatron.launch", "--kareus-plan", "auto", "--kareus-workload", str(workload),
-                        "--kareus-log", str(log), *flags, "--", str(ROOT / "examples" / "tiny_train.py"),
-                        "--iterations", str(iterations), *JOB], cwd=tmp, env=env, capture_output=True, text=True,
-                       timeout=240)
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        "KAREUS_SIMULATED_TRUTH": str(truth_file),
+        "KAREUS_SIMULATED_LATENCY_MS": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore::UserWarning",
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kareus_megatron.launch",
+            "--kareus-plan",
+            "auto",
+            "--kareus-workload",
+            str(workload),
+            "--kareus-log",
+            str(log),
+            *flags,
+            "--",
+            str(ROOT / "examples" / "tiny_train.py"),
+            "--iterations",
+            str(iterations),
+            *JOB,
+        ],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return log, r.stderr
 
@@ -84,11 +138,26 @@ def _truth_plan(tmp: Path, truth: dict[str, Any]) -> Any:
     cal = tmp / "truth-calibration.json"
     cal.write_text(json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": truth}))
     out = tmp / "truth-plan"
-    _kareus("plan", *PLAN_JOB, "--calibration", str(cal), "--methods", "kareus", "--points", "64", "--out", str(out),
-            "--clock-latency-ms", "0")  # as the auto worker plans the run's simulated GPU (latency 0, _run)
+    _kareus(
+        "plan",
+        *PLAN_JOB,
+        "--calibration",
+        str(cal),
+        "--methods",
+        "kareus",
+        "--points",
+        "64",
+        "--out",
+        str(out),
+        "--clock-latency-ms",
+        "0",
+    )  # as the auto worker plans the run's simulated GPU (latency 0, _run)
     mega = select_frontier_points(out, "all", method="megatron", allow_all=True)[0]
-    best = select_point(select_frontier_points(out, "all", method="kareus", allow_all=True), Objective("iso-time"),
-                        reference_time_s=mega.time_s)
+    best = select_point(
+        select_frontier_points(out, "all", method="kareus", allow_all=True),
+        Objective("iso-time"),
+        reference_time_s=mega.time_s,
+    )
     return load_plan(best.plan_path), load_plan(mega.plan_path), KernelModel(gpu_spec(GPU), load_calibration(cal))
 
 
@@ -113,8 +182,12 @@ def test_auto_reaches_the_truth_plan(tmp_path: Path, workload: Path) -> None:
     assert mine.energy_j <= ideal.energy_j * 1.02, (mine.energy_j, ideal.energy_j)
     assert mine.time_s <= ref.time_s * (1 + 1e-6)  # iso-time: no slower than max clocks, under the truth
     assert mine.energy_j < ref.energy_j * 0.97  # and it saves energy
-    r = subprocess.run([sys.executable, "-m", "kareus_megatron.cli.main", "report", str(log)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.cli.main", "report", str(log)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "calibrated from iterations" in r.stdout
     assert "last plan against the max-clock" in r.stdout
 
@@ -122,8 +195,12 @@ def test_auto_reaches_the_truth_plan(tmp_path: Path, workload: Path) -> None:
 def test_auto_replans_once_on_drift_and_not_without(tmp_path: Path, workload: Path) -> None:
     """The truth equals the preset (but for its time scale) until DRIFT_AT: plan 1 holds (checked, no re-plan);
     then the static power rises and the loop re-plans exactly once."""
-    truth = {"format": "kareus-simulated-truth/1", "gpu": GPU, "params": SCALE,
-             "drift": [{"after_iteration": DRIFT_AT, "params": DRIFT}]}
+    truth = {
+        "format": "kareus-simulated-truth/1",
+        "gpu": GPU,
+        "params": SCALE,
+        "drift": [{"after_iteration": DRIFT_AT, "params": DRIFT}],
+    }
     log, stderr = _run(tmp_path, workload, truth, 95)
     checked, drift = _events(log, "checked"), _events(log, "drift")
     assert [c["plan_version"] for c in checked][:1] == [1]
@@ -147,8 +224,9 @@ def test_an_objective_no_plan_meets_is_an_event_not_a_failure(tmp_path: Path) ->
 
     base = synth.make_plan(tmp_path / "p", synth.TINY)
     truth = synth.truth_calibration({**synth.TRUTH_PARAMS, "time_scale": 200.0})  # iterations of ~0.3 s
-    log = synth.write_log(tmp_path / "run", base, truth, clocks=(1410, 705, 1230, 885, 1050),
-                          iters_per_clock=3, tags=True)
+    log = synth.write_log(
+        tmp_path / "run", base, truth, clocks=(1410, 705, 1230, 885, 1050), iters_per_clock=3, tags=True
+    )
 
     class Ctl:  # what the worker reads of runtime/closed_loop/auto.py's AutoController
         log_dir, version, clocks, method = str(log), 0, [1410, 705, 1230, 885, 1050], None

@@ -61,16 +61,19 @@ def test_uniform_plan() -> None:
     p = uniform_plan(base, 1005)
     assert {i.sm_clock_mhz for st in p.stages for i in st.instructions} == {1005}
     assert all(i.nanobatches == 1 and not i.partitions for st in p.stages for i in st.instructions)
-    assert [(i.kind, i.microbatch) for i in p.stages[0].instructions] == \
-        [(i.kind, i.microbatch) for i in base.stages[0].instructions]
+    assert [(i.kind, i.microbatch) for i in p.stages[0].instructions] == [
+        (i.kind, i.microbatch) for i in base.stages[0].instructions
+    ]
 
 
 def test_phases_switch_and_reprofile() -> None:
     session = _Session()
-    settings = AutoSettings(objective=Objective("iso-time"), warmup_iterations=2, profile_clocks=3,
-                            iterations_per_clock=2)
-    ctl = AutoController(session, _base(), settings, log_dir="unused", supported_mhz=tuple(range(1410, 600, -30)),
-                         rank=1)  # rank 1: no planning worker (rank 0 plans from the run log)
+    settings = AutoSettings(
+        objective=Objective("iso-time"), warmup_iterations=2, profile_clocks=3, iterations_per_clock=2
+    )
+    ctl = AutoController(
+        session, _base(), settings, log_dir="unused", supported_mhz=tuple(range(1410, 600, -30)), rank=1
+    )  # rank 1: no planning worker (rank 0 plans from the run log)
     ctl.start()
     phases, clocks = [], []
     for it in range(12):
@@ -95,8 +98,9 @@ def test_phases_switch_and_reprofile() -> None:
     assert plan_sha256(session.plans[-1]) == plan_sha256(switched)  # planning again runs the last plan
 
 
-@pytest.mark.parametrize("kw", [dict(profile_clocks=1), dict(iterations_per_clock=1), dict(drift_threshold=0.0),
-                                dict(drift_window=1)])
+@pytest.mark.parametrize(
+    "kw", [dict(profile_clocks=1), dict(iterations_per_clock=1), dict(drift_threshold=0.0), dict(drift_window=1)]
+)
 def test_bad_settings(kw: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         AutoSettings(objective=Objective("min-energy"), **kw)
@@ -121,8 +125,9 @@ def test_a_plan_the_job_refuses_keeps_the_current_one() -> None:
             super().switch_plan(plan)
 
     session = Refusing()
-    settings = AutoSettings(objective=Objective("iso-time"), warmup_iterations=0, profile_clocks=2,
-                            iterations_per_clock=2)
+    settings = AutoSettings(
+        objective=Objective("iso-time"), warmup_iterations=0, profile_clocks=2, iterations_per_clock=2
+    )
     ctl = AutoController(session, _base(), settings, log_dir="unused", supported_mhz=(1410, 1200, 990), rank=1)
     ctl.start()
     for it in range(5):

@@ -92,14 +92,17 @@ def test_the_native_patch_hook_refuses_megatron_lm_arguments(capsys):
     assert len(err) == 1 and "--cuda-graph-impl local" in err[0] and "never-read" not in err[0], err
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
-    (["--cuda-graph-impl=transformer_engine"], "--cuda-graph-impl transformer_engine"),
-    (["--seq-length", "8", "--enable-cuda-graph"], "--enable-cuda-graph"),
-    (["--external-cuda-graph"], "--external-cuda-graph"),
-    (["--cuda-graph-impl", "none"], None),
-    (["--cuda-graph-warmup-steps", "3"], None),
-])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
+        (["--cuda-graph-impl=transformer_engine"], "--cuda-graph-impl transformer_engine"),
+        (["--seq-length", "8", "--enable-cuda-graph"], "--enable-cuda-graph"),
+        (["--external-cuda-graph"], "--external-cuda-graph"),
+        (["--cuda-graph-impl", "none"], None),
+        (["--cuda-graph-warmup-steps", "3"], None),
+    ],
+)
 def test_flags_in_a_megatron_lm_command_line(argv, needle):
     problem = cuda_graph_flag_in_argv(argv)
     assert (needle in problem) if needle else problem is None
@@ -114,8 +117,11 @@ def test_the_launchers_refuse_the_flags_before_training(tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     save_plan(plans.tiny_plan(), tmp_path / "plan.json")
     (tmp_path / "train.py").write_text("raise SystemExit(0)\n")  # never reached
-    _one_line(capsys, launch.main(["--kareus-plan", "plan.json", "--", "train.py", "--cuda-graph-impl", "local"]),
-              "--cuda-graph-impl local")
+    _one_line(
+        capsys,
+        launch.main(["--kareus-plan", "plan.json", "--", "train.py", "--cuda-graph-impl", "local"]),
+        "--cuda-graph-impl local",
+    )
     sys.path.insert(0, str(ROOT / "launch"))
     try:
         import pretrain_gpt

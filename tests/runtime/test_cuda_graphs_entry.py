@@ -47,15 +47,41 @@ def test_generic_launcher_refuses_a_model_under_cuda_graphs(tmp_path):
     (tmp_path / "train.py").write_text(STANDIN)
     port, procs = free_port(), []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LATENCY_MS="0",
-                   KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            KAREUS_GPU_BACKEND="simulated",
+            KAREUS_SIMULATED_LATENCY_MS="0",
+            KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+            PYTHONWARNINGS="ignore",
+            PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        )
         env.pop("KAREUS_GPU", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kareus_megatron.launch", "--kareus-plan", "plan.json", "--kareus-log", "run",
-             "--", "train.py", str(tmp_path)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kareus_megatron.launch",
+                    "--kareus-plan",
+                    "plan.json",
+                    "--kareus-log",
+                    "run",
+                    "--",
+                    "train.py",
+                    str(tmp_path),
+                ],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     for p in procs:
         _, err = p.communicate(timeout=240)
         lines = err.strip().splitlines()
@@ -83,10 +109,17 @@ def model_check_worker(rank: int, world: int, port: int, out: str) -> None:
 
     cpu_shim.apply()
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                            hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_partitioned_gpt_layer_spec(), vocab_size=128,
-                     max_sequence_length=16)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=get_partitioned_gpt_layer_spec(), vocab_size=128, max_sequence_length=16
+    )
     plan = SimpleNamespace(cross_layer=False, stages=[SimpleNamespace(instructions=[SimpleNamespace(nanobatches=2)])])
     res = {"layers_without_graphs": check_model_for_plan(model, plan)}
     cfg.cuda_graph_impl = "transformer_engine"  # as TransformerConfig(external_cuda_graph=True) leaves it

@@ -31,12 +31,26 @@ SCRIPT = HERE / "durable_train.py"
 
 def _start(log_dir: Path, iterations: int, end: str, mode: str = "new") -> list[subprocess.Popen[str]]:
     port = free_port()
-    env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "1",
-           "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    return [subprocess.Popen([sys.executable, str(SCRIPT), str(log_dir), str(iterations), end, mode],
-                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        "KAREUS_SIMULATED_LATENCY_MS": "1",
+        "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(log_dir), str(iterations), end, mode],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
 
 
 def _complete(log_dir: Path) -> int:

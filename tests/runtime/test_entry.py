@@ -22,8 +22,9 @@ from kareus_megatron.versions import supported_series
 
 
 def _args(**kw):
-    base = dict(kareus_plan=None, kareus_point=None, kareus_log=None, kareus_on_error="fail", kareus_debug=False,
-                local_rank=0)
+    base = dict(
+        kareus_plan=None, kareus_point=None, kareus_log=None, kareus_on_error="fail", kareus_debug=False, local_rank=0
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -87,8 +88,9 @@ def _snapshot_files(tag: str, dest: Path) -> Path:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-@pytest.mark.parametrize("series", [s for s in supported_series("megatron-core") if s.megatron_lm_tag],
-                         ids=lambda s: s.megatron_lm_tag)
+@pytest.mark.parametrize(
+    "series", [s for s in supported_series("megatron-core") if s.megatron_lm_tag], ids=lambda s: s.megatron_lm_tag
+)
 def test_each_shipped_patch_applies_strictly_to_its_release(series, tmp_path):
     """`git apply --check` (no fuzz, full context) on the unmodified release, then the guide's own command."""
     tag = series.megatron_lm_tag
@@ -107,8 +109,9 @@ def test_each_shipped_patch_applies_strictly_to_its_release(series, tmp_path):
     others = [s.megatron_lm_tag for s in supported_series("megatron-core") if s.megatron_lm_tag not in (None, tag)]
     for other in others:  # one patch per release: another release's tree is refused, not fuzzed into place
         other_tree = _snapshot_files(other, tmp_path / "other")
-        assert subprocess.run(["git", "apply", "--check", str(patch)], cwd=other_tree,
-                              capture_output=True).returncode != 0
+        assert (
+            subprocess.run(["git", "apply", "--check", str(patch)], cwd=other_tree, capture_output=True).returncode != 0
+        )
 
 
 def test_the_patch_flags_are_the_launchers_flags():
@@ -173,8 +176,9 @@ def test_native_path_closes_the_session_when_train_ends(how, tmp_path, monkeypat
         kareus.uninstall()
 
 
-@pytest.mark.parametrize("layout, want", [(dict(tp=2, gpus_per_node=4), "1"), (dict(cp=2, gpus_per_node=4), "1"),
-                                          (dict(), None)])
+@pytest.mark.parametrize(
+    "layout, want", [(dict(tp=2, gpus_per_node=4), "1"), (dict(cp=2, gpus_per_node=4), "1"), (dict(), None)]
+)
 def test_launchers_set_cuda_device_max_connections_for_tp_or_cp(layout, want, monkeypatch, capsys):
     from kareus_megatron.runtime.frameworks.entry import apply_required_environment
 

@@ -19,15 +19,37 @@ from kareus_megatron.runtime.frameworks.entry import resolve_plan
 
 _DIR = Path(tempfile.mkdtemp(prefix="kareus-points-"))
 save_plan(plans.tiny_plan(), _DIR / "plans" / "kareus-00.json")
-write_json_atomic(_DIR / "frontier.json", {
-    "format": "kareus-frontier/1", "config": {}, "reductions": {},
-    "methods": {"kareus": {"points": [{"time_s": 1.0, "energy_j": 2.0, "plan": "plans/kareus-00.json"}]}},
-})
+write_json_atomic(
+    _DIR / "frontier.json",
+    {
+        "format": "kareus-frontier/1",
+        "config": {},
+        "reductions": {},
+        "methods": {"kareus": {"points": [{"time_s": 1.0, "energy_j": 2.0, "plan": "plans/kareus-00.json"}]}},
+    },
+)
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.one_of(st.text(max_size=12), st.sampled_from(["00", "kareus-00", "fastest", "min-energy", "01", "x-00",
-                                                        "kareus-fastest", "kareus-min-energy", "all", "perseus-00"])))
+@given(
+    st.one_of(
+        st.text(max_size=12),
+        st.sampled_from(
+            [
+                "00",
+                "kareus-00",
+                "fastest",
+                "min-energy",
+                "01",
+                "x-00",
+                "kareus-fastest",
+                "kareus-min-energy",
+                "all",
+                "perseus-00",
+            ]
+        ),
+    )
+)
 def test_point_choice_resolves_or_fails_cleanly(point):
     try:
         plan, source = resolve_plan(str(_DIR), point)
@@ -37,18 +59,35 @@ def test_point_choice_resolves_or_fails_cleanly(point):
     assert source.endswith("kareus-00.json") and plan.parallel.pp == 2
 
 
-_stage = st.fixed_dictionaries({"pp_rank": st.integers(0, 1), "time_s": st.one_of(st.none(), st.floats(0, 1)),
-                                 "energy_j": st.one_of(st.none(), st.floats(0, 100))})
-_good = st.builds(lambda i, t, e, stages: json.dumps({"kind": "iteration", "iteration": i, "time_s": t,
-                                                      "energy_j": e, "stages": stages}),
-                  st.integers(0, 9), st.one_of(st.none(), st.floats(0, 1)), st.one_of(st.none(), st.floats(0, 100)),
-                  st.lists(_stage, max_size=2))
+_stage = st.fixed_dictionaries(
+    {
+        "pp_rank": st.integers(0, 1),
+        "time_s": st.one_of(st.none(), st.floats(0, 1)),
+        "energy_j": st.one_of(st.none(), st.floats(0, 100)),
+    }
+)
+_good = st.builds(
+    lambda i, t, e, stages: json.dumps(
+        {"kind": "iteration", "iteration": i, "time_s": t, "energy_j": e, "stages": stages}
+    ),
+    st.integers(0, 9),
+    st.one_of(st.none(), st.floats(0, 1)),
+    st.one_of(st.none(), st.floats(0, 100)),
+    st.lists(_stage, max_size=2),
+)
 _record = st.one_of(
     _good,
     st.text(max_size=20),
-    st.dictionaries(st.sampled_from(["kind", "iteration", "time_s", "stages", "energy_j"]),
-                    st.one_of(st.integers(), st.text(max_size=5), st.sampled_from(["iteration", "header"]),
-                              st.lists(st.integers(), max_size=2)), max_size=5).map(json.dumps),
+    st.dictionaries(
+        st.sampled_from(["kind", "iteration", "time_s", "stages", "energy_j"]),
+        st.one_of(
+            st.integers(),
+            st.text(max_size=5),
+            st.sampled_from(["iteration", "header"]),
+            st.lists(st.integers(), max_size=2),
+        ),
+        max_size=5,
+    ).map(json.dumps),
 )
 
 

@@ -32,7 +32,7 @@ def _snapshot_core(tag: str, dest: Path) -> Path:
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix + "megatron/core/")]
         for m in members:
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
         tar.extractall(dest, members=members, filter="data")
     return dest
 
@@ -45,14 +45,34 @@ def _series_path(series, tmp_path: Path) -> Path:
     return _snapshot_core(series.megatron_lm_tag, tmp_path)
 
 
-@pytest.mark.parametrize("series", [s for s in supported_series("megatron-core") if s.tested != PINNED],
-                         ids=lambda s: s.series)
+@pytest.mark.parametrize(
+    "series", [s for s in supported_series("megatron-core") if s.tested != PINNED], ids=lambda s: s.series
+)
 def test_the_patch_runs_on_every_supported_megatron_core(series, tmp_path):
     path = _series_path(series, tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
-               KAREUS_TEST_MEGATRON_CORE=series.tested, PYTHONWARNINGS="ignore")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=240",
-                        *(str(ROOT / "tests" / "runtime" / f) for f in SERIES_TESTS)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
+        KAREUS_TEST_MEGATRON_CORE=series.tested,
+        PYTHONWARNINGS="ignore",
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--timeout=240",
+            *(str(ROOT / "tests" / "runtime" / f) for f in SERIES_TESTS),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"megatron-core {series.tested}:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
     assert " passed" in r.stdout and "skipped" not in r.stdout

@@ -116,8 +116,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gpu_path: bool) -> N
     finally:
         engine.uninstall_listener()
         kareus.uninstall()
-    res.update(event_waits=cuda.waits, events_made=cuda.made,
-               logged=len(session.meter.records) if session.meter else None)
+    res.update(
+        event_waits=cuda.waits, events_made=cuda.made, logged=len(session.meter.records) if session.meter else None
+    )
     with open(os.path.join(out_dir, f"rank{rank}.{int(gpu_path)}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()
@@ -127,9 +128,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str, gpu_path: bool) -> N
 @pytest.fixture(scope="module", params=[False, True], ids=["cpu_path", "gpu_path"])
 def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("hooks")
-    spawn(_worker, 2, str(out), request.param,
-          env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "1", "KAREUS_GPU": None,
-               "KAREUS_LOG_INSTRUCTIONS": None})
+    spawn(
+        _worker,
+        2,
+        str(out),
+        request.param,
+        env={
+            "KAREUS_GPU_BACKEND": "simulated",
+            "KAREUS_SIMULATED_LATENCY_MS": "1",
+            "KAREUS_GPU": None,
+            "KAREUS_LOG_INSTRUCTIONS": None,
+        },
+    )
     return request.param, read_ranks(out, "rank{rank}." + f"{int(request.param)}.json", 2)
 
 

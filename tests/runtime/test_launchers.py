@@ -69,13 +69,21 @@ def _run_two(cmd: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LATENCY_MS="15",
-                   KAREUS_SIMULATED_LOG=str(tmp / "clocks.jsonl"), PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            KAREUS_GPU_BACKEND="simulated",
+            KAREUS_SIMULATED_LATENCY_MS="15",
+            KAREUS_SIMULATED_LOG=str(tmp / "clocks.jsonl"),
+            PYTHONWARNINGS="ignore",
+            PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        )
         env.pop("KAREUS_GPU", None)
-        procs.append(subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen(cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)
@@ -103,8 +111,23 @@ def test_generic_launcher_end_to_end(tmp_path, capsys):
     plan = plans.tiny_plan(pp=2, vp=1, m=4, seed=2)
     save_plan(plan, tmp_path / "plan.json")
     (tmp_path / "train.py").write_text(STANDIN_TRAIN)
-    cmd = [sys.executable, "-m", "kareus_megatron.launch", "--kareus-plan", "plan.json", "--kareus-log", "run.jsonl",
-           "--", "train.py", "--iters", str(ITERS), "--microbatches", "4", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kareus_megatron.launch",
+        "--kareus-plan",
+        "plan.json",
+        "--kareus-log",
+        "run.jsonl",
+        "--",
+        "train.py",
+        "--iters",
+        str(ITERS),
+        "--microbatches",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
     _check_run(tmp_path, plan, _run_two(cmd, tmp_path))
     # the log of a real 2-stage run reads back in `kareus report`
     assert main(["report", str(tmp_path / "run.jsonl"), "--plan", str(tmp_path / "plan.json"), "--no-plot"]) == 0
@@ -118,12 +141,22 @@ def _plan_dir(root: Path) -> list:
     slow = plans.tiny_plan(pp=2, m=4, seed=4, clocks=(990, 1005, 1095))
     save_plan(fast, root / "plans" / "kareus-00.json")
     save_plan(slow, root / "plans" / "kareus-01.json")
-    write_json_atomic(root / "frontier.json", {
-        "format": "kareus-frontier/1", "config": {},
-        "methods": {"kareus": {"points": [{"time_s": 0.04, "energy_j": 50.0, "plan": "plans/kareus-00.json"},
-                                          {"time_s": 0.06, "energy_j": 30.0, "plan": "plans/kareus-01.json"}]}},
-        "reductions": {},
-    })
+    write_json_atomic(
+        root / "frontier.json",
+        {
+            "format": "kareus-frontier/1",
+            "config": {},
+            "methods": {
+                "kareus": {
+                    "points": [
+                        {"time_s": 0.04, "energy_j": 50.0, "plan": "plans/kareus-00.json"},
+                        {"time_s": 0.06, "energy_j": 30.0, "plan": "plans/kareus-01.json"},
+                    ]
+                }
+            },
+            "reductions": {},
+        },
+    )
     return [fast, slow]
 
 
@@ -132,10 +165,30 @@ def test_pretrain_gpt_dropin_end_to_end(tmp_path):
     mlm.mkdir()
     (mlm / "pretrain_gpt.py").write_text(STANDIN_PRETRAIN)
     fast, slow = _plan_dir(tmp_path / "kareus-out")
-    cmd = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--pipeline-model-parallel-size", "2",
-           "--kareus-plan", "kareus-out", "--kareus-point", "min-energy", "--micro-batch-size", "2",
-           "--global-batch-size", "8", "--kareus-log", "run.jsonl", "--seq-length", "16",
-           "--train-iters", str(ITERS), "--save", str(tmp_path), "--megatron-lm-dir", str(mlm)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "launch" / "pretrain_gpt.py"),
+        "--pipeline-model-parallel-size",
+        "2",
+        "--kareus-plan",
+        "kareus-out",
+        "--kareus-point",
+        "min-energy",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--kareus-log",
+        "run.jsonl",
+        "--seq-length",
+        "16",
+        "--train-iters",
+        str(ITERS),
+        "--save",
+        str(tmp_path),
+        "--megatron-lm-dir",
+        str(mlm),
+    ]
     _check_run(tmp_path, slow, _run_two(cmd, tmp_path))
 
 
@@ -154,15 +207,19 @@ def _one_line_error(capsys, code: int, *needles: str) -> None:
 def test_launcher_bad_inputs(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("raise SystemExit(0)\n")
-    _one_line_error(capsys, launch.main(["--kareus-plan", "missing.json", "--", "train.py"]), "missing.json",
-                    "no such file")
+    _one_line_error(
+        capsys, launch.main(["--kareus-plan", "missing.json", "--", "train.py"]), "missing.json", "no such file"
+    )
     (tmp_path / "bad.json").write_text("{not json")
     _one_line_error(capsys, launch.main(["--kareus-plan", "bad.json", "--", "train.py"]), "not valid JSON")
     save_plan(plans.tiny_plan(), tmp_path / "plan.json")
     _one_line_error(capsys, launch.main(["--kareus-plan", "plan.json", "--", "nope.py"]), "nope.py does not exist")
     _one_line_error(capsys, launch.main(["--kareus-plan", "plan.json"]), "no training script")
-    _one_line_error(capsys, launch.main(["--kareus-plan", "plan.json", "--kareus-point", "01", "--", "train.py"]),
-                    "--kareus-point 01 needs")
+    _one_line_error(
+        capsys,
+        launch.main(["--kareus-plan", "plan.json", "--kareus-point", "01", "--", "train.py"]),
+        "--kareus-point 01 needs",
+    )
     _one_line_error(capsys, launch.main(["--kareus-plan", "plan.json", "--bogus", "--", "train.py"]), "--bogus")
     monkeypatch.setenv("KAREUS_GPU_BACKEND", "simulated")
     monkeypatch.setenv("KAREUS_SIMULATED_NO_PERMISSION", "1")
@@ -171,9 +228,13 @@ def test_launcher_bad_inputs(tmp_path, capsys, monkeypatch):
     (tmp_path / "out").mkdir()
     _one_line_error(capsys, launch.main(["--kareus-plan", "out", "--", "train.py"]), "without frontier.json")
     _plan_dir(tmp_path / "kout")
-    for point, needle in [("banana", "--kareus-point 'banana' is not valid"), ("07", "kareus has points 00..01"),
-                          ("perseus-00", "has no points for method 'perseus'"), ("all", "'all' is not allowed here"),
-                          ("zeus-00", "names unknown method 'zeus'")]:
+    for point, needle in [
+        ("banana", "--kareus-point 'banana' is not valid"),
+        ("07", "kareus has points 00..01"),
+        ("perseus-00", "has no points for method 'perseus'"),
+        ("all", "'all' is not allowed here"),
+        ("zeus-00", "names unknown method 'zeus'"),
+    ]:
         code = launch.main(["--kareus-plan", "kout", "--kareus-point", point, "--", "train.py"])
         _one_line_error(capsys, code, needle)
 
@@ -187,12 +248,25 @@ def test_pretrain_gpt_needs_megatron_lm(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
     save_plan(plans.tiny_plan(), tmp_path / "plan.json")
     _one_line_error(capsys, pretrain_gpt.main(["--kareus-plan", str(tmp_path / "plan.json")]), "MEGATRON_LM_DIR")
-    _one_line_error(capsys, pretrain_gpt.main(["--kareus-plan", str(tmp_path / "plan.json"), "--megatron-lm-dir",
-                                               str(tmp_path)]), "has no pretrain_gpt.py")
+    _one_line_error(
+        capsys,
+        pretrain_gpt.main(["--kareus-plan", str(tmp_path / "plan.json"), "--megatron-lm-dir", str(tmp_path)]),
+        "has no pretrain_gpt.py",
+    )
 
 
-@pytest.mark.parametrize("point,index", [("fastest", 0), ("min-energy", 1), ("00", 0), ("kareus-01", 1), (None, 0),
-                                         ("kareus-fastest", 0), ("kareus-min-energy", 1)])
+@pytest.mark.parametrize(
+    "point,index",
+    [
+        ("fastest", 0),
+        ("min-energy", 1),
+        ("00", 0),
+        ("kareus-01", 1),
+        (None, 0),
+        ("kareus-fastest", 0),
+        ("kareus-min-energy", 1),
+    ],
+)
 def test_plan_directory_points(tmp_path, point, index):
     from kareus_megatron.runtime.frameworks.entry import resolve_plan
 
@@ -201,8 +275,13 @@ def test_plan_directory_points(tmp_path, point, index):
     assert plan == expected and source.endswith(f"kareus-0{index}.json")
 
 
-@pytest.mark.parametrize("cmd", [[sys.executable, "-m", "kareus_megatron.launch", "--help"],
-                                 [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--help"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        [sys.executable, "-m", "kareus_megatron.launch", "--help"],
+        [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--help"],
+    ],
+)
 def test_entry_points_answer_help_without_megatron_lm(cmd):
     """--help lists the kareus flags and exits 0 (pretrain_gpt.py: without MEGATRON_LM_DIR too)."""
     env = {**{k: v for k, v in os.environ.items() if k != "MEGATRON_LM_DIR"}, "COLUMNS": "200"}  # no wrapping

@@ -27,10 +27,40 @@ def plans(tmp_path_factory):
     from kareus_megatron.cli.main import main
 
     out = tmp_path_factory.mktemp("plan") / "p"
-    assert main(["plan", "--model", str(MLM / "tiny-mlm.yaml"), "--gpu", "a100-sxm4-40gb", "--tp", "2", "--pp", "1",
-                 "--mbs", "2", "--seq", "32", "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "2",
-                 "--precision", "fp32", "--calibration", str(MLM / "slow-links.calib.json"), "--methods", "kareus",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(MLM / "tiny-mlm.yaml"),
+                "--gpu",
+                "a100-sxm4-40gb",
+                "--tp",
+                "2",
+                "--pp",
+                "1",
+                "--mbs",
+                "2",
+                "--seq",
+                "32",
+                "--microbatches",
+                "4",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--precision",
+                "fp32",
+                "--calibration",
+                str(MLM / "slow-links.calib.json"),
+                "--methods",
+                "kareus",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     two, _ = load_point_plan(str(out), "kareus-00")
     one, _ = load_point_plan(str(out), "perseus-00")
     assert layer_choice.two_nanobatch_count(two) > 0 and layer_choice.two_nanobatch_count(one) == 0
@@ -64,10 +94,15 @@ def test_transformer_engine_default_builds_local_modules_and_says_what_it_gives_
             choose_layer(two, _flags(flag))
 
 
-@pytest.mark.parametrize("line,flag", [("--num-experts 8", "--num-experts"),
-                                       ("--multi-latent-attention", "--multi-latent-attention"),
-                                       ("--reset-attention-mask --context-parallel-size 2", "--reset-attention-mask"),
-                                       ("--use-legacy-models", "--use-legacy-models")])
+@pytest.mark.parametrize(
+    "line,flag",
+    [
+        ("--num-experts 8", "--num-experts"),
+        ("--multi-latent-attention", "--multi-latent-attention"),
+        ("--reset-attention-mask --context-parallel-size 2", "--reset-attention-mask"),
+        ("--use-legacy-models", "--use-legacy-models"),
+    ],
+)
 def test_flags_the_partitioned_layer_cannot_honour_are_refused_in_one_line(plans, line, flag):
     two, one = plans
     with pytest.raises(ConfigError) as e:
@@ -106,8 +141,18 @@ def test_drop_in_refuses_before_megatron_starts(plans, tmp_path, capsys):
     plan_file = tmp_path / "two.json"
     plan_file.write_text(plans[0].model_dump_json())
     drop_in = runpy.run_path(str(ROOT / "launch" / "pretrain_gpt.py"))
-    code = drop_in["main"](["--kareus-plan", str(plan_file), "--megatron-lm-dir", str(tree), "--num-experts", "8",
-                            "--transformer-impl", "local"])
+    code = drop_in["main"](
+        [
+            "--kareus-plan",
+            str(plan_file),
+            "--megatron-lm-dir",
+            str(tree),
+            "--num-experts",
+            "8",
+            "--transformer-impl",
+            "local",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--num-experts" in err[0], err
 
@@ -152,8 +197,14 @@ def test_the_spec_object_builds_the_partitioned_layer_from_the_config(plans, tmp
 
     for name, plan in zip(("two", "one"), plans):
         (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
-    env = {**os.environ, "PORT": str(free_port()), "PYTHONWARNINGS": "ignore", "TORCHDYNAMO_DISABLE": "1",
-           "TWO": str(tmp_path / "two.json"), "ONE": str(tmp_path / "one.json")}
+    env = {
+        **os.environ,
+        "PORT": str(free_port()),
+        "PYTHONWARNINGS": "ignore",
+        "TORCHDYNAMO_DISABLE": "1",
+        "TWO": str(tmp_path / "two.json"),
+        "ONE": str(tmp_path / "one.json"),
+    }
     r = subprocess.run([sys.executable, "-c", SPEC_PROBE], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     # 2 layers; q: 4 heads x 8 + k, v: 2 groups x 8 each = 64 rows; fc1: 2 x 128 (SwiGLU)

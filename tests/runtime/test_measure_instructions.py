@@ -50,9 +50,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     out = tmp_path_factory.mktemp("measure")
-    spawn(_worker, 2, str(out),
-          env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "1", "KAREUS_GPU": None,
-               "KAREUS_LOG_INSTRUCTIONS": None})
+    spawn(
+        _worker,
+        2,
+        str(out),
+        env={
+            "KAREUS_GPU_BACKEND": "simulated",
+            "KAREUS_SIMULATED_LATENCY_MS": "1",
+            "KAREUS_GPU": None,
+            "KAREUS_LOG_INSTRUCTIONS": None,
+        },
+    )
     return {vp: read_run_log(out / f"vp{vp}") for vp in (1, 2)}
 
 
@@ -276,8 +284,12 @@ def test_a_measurement_only_session_logs_the_temperature(tmp_path):
 
     session = RuntimeSession(None, framework_patch=deepspeed_patch)  # not started: only its reading is used
     session.device = SimulatedGPU(gpu_spec("a100-sxm4-40gb"), 0, log_path=None, latency_s=0.0)
-    meter = IterationMeter(open_rank_log(tmp_path / "log", 0), mark=session._read_now, header={"rank": 0, "world": 1},
-                           flush_interval_s=None)
+    meter = IterationMeter(
+        open_rank_log(tmp_path / "log", 0),
+        mark=session._read_now,
+        header={"rank": 0, "world": 1},
+        flush_interval_s=None,
+    )
     meter.begin(0)
     meter.end(0)
     meter.close()
@@ -293,8 +305,9 @@ def test_the_writer_thread_reads_the_events_on_the_training_threads_device(tmp_p
     fake_torch = type("torch", (), {"cuda": cuda})
     monkeypatch.setattr(TimingEvents, "available", classmethod(lambda cls: cls(fake_torch)))
     cuda.set_device(3)  # the training thread's device (torch.cuda.set_device(local_rank))
-    meter = IterationMeter(open_rank_log(tmp_path / "log", 3), header={"rank": 3, "world": 4}, flush_interval_s=0.01,
-                           instructions=True)
+    meter = IterationMeter(
+        open_rank_log(tmp_path / "log", 3), header={"rank": 3, "world": 4}, flush_interval_s=0.01, instructions=True
+    )
     begins, ends = meter.instruction_callables(lambda *a: None, lambda: None)
     meter.set_plan(_instrs(1))
     meter.set_stage(0)

@@ -27,8 +27,11 @@ def _record_run(tmp_path, plan, iterations=5, busy_s=0.01):
     gpu = SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0)
     client.start_thread(gpu, simulation=gpu)
     log = tmp_path / "run"
-    meter = IterationMeter(open_rank_log(log, 0), mark=client.mark,
-                           header={"plan_sha256": plan_sha256(plan), "backend": "simulated", "rank": 0, "world": 1})
+    meter = IterationMeter(
+        open_rank_log(log, 0),
+        mark=client.mark,
+        header={"plan_sha256": plan_sha256(plan), "backend": "simulated", "rank": 0, "world": 1},
+    )
     for it in range(iterations):
         meter.begin(it)
         for k, ins in enumerate(plan.stages[0].instructions[:4]):
@@ -118,8 +121,9 @@ def test_the_sink_is_fed_outside_the_meter_lock_and_never_from_a_signal_drain(tm
     client = ClockClient()
     gpu = SimulatedGPU(gpu_spec(plan.gpu), 0, log_path=None, latency_s=0.0)
     client.start_thread(gpu, simulation=gpu)
-    meter = IterationMeter(open_rank_log(tmp_path / "run", 0), mark=client.mark, header={"rank": 0, "world": 1},
-                           flush_interval_s=None)
+    meter = IterationMeter(
+        open_rank_log(tmp_path / "run", 0), mark=client.mark, header={"rank": 0, "world": 1}, flush_interval_s=None
+    )
     held: list[bool] = []
 
     class Sink:
@@ -154,8 +158,9 @@ def test_the_header_names_the_cuda_device_once_cuda_is_initialised(tmp_path, mon
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props if i == 3 else None)
-    meter = IterationMeter(open_rank_log(tmp_path / "run", 0), header={"rank": 0, "world": 1, "gpu_index": 3},
-                           flush_interval_s=None)
+    meter = IterationMeter(
+        open_rank_log(tmp_path / "run", 0), header={"rank": 0, "world": 1, "gpu_index": 3}, flush_interval_s=None
+    )
     meter.set_stage(0, pp=1)
     meter.close()
     (header,) = [json.loads(x) for x in (tmp_path / "run" / "rank-00000.jsonl").read_text().splitlines()]

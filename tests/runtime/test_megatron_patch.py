@@ -24,8 +24,12 @@ def spawned(tmp_path_factory):
     import patch_worker
 
     out = tmp_path_factory.mktemp("patch")
-    spawn(patch_worker.worker, 2, str(out),
-          env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "15", "KAREUS_GPU": None})
+    spawn(
+        patch_worker.worker,
+        2,
+        str(out),
+        env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "15", "KAREUS_GPU": None},
+    )
     ranks = read_ranks(out, "rank{rank}.json", 2)
     return out, ranks
 
@@ -112,9 +116,14 @@ def test_a_plan_for_another_architecture_is_rejected_before_step_one(spawned):
     for r in range(2):
         wrong = ranks[r]["wrong_arch"]
         assert wrong["forward_calls"] == 0
-        for part in ("model activation: plan swiglu, run gelu", "model normalization: plan rmsnorm, run layernorm",
-                     "model position_embedding: plan rope, run learned", "model precision: plan bf16, run fp32",
-                     "model bias_linear: plan false, run true", "model tied_embeddings: plan true, run false"):
+        for part in (
+            "model activation: plan swiglu, run gelu",
+            "model normalization: plan rmsnorm, run layernorm",
+            "model position_embedding: plan rope, run learned",
+            "model precision: plan bf16, run fp32",
+            "model bias_linear: plan false, run true",
+            "model tied_embeddings: plan true, run false",
+        ):
             assert part in wrong["raised"]
         assert wrong["raised"].count("does not match") == 1
 
@@ -123,17 +132,30 @@ def test_a_plan_for_another_architecture_is_rejected_before_step_one(spawned):
 
 
 def _live(**kw):
-    base = dict(pp=2, pp_rank=0, vp=1, num_microbatches=4, seq_length=16, micro_batch_size=2, tp=1, cp=1, dp=1,
-                sequence_parallel=False, layers_on_rank=1,
-                model=dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4,
-                           ffn_hidden_size=128, vocab_size=128))
+    base = dict(
+        pp=2,
+        pp_rank=0,
+        vp=1,
+        num_microbatches=4,
+        seq_length=16,
+        micro_batch_size=2,
+        tp=1,
+        cp=1,
+        dp=1,
+        sequence_parallel=False,
+        layers_on_rank=1,
+        model=dict(
+            num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=128, vocab_size=128
+        ),
+    )
     base.update(kw)
     return LiveRun(**base)
 
 
 def test_matching_plan_has_no_mismatch():
-    assert plan_mismatches(plans.tiny_plan(), _live(), (1410, 1305, 1200, 1155, 1095, 1005, 990),
-                           "a100-sxm4-40gb") == []
+    assert (
+        plan_mismatches(plans.tiny_plan(), _live(), (1410, 1305, 1200, 1155, 1095, 1005, 990), "a100-sxm4-40gb") == []
+    )
 
 
 def test_every_mismatch_is_listed():
@@ -143,23 +165,32 @@ def test_every_mismatch_is_listed():
     msg = str(e.value)
     bad = sorted(set(plans.tiny_plan().clock_sequence(0)) - {1410, 1200})
     assert bad
-    for part in ("p.json does not match", "tensor parallel size (tp): plan 1, run 2",
-                 "sequence length: plan 16, run 32",
-                 "virtual pipeline chunks (vp): plan 1, run 2", "schedule: plan 1f1b, run interleaved-1f1b",
-                 "model hidden_size: plan 32, run 64", "layers on pipeline rank 0: plan 1, run 3",
-                 "GPU: plan made for a100-sxm4-40gb, this GPU is h100-sxm5-80gb",
-                 f"SM clocks {', '.join(map(str, bad))} MHz are not lockable"):
+    for part in (
+        "p.json does not match",
+        "tensor parallel size (tp): plan 1, run 2",
+        "sequence length: plan 16, run 32",
+        "virtual pipeline chunks (vp): plan 1, run 2",
+        "schedule: plan 1f1b, run interleaved-1f1b",
+        "model hidden_size: plan 32, run 64",
+        "layers on pipeline rank 0: plan 1, run 3",
+        "GPU: plan made for a100-sxm4-40gb, this GPU is h100-sxm5-80gb",
+        f"SM clocks {', '.join(map(str, bad))} MHz are not lockable",
+    ):
         assert part in msg
     assert "\n" not in msg
 
 
 def test_architecture_mismatches_are_listed_and_unknown_fields_skipped():
     arch = dict(plans.TINY_GPT_ARCH, activation="swiglu", kv_channels=16, qk_norm=True, precision="tf32")
-    live = _live(model={**plans.TINY_GPT_ARCH, **{k: v for k, v in arch.items() if k != "precision"},
-                        "precision": "bf16"})
+    live = _live(
+        model={**plans.TINY_GPT_ARCH, **{k: v for k, v in arch.items() if k != "precision"}, "precision": "bf16"}
+    )
     assert plan_mismatches(plans.tiny_plan(), live) == [
-        "model activation: plan gelu, run swiglu", "model kv_channels: plan 8, run 16",
-        "model qk_norm: plan false, run true", "model precision: plan fp32, run bf16"]
+        "model activation: plan gelu, run swiglu",
+        "model kv_channels: plan 8, run 16",
+        "model qk_norm: plan false, run true",
+        "model precision: plan fp32, run bf16",
+    ]
     old = plans.tiny_plan()
     old = old.model_copy(update={"model": old.model.model_copy(update=dict.fromkeys(MODEL_RECORD_FIELDS))})
     assert plan_mismatches(old, live) == []  # a plan from before the record: unknown, not checked
@@ -175,13 +206,32 @@ def test_live_architecture_names_what_megatron_runs():
     from megatron.core.activations import squared_relu
     from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=32, gated_linear_unit=True,
-                            activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-                            add_qkv_bias=True, qk_layernorm=True, bf16=True, params_dtype=torch.bfloat16)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        kv_channels=32,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        qk_layernorm=True,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
     gpt = SimpleNamespace(position_embedding_type="rope", share_embeddings_and_output_weights=False)
     assert live_architecture(cfg, gpt, "highest") == dict(
-        activation="swiglu", normalization="rmsnorm", kv_channels=32, bias_linear=False, qkv_bias=True, qk_norm=True,
-        precision="bf16", position_embedding="rope", tied_embeddings=False)
+        activation="swiglu",
+        normalization="rmsnorm",
+        kv_channels=32,
+        bias_linear=False,
+        qkv_bias=True,
+        qk_norm=True,
+        precision="bf16",
+        position_embedding="rope",
+        tied_embeddings=False,
+    )
     plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, activation_func=squared_relu)
     got = live_architecture(plain, SimpleNamespace(position_embedding_type="none"), "high")
     assert (got["activation"], got["position_embedding"], got["precision"]) == ("squared_relu", "none", "tf32")
@@ -198,8 +248,9 @@ def test_padded_vocabulary_is_the_same_model():
 def test_unsupported_megatron_version(monkeypatch):
     for v in ("0.17.0", "0.14.0", "0.18.2rc0"):
         monkeypatch.setattr(megatron_patch, "megatron_core_version", lambda v=v: v)
-        with pytest.raises(UnsupportedVersionError,
-                           match=rf"megatron-core {v} is not supported.*supported: 0.15.x, 0.16.x, 0.19.x"):
+        with pytest.raises(
+            UnsupportedVersionError, match=rf"megatron-core {v} is not supported.*supported: 0.15.x, 0.16.x, 0.19.x"
+        ):
             megatron_patch.check_megatron_core_version()
     for v in ("0.15.3", "0.16.0", "0.19.1"):
         monkeypatch.setattr(megatron_patch, "megatron_core_version", lambda v=v: v)

@@ -166,10 +166,15 @@ def test_wandb_rows_trail_megatrons_steps_and_never_go_back():
     sink.iteration_ended(3)  # step 11: iteration 1's
     sink.record(_record(3))
     sink.close()  # step 11 again at close: already has a row, so 2 and 3 stay out of W&B
-    assert [(d[STEP_METRIC], step, d[TAGS["gpu_energy_j"]]) for d, step, _ in wb.logs] == [(8, 9, 100.0),
-                                                                                         (9, 11, 101.0)]
-    assert sink.scalars({"time_s": None, "energy_j": None}) == {"planned_iteration_time_s": 0.05,
-                                                              "planned_job_energy_j": 40.0, "plan_point": 0.0}
+    assert [(d[STEP_METRIC], step, d[TAGS["gpu_energy_j"]]) for d, step, _ in wb.logs] == [
+        (8, 9, 100.0),
+        (9, 11, 101.0),
+    ]
+    assert sink.scalars({"time_s": None, "energy_j": None}) == {
+        "planned_iteration_time_s": 0.05,
+        "planned_job_energy_j": 40.0,
+        "plan_point": 0.0,
+    }
 
 
 def test_a_finished_wandb_run_gets_nothing_more(tmp_path, monkeypatch):
@@ -201,8 +206,10 @@ def test_no_writer_on_this_rank_means_no_sink(tmp_path, monkeypatch):
 
 
 def test_the_runtime_never_imports_megatron_training():
-    code = ("import sys, kareus_megatron.runtime.session, kareus_megatron.runtime.frameworks.megatron_writers as w; "
-            "assert w.attach(None) is None; print(sorted(m for m in sys.modules if m.startswith('megatron')))")
+    code = (
+        "import sys, kareus_megatron.runtime.session, kareus_megatron.runtime.frameworks.megatron_writers as w; "
+        "assert w.attach(None) is None; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

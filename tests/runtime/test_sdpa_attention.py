@@ -102,7 +102,7 @@ def test_mask_conversion_reads_shape_and_dtype_only():
     with SyncCount() as sc:  # megatron's masks for a GPT layer: None, [1, 1, s, s], [b, 1, s, s]; none is read
         for mask in (None, causal.view(1, 1, s, s), causal.expand(b, 1, s, s).contiguous()):
             assert a.sdpa_mask(mask, AttnMaskType.causal, s, s) == (True, None)  # flash-eligible: no mask
-            for half in (mask.chunk(2, dim=0) if mask is not None and mask.shape[0] > 1 else ()):  # nanobatches
+            for half in mask.chunk(2, dim=0) if mask is not None and mask.shape[0] > 1 else ():  # nanobatches
                 assert a.sdpa_mask(half, AttnMaskType.causal, s, s) == (True, None)
         # the causal type's contract (megatron's fused softmax and TE): a square mask is not looked at
         assert a.sdpa_mask(padding, AttnMaskType.causal, s, s) == (True, None)
@@ -117,7 +117,10 @@ def test_mask_conversion_reads_shape_and_dtype_only():
     assert a.sdpa_mask(None, AttnMaskType.padding, s, s) == (False, None)
     cached = a.causal_attend_mask(s, s, torch.device("cpu"))  # the bias path's causal mask: once per shape, device
     assert cached is a.causal_attend_mask(s, s, torch.device("cpu")) and torch.equal(cached, ~causal)
-    for bad, sq, kind in ((torch.zeros(1, 1, s, s), s, AttnMaskType.causal), (None, s - 1, AttnMaskType.causal),
-                          (torch.zeros(1, 1, s, s), s, AttnMaskType.padding)):
+    for bad, sq, kind in (
+        (torch.zeros(1, 1, s, s), s, AttnMaskType.causal),
+        (None, s - 1, AttnMaskType.causal),
+        (torch.zeros(1, 1, s, s), s, AttnMaskType.padding),
+    ):
         with pytest.raises(InfeasibleConfigError):
             a.sdpa_mask(bad, kind, sq, s)

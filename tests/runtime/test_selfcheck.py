@@ -22,8 +22,13 @@ def dry_run(tmp_path_factory):
     out, log = tmp / "selfcheck.json", tmp / "sim.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAREUS_")}
     env["KAREUS_SIMULATED_LOG"] = str(log)
-    proc = subprocess.run([sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--dry-run", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kareus_megatron.runtime.selfcheck", "--dry-run", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in log.read_text().splitlines()]
     return json.loads(out.read_text()), events
@@ -56,8 +61,9 @@ def test_event_alignment_on_cpu_is_the_mark_latency_labelled_so(dry_run):
     assert ea["samples"] >= 25 and 0 < ea["cpu_mark_latency_s_median"] <= ea["cpu_mark_latency_s_p95"] < 1.0
 
 
-@pytest.mark.parametrize("attention,core", [("local_attention", "DotProductAttention"),
-                                            ("sdpa_attention", "SDPAttention")])
+@pytest.mark.parametrize(
+    "attention,core", [("local_attention", "DotProductAttention"), ("sdpa_attention", "SDPAttention")]
+)
 def test_partitioned_layer_matches_the_standard_layer(dry_run, attention, core):
     pl = dry_run[0]["partitioned_layer"]
     r = pl[attention]

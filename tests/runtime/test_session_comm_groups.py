@@ -10,8 +10,10 @@ import plans
 from kareus_megatron.runtime.overlap.comm_groups import CommGroupInfo
 from kareus_megatron.runtime.session import RuntimeSession
 
-INFOS = (CommGroupInfo(comm_sms=None, kind="tp", init_s=0.017, memory_bytes=205520896, shared=True),
-         CommGroupInfo(comm_sms=8, kind="tp", init_s=0.011, memory_bytes=37748736, shared=True))
+INFOS = (
+    CommGroupInfo(comm_sms=None, kind="tp", init_s=0.017, memory_bytes=205520896, shared=True),
+    CommGroupInfo(comm_sms=8, kind="tp", init_s=0.011, memory_bytes=37748736, shared=True),
+)
 
 
 def _header(tmp_path, monkeypatch, nanobatches: int) -> dict:
@@ -23,8 +25,11 @@ def _header(tmp_path, monkeypatch, nanobatches: int) -> dict:
     monkeypatch.setenv("KAREUS_SIMULATED_LATENCY_MS", "0")
     plan = plans.tiny_plan(pp=1, m=2, gpus_per_node=1)
     first = plan.stages[0].instructions[0].model_copy(update={"nanobatches": nanobatches})
-    plan = plan.model_copy(update={"stages": (plan.stages[0].model_copy(
-        update={"instructions": (first, *plan.stages[0].instructions[1:])}),)})
+    plan = plan.model_copy(
+        update={
+            "stages": (plan.stages[0].model_copy(update={"instructions": (first, *plan.stages[0].instructions[1:])}),)
+        }
+    )
 
     def setup(plan, **kw):  # the engine NCCL would have built (gloo builds none); the model check is the layer's
         e = engine.OverlapEngine(comm=comm.Communicator(group_infos=INFOS))
@@ -45,8 +50,13 @@ def _header(tmp_path, monkeypatch, nanobatches: int) -> dict:
 def test_the_header_lists_each_communicator_and_its_cost(tmp_path, monkeypatch):
     header = _header(tmp_path, monkeypatch, nanobatches=2)
     assert header["comm_groups"] == [i.to_dict() for i in INFOS]
-    assert header["comm_groups"][1] == {"comm_sms": 8, "kind": "tp", "init_s": 0.011, "memory_bytes": 37748736,
-                                        "shared": True}
+    assert header["comm_groups"][1] == {
+        "comm_sms": 8,
+        "kind": "tp",
+        "init_s": 0.011,
+        "memory_bytes": 37748736,
+        "shared": True,
+    }
 
 
 def test_no_communicators_no_key(tmp_path, monkeypatch):

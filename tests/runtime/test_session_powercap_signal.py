@@ -38,8 +38,12 @@ def _events(path: Path) -> list[dict]:
 
 def test_sigterm_restores_the_power_limit_with_the_thread_controller(tmp_path):
     sim_log = tmp_path / "sim.jsonl"
-    env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LOG": str(sim_log),
-           "KAREUS_SIMULATED_LATENCY_MS": "0"}
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        "KAREUS_SIMULATED_LOG": str(sim_log),
+        "KAREUS_SIMULATED_LATENCY_MS": "0",
+    }
     env.pop("KAREUS_GPU_READ_ONLY", None)
     code = TRAINER.format(here=str(HERE), log=str(tmp_path / "run"))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)

@@ -29,14 +29,53 @@ def _profile(path):
 
 
 def test_a_solved_plan_runs_on_the_job_it_names(tmp_path, capsys):
-    assert main(["solve", "--profile", str(_profile(tmp_path / "p.csv")), "--pp", "2", "--microbatches", "4",
-                 "--points", "3", "--gpu", plans.GPU, "--mbs", str(plans.MBS), "--seq", str(plans.SEQ),
-                 "--layers-per-stage", "1,1", "--out", str(tmp_path / "solved")]) == 0
+    assert (
+        main(
+            [
+                "solve",
+                "--profile",
+                str(_profile(tmp_path / "p.csv")),
+                "--pp",
+                "2",
+                "--microbatches",
+                "4",
+                "--points",
+                "3",
+                "--gpu",
+                plans.GPU,
+                "--mbs",
+                str(plans.MBS),
+                "--seq",
+                str(plans.SEQ),
+                "--layers-per-stage",
+                "1,1",
+                "--out",
+                str(tmp_path / "solved"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     plan = load_plan(tmp_path / "solved" / "plans" / "solve-01.json")
     assert len({c for r in range(2) for c in plan.clock_sequence(r)}) > 1  # not all at one clock
     (tmp_path / "train.py").write_text(STANDIN_TRAIN)
-    cmd = [sys.executable, "-m", "kareus_megatron.launch", "--kareus-plan", "solved", "--kareus-point", "solve-01",
-           "--kareus-log", "run.jsonl", "--", "train.py", "--iters", str(ITERS), "--microbatches", "4",
-           "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kareus_megatron.launch",
+        "--kareus-plan",
+        "solved",
+        "--kareus-point",
+        "solve-01",
+        "--kareus-log",
+        "run.jsonl",
+        "--",
+        "train.py",
+        "--iters",
+        str(ITERS),
+        "--microbatches",
+        "4",
+        "--out",
+        str(tmp_path),
+    ]
     _check_run(tmp_path, plan, _run_two(cmd, tmp_path))

@@ -28,34 +28,37 @@ def _count(fn, **kw) -> SyncCount:
     return sc
 
 
-@pytest.mark.parametrize("name, op", [
-    ("Tensor.item", lambda t: t.sum().item()),
-    ("Tensor.tolist", lambda t: t.tolist()),
-    ("Tensor.__bool__", lambda t: bool(t.sum() > 0)),
-    ("Tensor.__bool__", lambda t: (t.sum() > 0) and 1),
-    ("Tensor.__int__", lambda t: int(t.sum())),
-    ("Tensor.__float__", lambda t: float(t.sum())),
-    ("Tensor.__index__", lambda t: [1, 2, 3][t.long()[0]]),
-    ("Tensor.__repr__", lambda t: repr(t)),
-    ("Tensor.__format__", lambda t: f"{t.sum():.3f}"),
-    ("Tensor.numpy", lambda t: t.detach().numpy()),
-    ("Tensor.cpu", lambda t: t.cpu()),
-    ("Tensor.nonzero", lambda t: t.nonzero()),
-    ("torch.nonzero", lambda t: torch.nonzero(t)),
-    ("torch.where(cond)", lambda t: torch.where(t > 0)),
-    ("Tensor[bool mask]", lambda t: t[t > 0]),
-    ("Tensor[bool mask]=", lambda t: t.detach().clone().__setitem__(t > 0, 0.0)),
-    ("Tensor.masked_select", lambda t: t.masked_select(t > 0)),
-    ("torch.unique", lambda t: torch.unique(t)),
-    ("torch.equal", lambda t: torch.equal(t, t)),
-    ("Tensor.equal", lambda t: t.equal(t)),
-    ("torch.allclose", lambda t: torch.allclose(t, t)),
-    ("Tensor.repeat_interleave(tensor)", lambda t: t.repeat_interleave(torch.tensor([1, 2, 1, 1]), dim=0)),
-    ("torch.tensor(data, device)", lambda t: torch.tensor([1, 2], device=t.device)),
-    ("torch.as_tensor(data, device)", lambda t: torch.as_tensor([1, 2], device=torch.device("cpu"))),
-    ("Tensor.to(device)", lambda t: t.to(t.device)),
-    ("Tensor.to(device)", lambda t: t.to(device="cpu", dtype=torch.float64)),
-])
+@pytest.mark.parametrize(
+    "name, op",
+    [
+        ("Tensor.item", lambda t: t.sum().item()),
+        ("Tensor.tolist", lambda t: t.tolist()),
+        ("Tensor.__bool__", lambda t: bool(t.sum() > 0)),
+        ("Tensor.__bool__", lambda t: (t.sum() > 0) and 1),
+        ("Tensor.__int__", lambda t: int(t.sum())),
+        ("Tensor.__float__", lambda t: float(t.sum())),
+        ("Tensor.__index__", lambda t: [1, 2, 3][t.long()[0]]),
+        ("Tensor.__repr__", lambda t: repr(t)),
+        ("Tensor.__format__", lambda t: f"{t.sum():.3f}"),
+        ("Tensor.numpy", lambda t: t.detach().numpy()),
+        ("Tensor.cpu", lambda t: t.cpu()),
+        ("Tensor.nonzero", lambda t: t.nonzero()),
+        ("torch.nonzero", lambda t: torch.nonzero(t)),
+        ("torch.where(cond)", lambda t: torch.where(t > 0)),
+        ("Tensor[bool mask]", lambda t: t[t > 0]),
+        ("Tensor[bool mask]=", lambda t: t.detach().clone().__setitem__(t > 0, 0.0)),
+        ("Tensor.masked_select", lambda t: t.masked_select(t > 0)),
+        ("torch.unique", lambda t: torch.unique(t)),
+        ("torch.equal", lambda t: torch.equal(t, t)),
+        ("Tensor.equal", lambda t: t.equal(t)),
+        ("torch.allclose", lambda t: torch.allclose(t, t)),
+        ("Tensor.repeat_interleave(tensor)", lambda t: t.repeat_interleave(torch.tensor([1, 2, 1, 1]), dim=0)),
+        ("torch.tensor(data, device)", lambda t: torch.tensor([1, 2], device=t.device)),
+        ("torch.as_tensor(data, device)", lambda t: torch.as_tensor([1, 2], device=torch.device("cpu"))),
+        ("Tensor.to(device)", lambda t: t.to(t.device)),
+        ("Tensor.to(device)", lambda t: t.to(device="cpu", dtype=torch.float64)),
+    ],
+)
 def test_each_sync_prone_operation_is_counted_once_with_its_site(name, op):
     t = torch.linspace(-1.0, 1.0, 4, requires_grad=True)
     sc = _count(lambda: op(t))
@@ -63,9 +66,14 @@ def test_each_sync_prone_operation_is_counted_once_with_its_site(name, op):
     assert sc.sites[0][1].startswith(__file__ + ":")  # the caller's line, not the counter's
 
 
-@pytest.mark.parametrize("name, wait", [("torch.cuda.synchronize", lambda: torch.cuda.synchronize()),
-                                        ("Event.synchronize", lambda: torch.cuda.Event.synchronize(object())),
-                                        ("Stream.synchronize", lambda: torch.cuda.Stream.synchronize(object()))])
+@pytest.mark.parametrize(
+    "name, wait",
+    [
+        ("torch.cuda.synchronize", lambda: torch.cuda.synchronize()),
+        ("Event.synchronize", lambda: torch.cuda.Event.synchronize(object())),
+        ("Stream.synchronize", lambda: torch.cuda.Stream.synchronize(object())),
+    ],
+)
 def test_explicit_waits_are_counted(name, wait):
     with SyncCount() as sc:
         try:
@@ -75,18 +83,21 @@ def test_explicit_waits_are_counted(name, wait):
     assert dict(sc.counts) == {name: 1}
 
 
-@pytest.mark.parametrize("op", [
-    lambda t: t[torch.tensor([0, 2])],  # gather by a long index: no size from device values
-    lambda t: t[1:3],
-    lambda t: t.to(torch.float64),  # dtype only
-    lambda t: t.to("cpu", non_blocking=True),
-    lambda t: t.repeat_interleave(2),
-    lambda t: torch.tensor([1, 2]),  # a host tensor
-    lambda t: torch.tensor([1, 2], device="cpu"),  # asked for on the host by name
-    lambda t: torch.where(t > 0, t, 0.0),
-    lambda t: (t.sum() > 0).any(),  # stays a tensor
-    lambda t: torch.arange(4, device=t.device) * 2,
-])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: t[torch.tensor([0, 2])],  # gather by a long index: no size from device values
+        lambda t: t[1:3],
+        lambda t: t.to(torch.float64),  # dtype only
+        lambda t: t.to("cpu", non_blocking=True),
+        lambda t: t.repeat_interleave(2),
+        lambda t: torch.tensor([1, 2]),  # a host tensor
+        lambda t: torch.tensor([1, 2], device="cpu"),  # asked for on the host by name
+        lambda t: torch.where(t > 0, t, 0.0),
+        lambda t: (t.sum() > 0).any(),  # stays a tensor
+        lambda t: torch.arange(4, device=t.device) * 2,
+    ],
+)
 def test_operations_that_do_not_wait_are_not_counted(op):
     t = torch.linspace(-1.0, 1.0, 4)
     assert _count(lambda: op(t)).total == 0

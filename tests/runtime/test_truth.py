@@ -30,15 +30,27 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = "a100-sxm4-40gb"
 # 15-30% off the preset (gpus.toml a100-sxm4-40gb, cost/params.py defaults); time_scale makes the tiny GPT's
 # instructions a few ms long.
-PARAMS = {"time_scale": 60.0, "gemm_efficiency": 0.62, "memory_efficiency": 0.70, "static_power_w": 36.0,
-          "compute_dynamic_w": 420.0, "idle_dynamic_w": 66.0, "p_blocked_w": 100.0}
+PARAMS = {
+    "time_scale": 60.0,
+    "gemm_efficiency": 0.62,
+    "memory_efficiency": 0.70,
+    "static_power_w": 36.0,
+    "compute_dynamic_w": 420.0,
+    "idle_dynamic_w": 66.0,
+    "p_blocked_w": 100.0,
+}
 DRIFT_AT = 3
 DRIFT = {"static_power_w": 90.0, "compute_dynamic_w": 480.0}  # a "thermal" rise of busy power
 
 
 def _write_truth(path: Path, params: dict | None = None, drift: list | None = None, **extra) -> Path:
-    doc = {"format": "kareus-simulated-truth/1", "gpu": GPU, "params": PARAMS if params is None else params,
-           **({"drift": drift} if drift is not None else {}), **extra}
+    doc = {
+        "format": "kareus-simulated-truth/1",
+        "gpu": GPU,
+        "params": PARAMS if params is None else params,
+        **({"drift": drift} if drift is not None else {}),
+        **extra,
+    }
     path.write_text(json.dumps(doc))
     return path
 
@@ -123,9 +135,29 @@ def test_begin_power_reaches_the_simulated_device(tmp_path, monkeypatch):
     t0 = time.monotonic()
     time.sleep(0.06)
     nan = math.nan
-    ctl.feed(encode_records([CODE_MARK, t0 + 0.01, nan, 1.0, 0.0, 0.0, 0.0, 0.0,
-                             *begin_record(t0 + 0.02, 0, 0, 1410, "forward", power_w=250.0),
-                             CODE_MARK, t0 + 0.05, t0 + 0.04, 2.0, 0.0, 0.0, 0.0, 0.0]))
+    ctl.feed(
+        encode_records(
+            [
+                CODE_MARK,
+                t0 + 0.01,
+                nan,
+                1.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                *begin_record(t0 + 0.02, 0, 0, 1410, "forward", power_w=250.0),
+                CODE_MARK,
+                t0 + 0.05,
+                t0 + 0.04,
+                2.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+            ]
+        )
+    )
     e1, e2 = (r["energy_j"] for r in replies if r.get("op") == "mark")
     assert e2 - e1 == pytest.approx(100.0 * 0.01 + 250.0 * 0.02 + 100.0 * 0.01, rel=1e-6)
     ctl.feed(encode_control({"op": "close", "seq": 1}))
@@ -143,20 +175,41 @@ def test_controller_refuses_a_truth_for_another_gpu(tmp_path, monkeypatch):
 BAD = {
     "not JSON": ("{", "not JSON"),
     "wrong format": (json.dumps({"format": "x/1"}), "has format"),
-    "unknown param": (json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"warp": 1}}),
-                      "unknown parameter 'warp'"),
-    "NaN": (json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"time_scale": math.nan}}),
-            "time_scale = nan"),
-    "negative": (json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"p_blocked_w": -1}}),
-                 "p_blocked_w = -1"),
-    "drift sets p_blocked_w": (json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {},
-                                           "drift": [{"after_iteration": 2, "params": {"p_blocked_w": 9}}]}),
-                               "drift[0] sets p_blocked_w"),
-    "drift out of order": (json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {},
-                                       "drift": [{"after_iteration": 4, "params": {}},
-                                                 {"after_iteration": 4, "params": {}}]}), "increasing"),
-    "bad calibration": (json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": {"warp": 1.0}}),
-                        "invalid"),
+    "unknown param": (
+        json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"warp": 1}}),
+        "unknown parameter 'warp'",
+    ),
+    "NaN": (
+        json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"time_scale": math.nan}}),
+        "time_scale = nan",
+    ),
+    "negative": (
+        json.dumps({"format": "kareus-simulated-truth/1", "gpu": GPU, "params": {"p_blocked_w": -1}}),
+        "p_blocked_w = -1",
+    ),
+    "drift sets p_blocked_w": (
+        json.dumps(
+            {
+                "format": "kareus-simulated-truth/1",
+                "gpu": GPU,
+                "params": {},
+                "drift": [{"after_iteration": 2, "params": {"p_blocked_w": 9}}],
+            }
+        ),
+        "drift[0] sets p_blocked_w",
+    ),
+    "drift out of order": (
+        json.dumps(
+            {
+                "format": "kareus-simulated-truth/1",
+                "gpu": GPU,
+                "params": {},
+                "drift": [{"after_iteration": 4, "params": {}}, {"after_iteration": 4, "params": {}}],
+            }
+        ),
+        "increasing",
+    ),
+    "bad calibration": (json.dumps({"format": "kareus-calibration/1", "gpu": GPU, "params": {"warp": 1.0}}), "invalid"),
 }
 
 
@@ -189,8 +242,22 @@ def test_launcher_refuses_a_bad_truth_in_one_line_with_status_2(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('the script must not run')\n")
     env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", TRUTH_ENV: str(tmp_path / "missing.json")}
-    r = subprocess.run([sys.executable, "-m", "kareus_megatron.launch", "--kareus-plan", str(tmp_path / "plan.json"),
-                        "--", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kareus_megatron.launch",
+            "--kareus-plan",
+            str(tmp_path / "plan.json"),
+            "--",
+            str(script),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "truth file" in lines[0] and "missing.json" in lines[0], r.stderr[-2000:]
@@ -206,33 +273,90 @@ def test_two_rank_run_obeys_the_truth(tmp_path):
     E_T plus the blocked power over the rest), instructions take the truth's time, and the drift raises the
     busy power from its iteration on."""
     kareus = Path(sys.executable).with_name("kareus")
-    r = subprocess.run([str(kareus), "plan", "--model", "examples/tiny-gpt.yaml", "--gpu", GPU, *JOB, "--nodes", "1",
-                        "--gpus-per-node", "2", "--precision", "fp32", "--recompute", "none", "--methods", "perseus",
-                        "--points", "3", "--out", str(tmp_path / "plan")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            str(kareus),
+            "plan",
+            "--model",
+            "examples/tiny-gpt.yaml",
+            "--gpu",
+            GPU,
+            *JOB,
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--precision",
+            "fp32",
+            "--recompute",
+            "none",
+            "--methods",
+            "perseus",
+            "--points",
+            "3",
+            "--out",
+            str(tmp_path / "plan"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     plan_path = tmp_path / "plan" / "plans" / "perseus-02.json"  # the lowest-energy point: clocks below the max
     truth_path = _write_truth(tmp_path / "truth.json", drift=[{"after_iteration": DRIFT_AT, "params": DRIFT}])
-    env = {**os.environ, "KAREUS_GPU_BACKEND": "simulated", TRUTH_ENV: str(truth_path), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore::UserWarning"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "kareus_megatron.launch", "--kareus-plan", str(plan_path), "--kareus-log",
-                        str(tmp_path / "run"), "--", "examples/tiny_train.py", "--iterations", str(ITERATIONS), *JOB],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        TRUTH_ENV: str(truth_path),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore::UserWarning",
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "kareus_megatron.launch",
+            "--kareus-plan",
+            str(plan_path),
+            "--kareus-log",
+            str(tmp_path / "run"),
+            "--",
+            "examples/tiny_train.py",
+            "--iterations",
+            str(ITERATIONS),
+            *JOB,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     from kareus_megatron.plan.io import load_plan
 
     plan, truth_file = load_plan(plan_path), load_truth(truth_path)
-    assert len({i.sm_clock_mhz for s in plan.stages for i in s.instructions}) > 1 or \
-        plan.stages[0].instructions[0].sm_clock_mhz < 1410
+    assert (
+        len({i.sm_clock_mhz for s in plan.stages for i in s.instructions}) > 1
+        or plan.stages[0].instructions[0].sm_clock_mhz < 1410
+    )
     errors, exact, stretch, busy_w = [], [], [], {0: [], 1: []}
     for rank in (0, 1):
         truth = Truth(truth_file)
         truth.bind(plan, rank)
         lines = [json.loads(line) for line in (tmp_path / "run" / f"rank-0000{rank}.jsonl").read_text().splitlines()]
         header, its = lines[0], [x for x in lines[1:] if x.get("kind") == "iteration"]
-        assert header["truth"] == {"path": str(truth_path), "sha256": truth_file.sha256,
-                                   "time_scale": truth_file.params.get("time_scale", 1.0)}
+        assert header["truth"] == {
+            "path": str(truth_path),
+            "sha256": truth_file.sha256,
+            "time_scale": truth_file.params.get("time_scale", 1.0),
+        }
         assert [x["iteration"] for x in its] == list(range(ITERATIONS))
         for it in its[1:]:
             rows = truth.rows(it["iteration"])
@@ -242,8 +366,14 @@ def test_two_rank_run_obeys_the_truth(tmp_path):
             # the truth's prediction, and the same with each instruction's measured time (exact whatever the load)
             errors.append(it["energy_j"] / truth.iteration_energy_j(it["iteration"], it["time_s"]) - 1)
             busy = sum(durations)
-            exact.append(it["energy_j"] / (sum(rows[k][2] * d for k, d in zip(cols["index"], durations))
-                                           + truth.p_blocked_w * (it["time_s"] - busy)) - 1)
+            exact.append(
+                it["energy_j"]
+                / (
+                    sum(rows[k][2] * d for k, d in zip(cols["index"], durations))
+                    + truth.p_blocked_w * (it["time_s"] - busy)
+                )
+                - 1
+            )
             stretch += [d / rows[k][0] for k, d in zip(cols["index"], durations)]
             assert it["time_s"] >= sum(row[0] for row in rows)  # the iteration takes at least the truth's busy time
             busy_w[rank].append((it["iteration"], (it["energy_j"] - truth.p_blocked_w * (it["time_s"] - busy)) / busy))

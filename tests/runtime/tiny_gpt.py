@@ -20,8 +20,9 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 def setup(rank: int, world: int, port: int) -> None:
     """Join a gloo process group on 127.0.0.1:`port` and apply the CPU shim."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -36,8 +37,9 @@ def init_parallel(pp: int, vp: int | None) -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp
+    )
 
 
 def build_chunks(pp: int, vp: int | None, seed: int = 1234) -> list[torch.nn.Module]:
@@ -49,17 +51,28 @@ def build_chunks(pp: int, vp: int | None, seed: int = 1234) -> list[torch.nn.Mod
 
     n_chunks = vp or 1
     cfg = TransformerConfig(
-        num_layers=pp * n_chunks, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-        pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vp, batch_p2p_comm=vp is None,  # notes A.4: VP needs False
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=pp * n_chunks,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp,
+        batch_p2p_comm=vp is None,  # notes A.4: VP needs False
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     torch.manual_seed(seed + ps.get_pipeline_model_parallel_rank())
     return [
-        GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                 max_sequence_length=SEQ, vp_stage=c if vp else None,
-                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c if vp else None),
-                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c if vp else None))
+        GPTModel(
+            config=cfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            vp_stage=c if vp else None,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c if vp else None),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c if vp else None),
+        )
         for c in range(n_chunks)
     ]
 
@@ -87,9 +100,14 @@ def _forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Ten
 FORWARD_CALLS = [0]
 
 
-def train(chunks: list[torch.nn.Module], m: int, iterations: int, lr: float = 0.1,
-          forward_only_every: int = 0, times_s: list[float] | None = None,
-          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(
+    chunks: list[torch.nn.Module],
+    m: int,
+    iterations: int,
+    lr: float = 0.1,
+    forward_only_every: int = 0,
+    times_s: list[float] | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Run `iterations` training steps (schedule + SGD); return per-iteration mean loss (last stage; else
     NaN) and the final gradients by parameter name. With `forward_only_every` = k, an evaluation
     (forward-only) pass runs after every k-th step. Each step's wall time (s) is appended to `times_s`."""
@@ -107,11 +125,21 @@ def train(chunks: list[torch.nn.Module], m: int, iterations: int, lr: float = 0.
             p.grad = None
         data = [_batches(it, m) for _ in chunks] if vp else _batches(it, m)
         out = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=data, model=chunks if vp else chunks[0],
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=chunks if vp else chunks[0],
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=False,
+        )
         losses.append(float(torch.stack([o["lm loss"] for o in out]).mean()) if out else float("nan"))
-        grads = {f"{ci}.{n}": p.grad.detach().clone() for ci, c in enumerate(chunks)
-                 for n, p in c.named_parameters() if p.grad is not None}
+        grads = {
+            f"{ci}.{n}": p.grad.detach().clone()
+            for ci, c in enumerate(chunks)
+            for n, p in c.named_parameters()
+            if p.grad is not None
+        }
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
@@ -131,5 +159,11 @@ def evaluate(chunks: list[torch.nn.Module], m: int) -> list[Any]:
     data = [_batches(999, m) for _ in chunks] if vp else _batches(999, m)
     with torch.no_grad():
         return get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=data, model=chunks if vp else chunks[0],
-            num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, forward_only=True)
+            forward_step_func=_forward_step,
+            data_iterator=data,
+            model=chunks if vp else chunks[0],
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=True,
+        )

@@ -26,8 +26,16 @@ GPU = "a100-sxm4-40gb"
 def planned():
     """A small job with every method (2 nanobatches, powercap, clock latency), planned once."""
     gpu = gpu_spec(GPU)
-    par = ParallelConfig(tp=2, pp=2, micro_batch_size=2, seq_length=1024, num_microbatches=4, nodes=1,
-                         gpus_per_node=4, layers_per_stage=(1, 1))
+    par = ParallelConfig(
+        tp=2,
+        pp=2,
+        micro_batch_size=2,
+        seq_length=1024,
+        num_microbatches=4,
+        nodes=1,
+        gpus_per_node=4,
+        layers_per_stage=(1, 1),
+    )
     model = dataclasses.replace(model_spec("llama3.2-3b"), num_layers=2)
     kernel = KernelModel(gpu)
     result = plan_methods(gpu, model, par, kernel, points=4)
@@ -65,8 +73,10 @@ def test_draws_are_seeded_and_spread_as_stated(planned):
 def test_a_run_log_posterior_replaces_the_class_prior(planned):
     _, kernel = planned
     gpu = gpu_spec(GPU)
-    fit = {"parameters": {"compute_dynamic_w": {"value": gpu.compute_dynamic_w, "sd": 0.01 * gpu.compute_dynamic_w}},
-           "correlation": {"names": ["compute_dynamic_w", "static_power_w"], "matrix": [[1.0, -0.5], [-0.5, 1.0]]}}
+    fit = {
+        "parameters": {"compute_dynamic_w": {"value": gpu.compute_dynamic_w, "sd": 0.01 * gpu.compute_dynamic_w}},
+        "correlation": {"names": ["compute_dynamic_w", "static_power_w"], "matrix": [[1.0, -0.5], [-0.5, 1.0]]},
+    }
     cal = Calibration(gpu=GPU, params={"compute_dynamic_w": gpu.compute_dynamic_w}, fit=fit)
     prior = parameter_prior(KernelModel(gpu, cal))
     i, j = prior.names.index("compute_dynamic_w"), prior.names.index("static_power_w")
@@ -80,9 +90,11 @@ def test_a_run_log_posterior_replaces_the_class_prior(planned):
 def test_reduction_bands_are_paired_draw_by_draw():
     """Two methods that move together: the difference's band is narrow even though each point's band is wide."""
     scale = np.linspace(0.7, 1.3, 41)  # one common factor per draw
-    frontiers = {"megatron": (np.array([10.0]), np.array([100.0])),
-                 "perseus": (np.array([10.0, 12.0]), np.array([95.0, 80.0])),
-                 "kareus": (np.array([9.0, 10.0]), np.array([90.0, 76.0]))}
+    frontiers = {
+        "megatron": (np.array([10.0]), np.array([100.0])),
+        "perseus": (np.array([10.0, 12.0]), np.array([95.0, 80.0])),
+        "kareus": (np.array([9.0, 10.0]), np.array([90.0, 76.0])),
+    }
 
     def draws(method, index):
         t, e = frontiers[method]

@@ -26,8 +26,18 @@ LAYOUTS = {
 
 
 def _par(recompute="none", **kw):
-    base = dict(tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute=recompute,
-                nodes=2, gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    base = dict(
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute=recompute,
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     base.update(kw)
     return make_parallel(MODEL, **base)
 
@@ -41,9 +51,11 @@ def test_issues_are_the_costed_collectives_with_their_partners(layout, phase, n,
     ``issues``, and nothing else."""
     par = _par("full", **LAYOUTS[layout])
     s = chunk_schedule(phase, layer_ops(MODEL, par, phase, n), n, layers)
-    costed = Counter([(id(i.collective), i.name if i.name != "tail" else PARTNER_TAIL) for i in s.instances]
-                     + [(id(i.collective), PARTNER_TAIL) for i in s.fixed]
-                     + [(id(c), PARTNER_EXPOSED) for c in s.exposed])
+    costed = Counter(
+        [(id(i.collective), i.name if i.name != "tail" else PARTNER_TAIL) for i in s.instances]
+        + [(id(i.collective), PARTNER_TAIL) for i in s.fixed]
+        + [(id(c), PARTNER_EXPOSED) for c in s.exposed]
+    )
     assert Counter((id(i.collective), i.partner) for i in s.issues) == costed
     assert {i.layer for i in s.issues} == (set(range(layers)) if s.issues else set())
 
@@ -52,8 +64,13 @@ def test_issues_are_the_costed_collectives_with_their_partners(layout, phase, n,
 def test_one_nanobatch_is_megatrons_order_whatever_the_pair(layout):
     par = _par("full", **LAYOUTS[layout])
     got = instruction_collectives(MODEL, par, "backward", 1, layers=2)
-    want = [(ph, k, op.collective, round(op.comm_bytes)) for ph in ("recompute", "backward") for k in
-            ((0, 1) if ph == "recompute" else (1, 0)) for op in layer_ops(MODEL, par, ph, 1) if op.kind == "collective"]
+    want = [
+        (ph, k, op.collective, round(op.comm_bytes))
+        for ph in ("recompute", "backward")
+        for k in ((0, 1) if ph == "recompute" else (1, 0))
+        for op in layer_ops(MODEL, par, ph, 1)
+        if op.kind == "collective"
+    ]
     assert [(c.phase, c.layer, c.collective, c.bytes) for c in got] == want
     assert {c.partner for c in got} == {PARTNER_EXPOSED}
 
@@ -65,8 +82,16 @@ def test_sp_backward_counts_and_halves():
     two = instruction_collectives(MODEL, par, "backward", 2)
     assert len(one) == 4 and len(two) == 8
     assert {c.bytes for c in one} == {2 * c.bytes for c in two}
-    assert [c.partner for c in two] == [PARTNER_EXPOSED, PARTNER_EXPOSED, "bwd_sp_mlp", "bwd_sp_attn_norm",
-                                        "bwd_sp_attn_norm", "bwd_sp_attn", "bwd_sp_attn", PARTNER_TAIL]
+    assert [c.partner for c in two] == [
+        PARTNER_EXPOSED,
+        PARTNER_EXPOSED,
+        "bwd_sp_mlp",
+        "bwd_sp_attn_norm",
+        "bwd_sp_attn_norm",
+        "bwd_sp_attn",
+        "bwd_sp_attn",
+        PARTNER_TAIL,
+    ]
 
 
 def test_group_ranks_in_megatrons_order():
@@ -96,7 +121,10 @@ def test_selective_recompute_runs_inside_the_backward(layout):
     compute = [op for op in ops if op.kind != "collective"]
     assert Counter(map(id, ran)) == Counter({id(op): 2 for op in compute})
     holder = next(i for i in s.instances if ops[at] in i.compute)
-    assert holder.slots.count("attention") == 1 and holder.compute[holder.slot_positions[
-        holder.slots.index("attention")]] is ops[at]
+    assert (
+        holder.slots.count("attention") == 1
+        and holder.compute[holder.slot_positions[holder.slots.index("attention")]] is ops[at]
+    )
     assert schedule_ops(MODEL, _par("full", **LAYOUTS[layout]), "backward", 2) == layer_ops(
-        MODEL, _par("full", **LAYOUTS[layout]), "backward", 2)
+        MODEL, _par("full", **LAYOUTS[layout]), "backward", 2
+    )

@@ -31,8 +31,18 @@ PHASES = ("forward", "recompute", "backward")
 
 
 def _par(**kw):
-    base = dict(tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full",
-                nodes=2, gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    base = dict(
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     base.update(kw)
     return make_parallel(MODEL, **base)
 
@@ -132,8 +142,11 @@ def test_tables_cost_the_chunk_schedule_exactly(kernel, layout):
     sms = adapter.default_sms
     for kind in ("forward", "backward"):
         layers = par.chunk_layers(0, 0)
-        config = {n: (sms, pt.slots[0]) for ph in opt.instruction_phases(par, kind)
-                  for n, pt in tables.phases[ph].partitions.items()}
+        config = {
+            n: (sms, pt.slots[0])
+            for ph in opt.instruction_phases(par, kind)
+            for n, pt in tables.phases[ph].partitions.items()
+        }
         t, e = opt.evaluate_overlap(tables, 0, 0, kind, 1410, config)
         et, ee = tables.extras(0, 0, kind)
         want_t, want_e = float(et[0]), float(ee[0])

@@ -22,8 +22,16 @@ LAYOUTS = (dict(tp=4), dict(tp=4, sequence_parallel=True, cp=2), dict(tp=2, cp=2
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_searched_grid_fits_the_budget(gpu_name, layout):
     gpu, model = gpu_spec(gpu_name), model_spec("qwen3-1.7b")
-    par = make_parallel(model, pp=2, micro_batch_size=2, seq_length=1024, num_microbatches=4, recompute="full",
-                        gpus_per_node=8, **layout)
+    par = make_parallel(
+        model,
+        pp=2,
+        micro_batch_size=2,
+        seq_length=1024,
+        num_microbatches=4,
+        recompute="full",
+        gpus_per_node=8,
+        **layout,
+    )
     kernel = KernelModel(gpu)
     tables = layer_tables(gpu, model, par, kernel, [int(gpu.max_sm_clock_mhz)])
     assert tables.overlap_error is None

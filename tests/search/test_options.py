@@ -24,8 +24,18 @@ MODEL = model_spec("llama3.2-3b")
 
 
 def _par(**kw):
-    base = dict(tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full",
-                nodes=2, gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    base = dict(
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     base.update(kw)
     return make_parallel(MODEL, **base)
 
@@ -97,11 +107,13 @@ def test_no_baseline_option_dominates_the_joint_frontier(all_options):
         for method in ("megatron", "perseus", "nanobatch_perseus"):
             base = all_options[method][key]
             strictly = (base.time_s[:, None] < joint.time_s[None, :]) & (
-                base.energy_j[:, None] < joint.energy_j[None, :])
+                base.energy_j[:, None] < joint.energy_j[None, :]
+            )
             assert not strictly.any(), (key, method)
             # and every baseline option is matched or beaten by some joint option
             covered = (joint.time_s[None, :] <= base.time_s[:, None] * (1 + 1e-12)) & (
-                joint.energy_j[None, :] <= base.energy_j[:, None] * (1 + 1e-12))
+                joint.energy_j[None, :] <= base.energy_j[:, None] * (1 + 1e-12)
+            )
             assert covered.any(axis=1).all(), (key, method)
 
 
@@ -172,8 +184,11 @@ def test_comm_sm_ranges_scale_with_the_gpu():
 def test_long_collectives_bound_the_overlap_gain_by_compute(kernel, monkeypatch):
     def scaled(factor):
         def ops(*a, **k):
-            return tuple(dataclasses.replace(op, comm_bytes=op.comm_bytes * factor) if op.kind == "collective" else op
-                         for op in layer_ops(*a, **k))
+            return tuple(
+                dataclasses.replace(op, comm_bytes=op.comm_bytes * factor) if op.kind == "collective" else op
+                for op in layer_ops(*a, **k)
+            )
+
         return ops
 
     clocks = (1410, 870)

@@ -21,8 +21,19 @@ MODEL = model_spec("llama3.2-3b")
 
 
 def _par(**kw):
-    base = dict(tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full",
-                nodes=2, gpus_per_node=8, first_stage_layers=15, last_stage_layers=13, sequence_parallel=True)
+    base = dict(
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+        sequence_parallel=True,
+    )
     base.update(kw)
     return make_parallel(MODEL, **base)
 
@@ -38,8 +49,11 @@ def kernel():
 def test_sp_segments_and_partition_names():
     fwd = split_segments("forward", layer_ops(MODEL, PAR, "forward", 2))
     assert [(s.partition, s.collective.collective) for s in fwd] == [
-        ("fwd_sp_attn_norm", "tp_all_gather"), ("fwd_sp_attn", "tp_reduce_scatter"),
-        ("fwd_sp_mlp_norm", "tp_all_gather"), ("fwd_sp_mlp", "tp_reduce_scatter")]
+        ("fwd_sp_attn_norm", "tp_all_gather"),
+        ("fwd_sp_attn", "tp_reduce_scatter"),
+        ("fwd_sp_mlp_norm", "tp_all_gather"),
+        ("fwd_sp_mlp", "tp_reduce_scatter"),
+    ]
     bwd = split_segments("backward", layer_ops(MODEL, PAR, "backward", 2))
     # the leading all-gather of the output gradient: no compute before it, no partition
     assert bwd[0].compute == () and bwd[0].partition is None and bwd[0].collective.collective == "tp_all_gather"
@@ -52,13 +66,25 @@ def test_sp_segments_and_partition_names():
 
 def test_sp_schedule_counts_and_exposed_collectives():
     fwd = layer_schedule("forward", layer_ops(MODEL, PAR, "forward", 2), 2)
-    assert [i.name for i in fwd.instances] == ["fwd_sp_attn_norm", "fwd_sp_attn", "fwd_sp_attn", "fwd_sp_mlp_norm",
-                                               "fwd_sp_mlp_norm", "fwd_sp_mlp", "fwd_sp_mlp"]
+    assert [i.name for i in fwd.instances] == [
+        "fwd_sp_attn_norm",
+        "fwd_sp_attn",
+        "fwd_sp_attn",
+        "fwd_sp_mlp_norm",
+        "fwd_sp_mlp_norm",
+        "fwd_sp_mlp",
+        "fwd_sp_mlp",
+    ]
     assert [op.name for op in fwd.alone] == ["input_norm"] and fwd.fixed == ()
     assert [op.name for op in fwd.exposed] == ["mlp_tp_reduce_scatter"]
     bwd = layer_schedule("backward", layer_ops(MODEL, PAR, "backward", 2), 2)
-    assert [i.name for i in bwd.instances] == ["bwd_sp_mlp", "bwd_sp_attn_norm", "bwd_sp_attn_norm",
-                                               "bwd_sp_attn", "bwd_sp_attn"]
+    assert [i.name for i in bwd.instances] == [
+        "bwd_sp_mlp",
+        "bwd_sp_attn_norm",
+        "bwd_sp_attn_norm",
+        "bwd_sp_attn",
+        "bwd_sp_attn",
+    ]
     assert [op.name for op in bwd.exposed] == ["mlp_tp_all_gather"] * 2  # leading all-gather, each nanobatch
     assert [(i.slots, i.collective.collective) for i in bwd.fixed] == [(("input_norm",), "tp_reduce_scatter")]
     for s in (fwd, bwd):
@@ -95,7 +121,8 @@ def test_two_nanobatch_compute_is_twice_one_nanobatch_compute():
         assert sum(op.flops for op in ran) == pytest.approx(sum(op.flops for op in one if op.kind != "collective"))
         issued = [i.collective for i in (*s.instances, *s.fixed)] + list(s.exposed)
         assert sum(c.comm_bytes for c in issued) == pytest.approx(
-            sum(op.comm_bytes for op in one if op.kind == "collective"))
+            sum(op.comm_bytes for op in one if op.kind == "collective")
+        )
 
 
 def test_sp_tables_cost_every_partition_within_bounds(kernel):

@@ -36,8 +36,9 @@ def test_least_floor_is_the_boundary_of_the_bound():
 def test_bounded_frontier_prices_the_floor_into_the_plans():
     gpu = gpu_spec("a100-sxm4-40gb")
     model = model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=8, pp=2, nodes=2, gpus_per_node=8, micro_batch_size=8, seq_length=4096,
-                        num_microbatches=8)
+    par = make_parallel(
+        model, tp=8, pp=2, nodes=2, gpus_per_node=8, micro_batch_size=8, seq_length=4096, num_microbatches=8
+    )
     kernel = KernelModel(gpu)
     free = plan_methods(gpu, model, par, kernel, methods=["perseus"], points=4)
     bound = PowerBound(max_swing=0.3)

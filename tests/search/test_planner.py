@@ -33,8 +33,17 @@ POINTS = 6
 def default_job():
     gpu, model = gpu_spec("a100-sxm4-40gb"), model_spec("llama3.2-3b")
     par = make_parallel(
-        model, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full",
-        first_stage_layers=15, last_stage_layers=13, nodes=2, gpus_per_node=8,
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        first_stage_layers=15,
+        last_stage_layers=13,
+        nodes=2,
+        gpus_per_node=8,
     )
     return gpu, model, par
 
@@ -88,12 +97,19 @@ def test_frontier_document_layout(planned):
         mf = result.methods[name]
         assert t[0] == pytest.approx(mf.time_s[0]) and e[-1] == pytest.approx(mf.energy_j.min())
         assert set(doc["reductions"][name]) == {
-            "iso_time_energy", "iso_energy_time", "max_throughput_time_vs_megatron",
+            "iso_time_energy",
+            "iso_energy_time",
+            "max_throughput_time_vs_megatron",
             "max_throughput_energy_vs_megatron",
         }
     cfg = doc["config"]
     assert (cfg["model"], cfg["gpu"], cfg["tp"], cfg["pp"], cfg["layers_per_stage"]) == (
-        "llama3.2-3b", "a100-sxm4-40gb", 8, 2, [15, 13])
+        "llama3.2-3b",
+        "a100-sxm4-40gb",
+        8,
+        2,
+        [15, 13],
+    )
     # The chosen points include the plans that decide the reductions: the file's points reproduce them.
     pts = {n: [(p["time_s"], p["energy_j"]) for p in m["points"]] for n, m in doc["methods"].items()}
     from_points = reductions(pts)
@@ -144,20 +160,31 @@ def test_instruction_order_and_predictions_match_the_schedule(planned):
 def test_kareus_overlap_knobs_are_valid_and_vary(planned):
     _, _, built = planned
     kareus = [b.plan for b in built if b.method == "kareus"]
-    knobs = {(n, k.comm_sms, k.launch_slot) for p in kareus for s in p.stages for i in s.instructions
-             for n, k in i.partitions.items()}
+    knobs = {
+        (n, k.comm_sms, k.launch_slot)
+        for p in kareus
+        for s in p.stages
+        for i in s.instructions
+        for n, k in i.partitions.items()
+    }
     assert knobs, "the kareus plans overlap nothing"
     assert len({k[1] for k in knobs}) > 1 or len({k[2] for k in knobs}) > 1
 
 
-@pytest.mark.parametrize(
-    "schedule, pp, vp, m",
-    [("interleaved-1f1b", 2, 2, 4), ("deepspeed-train", 4, 1, 4)],
-)
+@pytest.mark.parametrize("schedule, pp, vp, m", [("interleaved-1f1b", 2, 2, 4), ("deepspeed-train", 4, 1, 4)])
 def test_other_schedules(schedule, pp, vp, m):
     gpu, model = gpu_spec("a100-sxm4-40gb"), model_spec("qwen3-1.7b")
-    par = make_parallel(model, tp=4, pp=pp, vp=vp, micro_batch_size=2, seq_length=1024, num_microbatches=m,
-                        recompute="full", gpus_per_node=8)
+    par = make_parallel(
+        model,
+        tp=4,
+        pp=pp,
+        vp=vp,
+        micro_batch_size=2,
+        seq_length=1024,
+        num_microbatches=m,
+        recompute="full",
+        gpus_per_node=8,
+    )
     result = plan_methods(gpu, model, par, KernelModel(gpu), methods=["perseus"], points=3, schedule=schedule)
     assert list(result.methods) == ["megatron", "perseus"]
     _, built = build_outputs(result)

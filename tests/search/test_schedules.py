@@ -10,11 +10,7 @@ from hypothesis import strategies as st
 
 from kareus_megatron.errors import ConfigError, InfeasibleConfigError
 from kareus_megatron.search.pipeline import build_dag
-from kareus_megatron.search.schedules import (
-    instruction_order,
-    interleaved_table,
-    interleaved_warmup,
-)
+from kareus_megatron.search.schedules import instruction_order, interleaved_table, interleaved_warmup
 
 
 def _fmt(order):

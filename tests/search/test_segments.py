@@ -41,8 +41,17 @@ MAX_SHORT_SHARE = 0.05
 
 def qwen3_job():
     gpu, model = gpu_spec("h100-sxm5-80gb"), model_spec("qwen3-1.7b")
-    par = make_parallel(model, tp=8, pp=2, micro_batch_size=1, seq_length=2048, num_microbatches=8,
-                        recompute="full", nodes=2, gpus_per_node=8)
+    par = make_parallel(
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=1,
+        seq_length=2048,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+    )
     return gpu, model, par
 
 
@@ -64,8 +73,9 @@ def qwen3():
     gpu, model, par = qwen3_job()
     kernel = KernelModel(gpu)
     aware = plan_methods(gpu, model, par, kernel, methods=[PERSEUS, KAREUS], points=4)
-    instant = plan_methods(gpu, model, par, kernel, methods=[PERSEUS, KAREUS], points=4,
-                           clock_latency=ClockLatency(0.0))
+    instant = plan_methods(
+        gpu, model, par, kernel, methods=[PERSEUS, KAREUS], points=4, clock_latency=ClockLatency(0.0)
+    )
     return aware, instant
 
 
@@ -93,8 +103,9 @@ def test_plan_files_record_the_latency_they_assumed(qwen3):
         if b.method == MEGATRON or b.method == PERSEUS or b.method == KAREUS:
             assert data["clock_latency_s"] == pytest.approx(0.015) and data["min_clock_segment_s"] == 0.03
         for stage in b.plan.stages:  # what the file says runs is what was checked
-            segs = segment_lengths_s(b.plan.clock_sequence(stage.pp_rank),
-                                     [i.predicted_time_s for i in stage.instructions])
+            segs = segment_lengths_s(
+                b.plan.clock_sequence(stage.pp_rank), [i.predicted_time_s for i in stage.instructions]
+            )
             assert sum(t for _, t in segs if t < SHORT_S) <= MAX_SHORT_SHARE * sum(t for _, t in segs)
     _doc, built0 = build_outputs(instant)
     assert all("clock_latency_s" not in b.plan.model_dump(exclude_none=True) for b in built0)
@@ -106,14 +117,24 @@ def test_default_job_reductions_move_less_than_one_point():
     """The default job (llama3.2-3b, 2 × 8 A100-SXM4-40GB) has ~0.1-0.4 s instructions: merging and the lag
     change its four reductions by less than 1 point."""
     gpu, model = gpu_spec("a100-sxm4-40gb"), model_spec("llama3.2-3b")
-    par = make_parallel(model, tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8,
-                        recompute="full", first_stage_layers=15, last_stage_layers=13, nodes=2, gpus_per_node=8)
+    par = make_parallel(
+        model,
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        first_stage_layers=15,
+        last_stage_layers=13,
+        nodes=2,
+        gpus_per_node=8,
+    )
     kernel = KernelModel(gpu)
     out = []
     for lat in (None, ClockLatency(0.0)):
         r = plan_methods(gpu, model, par, kernel, methods=[PERSEUS, KAREUS], points=4, clock_latency=lat)
-        out.append(reductions({m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist()))
-                               for m, mf in r.methods.items()}))
+        out.append(reductions({m: list(zip(mf.time_s.tolist(), mf.energy_j.tolist())) for m, mf in r.methods.items()}))
     aware, instant = out
     for key, value in instant[KAREUS].items():
         assert value is not None and aware[KAREUS][key] is not None

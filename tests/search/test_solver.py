@@ -81,10 +81,7 @@ def test_tiny_dags_equal_exhaustive_enumeration(case, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    case=st.sampled_from(TINY),
-    seed=st.integers(0, 2**31 - 1),
-    p_blocked=st.floats(0.0, 200.0),
-    p2p=st.floats(0.0, 0.5),
+    case=st.sampled_from(TINY), seed=st.integers(0, 2**31 - 1), p_blocked=st.floats(0.0, 200.0), p2p=st.floats(0.0, 0.5)
 )
 def test_tiny_dags_equal_enumeration_hypothesis(case, seed, p_blocked, p2p):
     rng = np.random.default_rng(seed)
@@ -200,8 +197,10 @@ def test_slack_fill_keeps_deadline_and_leaves_no_free_slowdown():
 
 def test_single_option_instructions_give_one_plan():
     dag = build_dag(instruction_order("1f1b", 2, 8), 0.001)
-    opts = [SimpleNamespace(time_s=np.array([0.1 if k[1] == "forward" else 0.2]), energy_j=np.array([30.0]))
-            for k in dag.keys]
+    opts = [
+        SimpleNamespace(time_s=np.array([0.1 if k[1] == "forward" else 0.2]), energy_j=np.array([30.0]))
+        for k in dag.keys
+    ]
     for method in ("auto", "lp"):
         plans = solve_frontier(dag, opts, 80.0, 8, method=method)
         assert len(plans) == 1 and np.all(plans[0].choice == 0)
@@ -232,7 +231,8 @@ def test_warm_started_lp_matches_cold_linprog(monkeypatch):
             assert a is None and b is None
             continue
         assert relaxed_cost(a) + 83.64 * 4 * warm.last_time_s == pytest.approx(
-            relaxed_cost(b) + 83.64 * 4 * cold.last_time_s, rel=1e-7)
+            relaxed_cost(b) + 83.64 * 4 * cold.last_time_s, rel=1e-7
+        )
         assert iteration_time(dag, earliest_times(dag, a)[1]) <= deadline * (1 + 1e-7)
     assert (warm.backend, cold.backend) == (solver_lp.BACKEND_HIGHSPY, solver_lp.BACKEND_LINPROG)
     assert warm.warm_solves == warm.solves - 1 == 4  # one model, re-solved from its basis at every deadline

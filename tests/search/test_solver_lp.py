@@ -88,8 +88,10 @@ def test_the_frontier_does_not_depend_on_the_backend(monkeypatch):
 
 def test_highs_prints_nothing():
     """HiGHS's banner (printed by the first highspy.Highs() of a process) never reaches stdout."""
-    code = ("import numpy as np, sys; sys.path.insert(0, 'tests/search'); from test_solver_lp import _problem;"
-            "from kareus_megatron.search.solver_lp import HullLP; dag, _, prep = _problem(2, 4, 4);"
-            "print('x' if HullLP(dag, prep, 83.64).solve(1e3) is not None else 'none')")
+    code = (
+        "import numpy as np, sys; sys.path.insert(0, 'tests/search'); from test_solver_lp import _problem;"
+        "from kareus_megatron.search.solver_lp import HullLP; dag, _, prep = _problem(2, 4, 4);"
+        "print('x' if HullLP(dag, prep, 83.64).solve(1e3) is not None else 'none')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "x\n" and "HiGHS" not in out.stderr

@@ -20,8 +20,18 @@ LLAMA = model_spec("llama3.2-3b")
 
 
 def _par(**kw):
-    base = dict(tp=8, pp=2, micro_batch_size=8, seq_length=4096, num_microbatches=8, recompute="full", nodes=2,
-                gpus_per_node=8, first_stage_layers=15, last_stage_layers=13)
+    base = dict(
+        tp=8,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        num_microbatches=8,
+        recompute="full",
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     base.update(kw)
     return make_parallel(LLAMA, **base)
 
@@ -101,8 +111,18 @@ def test_sequence_parallel_uses_gather_and_scatter():
 
 
 def test_context_parallel_kv_collectives():
-    par = make_parallel(LLAMA, tp=4, cp=2, pp=2, micro_batch_size=8, seq_length=4096, nodes=2, gpus_per_node=8,
-                        first_stage_layers=15, last_stage_layers=13)
+    par = make_parallel(
+        LLAMA,
+        tp=4,
+        cp=2,
+        pp=2,
+        micro_batch_size=8,
+        seq_length=4096,
+        nodes=2,
+        gpus_per_node=8,
+        first_stage_layers=15,
+        last_stage_layers=13,
+    )
     fwd = [o.name for o in layer_ops(LLAMA, par, "forward")]
     assert fwd.index("attn_cp_all_gather") == fwd.index("rope") + 1 == fwd.index("attention") - 1
     bwd = [o.name for o in layer_ops(LLAMA, par, "backward")]

@@ -25,8 +25,14 @@ SHAPES = {
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_model_presets_match_the_published_shapes(name):
     m = model_spec(name)
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
-            m.vocab_size) == SHAPES[name]
+    assert (
+        m.num_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        m.num_query_groups,
+        m.ffn_hidden_size,
+        m.vocab_size,
+    ) == SHAPES[name]
     assert set(SHAPES) <= set(model_names())
 
 
@@ -38,9 +44,16 @@ def test_model_flavours():
     assert model_spec("llama3.2-3b").layer_params == 3072 * 5120 + 3072**2 + 3 * 3072 * 8192 + 2 * 3072
 
 
-@pytest.mark.parametrize("name, bias, tied", [("llama3.2-3b", False, True), ("qwen3-1.7b", False, True),
-                                             ("llama3.3-70b", False, False), ("gpt3-175b", True, True),
-                                             ("bloom-176b", True, True)])
+@pytest.mark.parametrize(
+    "name, bias, tied",
+    [
+        ("llama3.2-3b", False, True),
+        ("qwen3-1.7b", False, True),
+        ("llama3.3-70b", False, False),
+        ("gpt3-175b", True, True),
+        ("bloom-176b", True, True),
+    ],
+)
 def test_presets_record_biases_and_tied_embeddings(name, bias, tied):
     m = model_spec(name)
     assert (m.bias_linear, m.has_qkv_bias, m.tied_embeddings) == (bias, bias, tied)
@@ -49,8 +62,15 @@ def test_presets_record_biases_and_tied_embeddings(name, bias, tied):
 def test_biases_layernorm_and_tied_embeddings_in_the_parameter_count():
     from kareus_megatron.workload.opgraph import stage_params
 
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=100,
-                activation="gelu", norm="layernorm")
+    base = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        vocab_size=100,
+        activation="gelu",
+        norm="layernorm",
+    )
     plain = model_from_dict(base)
     # QKV 64x192, proj 64x64, MLP 2x64x256, two LayerNorms (weight and bias)
     assert plain.layer_params == 64 * 192 + 64 * 64 + 2 * 64 * 256 + 4 * 64
@@ -66,29 +86,54 @@ def test_biases_layernorm_and_tied_embeddings_in_the_parameter_count():
 
 def test_model_from_yaml_and_json(tmp_path):
     y = tmp_path / "tiny.yaml"
-    y.write_text("num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nnum_query_groups: 2\n"
-                 "ffn_hidden_size: 1024\nvocab_size: 1000\nactivation: gelu\n")
+    y.write_text(
+        "num_layers: 4\nhidden_size: 256\nnum_attention_heads: 8\nnum_query_groups: 2\n"
+        "ffn_hidden_size: 1024\nvocab_size: 1000\nactivation: gelu\n"
+    )
     m = model_spec(str(y))
     assert m.name == "tiny" and m.num_query_groups == 2 and m.activation == "gelu"
     j = tmp_path / "mha.json"
-    j.write_text(json.dumps({"name": "mha", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                             "ffn_hidden_size": 256, "vocab_size": 100}))
+    j.write_text(
+        json.dumps(
+            {
+                "name": "mha",
+                "num_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 256,
+                "vocab_size": 100,
+            }
+        )
+    )
     assert model_spec(str(j)).num_query_groups == 4  # defaults to MHA
 
 
-@pytest.mark.parametrize("text, match", [
-    ('{"num_layers": 2, "hidden": 64}', "unknown key 'hidden'"),
-    ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8}',
-     "missing key 'vocab_size'"),
-    ('{"num_layers": -1, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9}',
-     "num_layers"),
-    ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
-     '"activation": "relu"}', "activation"),
-    ('{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
-     '"tied_embeddings": "yes"}', "tied_embeddings = 'yes' must be true or false"),
-    ("[1, 2]", "mapping"),
-    ("{not json", "not valid json"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"num_layers": 2, "hidden": 64}', "unknown key 'hidden'"),
+        (
+            '{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8}',
+            "missing key 'vocab_size'",
+        ),
+        (
+            '{"num_layers": -1, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9}',
+            "num_layers",
+        ),
+        (
+            '{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
+            '"activation": "relu"}',
+            "activation",
+        ),
+        (
+            '{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 8, "vocab_size": 9, '
+            '"tied_embeddings": "yes"}',
+            "tied_embeddings = 'yes' must be true or false",
+        ),
+        ("[1, 2]", "mapping"),
+        ("{not json", "not valid json"),
+    ],
+)
 def test_bad_model_file_names_the_problem(tmp_path, text, match):
     p = tmp_path / "bad.json"
     p.write_text(text)
@@ -105,9 +150,29 @@ _values = st.one_of(st.integers(-3, 200_000), st.text(max_size=8), st.booleans()
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.sampled_from(["num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                                        "ffn_hidden_size", "vocab_size", "activation", "norm", "position", "qk_norm",
-                                        "head_dim", "name", "bogus"]), _values, max_size=12))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "num_query_groups",
+                "ffn_hidden_size",
+                "vocab_size",
+                "activation",
+                "norm",
+                "position",
+                "qk_norm",
+                "head_dim",
+                "name",
+                "bogus",
+            ]
+        ),
+        _values,
+        max_size=12,
+    )
+)
 def test_model_parser_accepts_or_raises_config_error(data):
     try:
         m = model_from_dict(data)
@@ -116,21 +181,24 @@ def test_model_parser_accepts_or_raises_config_error(data):
     assert isinstance(m, ModelSpec) and m.num_attention_heads % m.num_query_groups == 0 and m.kv_channels > 0
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"tp": 5}, "--tp 5 does not divide"),
-    ({"tp": 16}, "attention heads"),
-    ({"pp": 30}, "fewer than 30 stages"),
-    ({"pp": 3}, "--pp 3 does not split"),
-    ({"tp": 8, "pp": 2, "nodes": 3, "gpus_per_node": 8}, "not a multiple"),
-    ({"tp": 8, "pp": 2, "dp": 1, "nodes": 3, "gpus_per_node": 8}, "make the product match"),
-    ({"cp": 2, "seq_length": 4098}, "2 × --cp 2"),
-    ({"tp": 1, "sequence_parallel": True}, "needs --tp > 1"),
-    ({"pp": 2, "vp": 4, "num_microbatches": 8}, "--vp 4"),
-    ({"pp": 2, "vp": 2}, "--microbatches"),
-    ({"pp": 2, "first_stage_layers": 10, "last_stage_layers": 10}, "add up to 28"),
-    ({"recompute": "some"}, "--recompute"),
-    ({"micro_batch_size": 0}, "--mbs"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"tp": 5}, "--tp 5 does not divide"),
+        ({"tp": 16}, "attention heads"),
+        ({"pp": 30}, "fewer than 30 stages"),
+        ({"pp": 3}, "--pp 3 does not split"),
+        ({"tp": 8, "pp": 2, "nodes": 3, "gpus_per_node": 8}, "not a multiple"),
+        ({"tp": 8, "pp": 2, "dp": 1, "nodes": 3, "gpus_per_node": 8}, "make the product match"),
+        ({"cp": 2, "seq_length": 4098}, "2 × --cp 2"),
+        ({"tp": 1, "sequence_parallel": True}, "needs --tp > 1"),
+        ({"pp": 2, "vp": 4, "num_microbatches": 8}, "--vp 4"),
+        ({"pp": 2, "vp": 2}, "--microbatches"),
+        ({"pp": 2, "first_stage_layers": 10, "last_stage_layers": 10}, "add up to 28"),
+        ({"recompute": "some"}, "--recompute"),
+        ({"micro_batch_size": 0}, "--mbs"),
+    ],
+)
 def test_infeasible_layouts_explain_the_fix(kw, match):
     with pytest.raises(KareusError, match=match):
         make_parallel(model_spec("llama3.2-3b"), **kw)
@@ -139,24 +207,48 @@ def test_infeasible_layouts_explain_the_fix(kw, match):
 def test_explicit_first_and_last_stage_layers():
     par = make_parallel(model_spec("gpt3-175b"), tp=8, pp=8, first_stage_layers=11, last_stage_layers=13)
     assert par.layers_per_stage == (11, 12, 12, 12, 12, 12, 12, 13) and sum(par.layers_per_stage) == 96
-    par = make_parallel(model_spec("llama3.2-3b"), pp=4, vp=2, num_microbatches=8, first_stage_layers=6,
-                        last_stage_layers=6)
+    par = make_parallel(
+        model_spec("llama3.2-3b"), pp=4, vp=2, num_microbatches=8, first_stage_layers=6, last_stage_layers=6
+    )
     assert par.layers_per_stage == (6, 8, 8, 6) and par.chunk_layers(1, 1) == 4
     assert par.is_first_chunk(0, 0) and not par.is_first_chunk(0, 1) and par.is_last_chunk(3, 1)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tp=st.integers(1, 16), cp=st.integers(1, 4), pp=st.integers(1, 40), vp=st.integers(1, 3),
-       dp=st.one_of(st.none(), st.integers(1, 4)), sp=st.booleans(), mbs=st.integers(1, 16),
-       seq=st.integers(1, 9000), nodes=st.one_of(st.none(), st.integers(1, 8)), gpn=st.sampled_from([1, 2, 4, 8]),
-       first=st.one_of(st.none(), st.integers(1, 20)), last=st.one_of(st.none(), st.integers(1, 20)),
-       model=st.sampled_from(["llama3.2-3b", "qwen3-1.7b", "bloom-176b"]))
+@given(
+    tp=st.integers(1, 16),
+    cp=st.integers(1, 4),
+    pp=st.integers(1, 40),
+    vp=st.integers(1, 3),
+    dp=st.one_of(st.none(), st.integers(1, 4)),
+    sp=st.booleans(),
+    mbs=st.integers(1, 16),
+    seq=st.integers(1, 9000),
+    nodes=st.one_of(st.none(), st.integers(1, 8)),
+    gpn=st.sampled_from([1, 2, 4, 8]),
+    first=st.one_of(st.none(), st.integers(1, 20)),
+    last=st.one_of(st.none(), st.integers(1, 20)),
+    model=st.sampled_from(["llama3.2-3b", "qwen3-1.7b", "bloom-176b"]),
+)
 def test_parallel_config_is_valid_or_rejected(tp, cp, pp, vp, dp, sp, mbs, seq, nodes, gpn, first, last, model):
     m = model_spec(model)
     try:
-        par = make_parallel(m, tp=tp, cp=cp, pp=pp, vp=vp, dp=dp, sequence_parallel=sp, micro_batch_size=mbs,
-                            seq_length=seq, num_microbatches=8, first_stage_layers=first, last_stage_layers=last,
-                            nodes=nodes, gpus_per_node=gpn)
+        par = make_parallel(
+            m,
+            tp=tp,
+            cp=cp,
+            pp=pp,
+            vp=vp,
+            dp=dp,
+            sequence_parallel=sp,
+            micro_batch_size=mbs,
+            seq_length=seq,
+            num_microbatches=8,
+            first_stage_layers=first,
+            last_stage_layers=last,
+            nodes=nodes,
+            gpus_per_node=gpn,
+        )
     except (InfeasibleConfigError, ConfigError):
         return
     assert sum(par.layers_per_stage) == m.num_layers and len(par.layers_per_stage) == pp

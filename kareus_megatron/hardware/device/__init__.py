@@ -27,9 +27,19 @@ from kareus_megatron.hardware.device.base import (
 
 DEFAULT_SIMULATED_GPU = "a100-sxm4-40gb"
 
-__all__ = ["BACKENDS", "READ_ONLY_ENV", "GPUDevice", "SimulationHooks", "backend_from_env", "dry_run_backend",
-           "nearest_supported_mhz",
-           "open_cuda_gpu", "open_gpu", "read_only_from_env", "simulation_of"]
+__all__ = [
+    "BACKENDS",
+    "READ_ONLY_ENV",
+    "GPUDevice",
+    "SimulationHooks",
+    "backend_from_env",
+    "dry_run_backend",
+    "nearest_supported_mhz",
+    "open_cuda_gpu",
+    "open_gpu",
+    "read_only_from_env",
+    "simulation_of",
+]
 
 
 def backend_from_env(backend: str | None = None) -> str:
@@ -55,8 +65,14 @@ def dry_run_backend() -> str:
     return "nvml" if kareus_settings().gpu_backend == "nvml" else "simulated"
 
 
-def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, read_only: bool | None = None,
-             *, uuid: str | None = None) -> GPUDevice:
+def open_gpu(
+    index: int,
+    backend: str | None = None,
+    gpu: str | None = None,
+    read_only: bool | None = None,
+    *,
+    uuid: str | None = None,
+) -> GPUDevice:
     """Open local GPU `index` (NVML's index; `uuid`, when given, picks the NVML device instead) on
     `backend` (see module doc); `gpu` names a preset in hardware/gpus; `read_only` None reads
     KAREUS_GPU_READ_ONLY."""
@@ -66,8 +82,7 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, rea
         from kareus_megatron.hardware.device.sim import SimulatedGPU
         from kareus_megatron.hardware.gpus import gpu_spec
 
-        return SimulatedGPU(gpu_spec(gpu or kareus_settings().gpu or DEFAULT_SIMULATED_GPU), index,
-                            read_only=ro)
+        return SimulatedGPU(gpu_spec(gpu or kareus_settings().gpu or DEFAULT_SIMULATED_GPU), index, read_only=ro)
     from kareus_megatron.hardware.device.nvml import NVMLGPU, nvml_available
 
     if not nvml_available():
@@ -78,8 +93,9 @@ def open_gpu(index: int, backend: str | None = None, gpu: str | None = None, rea
     return NVMLGPU(index, gpu=gpu or kareus_settings().gpu or None, uuid=uuid, read_only=ro)
 
 
-def open_cuda_gpu(cuda_index: int, backend: str | None = None, gpu: str | None = None,
-                  read_only: bool | None = None) -> GPUDevice:
+def open_cuda_gpu(
+    cuda_index: int, backend: str | None = None, gpu: str | None = None, read_only: bool | None = None
+) -> GPUDevice:
     """Open the GPU that is ``cuda:<cuda_index>`` in this process (by its UUID on NVML; cuda_map.py)."""
     from kareus_megatron.hardware.device.cuda_map import cuda_nvml_target
 

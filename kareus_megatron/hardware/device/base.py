@@ -161,8 +161,14 @@ class SimulationHooks(Protocol):
         ``set`` and ``reset``; others, e.g. a controller's ``skip``, come through here)."""
         ...
 
-    def set_busy(self, busy: bool, t: float | None = None, compute_activity: float = ...,
-                 memory_activity: float = ..., power_w: float = ...) -> None:
+    def set_busy(
+        self,
+        busy: bool,
+        t: float | None = None,
+        compute_activity: float = ...,
+        memory_activity: float = ...,
+        power_w: float = ...,
+    ) -> None:
         """An instruction runs (busy) or none does from time `t` (s; now if None); a busy one draws
         `power_w` W (NaN, the default: the power model's)."""
         ...

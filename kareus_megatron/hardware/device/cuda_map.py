@@ -54,8 +54,10 @@ def nvml_target(cuda_index: int, *, cuda_uuid: str | None = None, visible: str |
             break
         usable.append(e)
     if cuda_index >= len(usable):
-        raise ConfigError(f"CUDA device {cuda_index} is not among CUDA_VISIBLE_DEVICES={raw!r} "
-                          f"({len(usable)} visible); set LOCAL_RANK / the device index accordingly")
+        raise ConfigError(
+            f"CUDA device {cuda_index} is not among CUDA_VISIBLE_DEVICES={raw!r} "
+            f"({len(usable)} visible); set LOCAL_RANK / the device index accordingly"
+        )
     entry = usable[cuda_index]
     if entry.isdigit():
         return NvmlTarget(cuda_index=cuda_index, index=int(entry))

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 FI_DEV_POWER_INSTANT = 186  # NVML_FI_DEV_POWER_INSTANT (nvml.h): instantaneous board power, mW
 
+
 @functools.lru_cache(maxsize=1)
 def nvml_available() -> bool:
     """True when NVML initialises (driver and library present); cached for the process."""
@@ -71,8 +72,10 @@ def _handle_by_uuid(pynvml: Any, uuid: str) -> Any:
         if str(pynvml.nvmlDeviceGetUUID(h)).upper().startswith(uuid.upper()):
             matches.append(h)
     if len(matches) != 1:
-        raise DeviceUnavailableError(f"NVML has {len(matches)} GPUs whose UUID starts with {uuid!r}; "
-                                     "need exactly one (check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`)")
+        raise DeviceUnavailableError(
+            f"NVML has {len(matches)} GPUs whose UUID starts with {uuid!r}; "
+            "need exactly one (check CUDA_VISIBLE_DEVICES and `nvidia-smi -L`)"
+        )
     return matches[0]
 
 
@@ -82,15 +85,16 @@ def _refuse_mig(pynvml: Any, handle: Any, what: str) -> None:
     except (pynvml.NVMLError, AttributeError, TypeError):
         return  # pre-Ampere GPUs and old drivers: no MIG
     if int(current) == getattr(pynvml, "NVML_DEVICE_MIG_ENABLE", 1):
-        raise ConfigError(f"{what} has MIG mode on; MIG instances share the GPU's SM clock, so clocks cannot be "
-                          "planned per process; turn MIG off (`nvidia-smi -mig 0`) or use another GPU")
+        raise ConfigError(
+            f"{what} has MIG mode on; MIG instances share the GPU's SM clock, so clocks cannot be "
+            "planned per process; turn MIG off (`nvidia-smi -mig 0`) or use another GPU"
+        )
 
 
 class NVMLGPU(OwnedLocks):
     """A local NVIDIA GPU controlled through NVML. Units: MHz, J, °C."""
 
-    def __init__(self, index: int, gpu: str | None = None, *, uuid: str | None = None,
-                 read_only: bool = False) -> None:
+    def __init__(self, index: int, gpu: str | None = None, *, uuid: str | None = None, read_only: bool = False) -> None:
         """Open GPU `uuid` when given (``GPU-...``, or a prefix of one), else NVML index `index`; `gpu` names
         the preset to use instead of looking it up by device name; `read_only`: see base.py."""
         from kareus_megatron.hardware.gpus import gpu_spec, gpu_spec_for_device_name
@@ -181,8 +185,7 @@ class NVMLGPU(OwnedLocks):
         if self._read_only:
             return
         if may_administer() is False:
-            raise ClockControlError(f"locking GPU {self.index} clocks: not root and no CAP_SYS_ADMIN; "
-                                    f"{PERMISSION_FIX}")
+            raise ClockControlError(f"locking GPU {self.index} clocks: not root and no CAP_SYS_ADMIN; {PERMISSION_FIX}")
         self.set_sm_clock_mhz(self._supported[0])
         self.reset_clocks()
 
@@ -192,8 +195,9 @@ class NVMLGPU(OwnedLocks):
 
     def temperature_c(self) -> float:
         """GPU core temperature (°C) from NVML's GPU sensor."""
-        return float(self._call("reading the temperature", self._nvml.nvmlDeviceGetTemperature,
-                                self._nvml.NVML_TEMPERATURE_GPU))
+        return float(
+            self._call("reading the temperature", self._nvml.nvmlDeviceGetTemperature, self._nvml.NVML_TEMPERATURE_GPU)
+        )
 
     def _check_open(self) -> None:
         if not self._open:
@@ -241,16 +245,21 @@ class NVMLGPU(OwnedLocks):
         The limit in force before this object's first change is kept for ``reset_power_limit``."""
         lo, hi = self.power_limit_range_w()
         if not lo <= watts <= hi:
-            raise ClockControlError(f"GPU {self.index} ({self.device_name}) cannot take a power limit of "
-                                    f"{watts:g} W; allowed: {lo:g}..{hi:g} W (nvidia-smi -q -d POWER)")
+            raise ClockControlError(
+                f"GPU {self.index} ({self.device_name}) cannot take a power limit of "
+                f"{watts:g} W; allowed: {lo:g}..{hi:g} W (nvidia-smi -q -d POWER)"
+            )
         if self._read_only:
             self._record("power_limit", int(round(watts)))
             self._limit0_mw = self._limit0_mw or -1  # a recorded change: its reset is recorded too
             return
         if self._limit0_mw is None:
             self._limit0_mw = int(self._call("reading the power limit", self._nvml.nvmlDeviceGetPowerManagementLimit))
-        self._change(f"setting GPU {self.index}'s power limit to {watts:g} W", "nvmlDeviceSetPowerManagementLimit",
-                     int(round(watts * 1000)))
+        self._change(
+            f"setting GPU {self.index}'s power limit to {watts:g} W",
+            "nvmlDeviceSetPowerManagementLimit",
+            int(round(watts * 1000)),
+        )
 
     def reset_power_limit(self) -> None:
         """Restore the power limit found before this object's first change; no-op if it changed nothing."""
@@ -260,8 +269,11 @@ class NVMLGPU(OwnedLocks):
         if self._read_only:
             self._record("power_limit_reset", None)
         else:
-            self._change(f"restoring GPU {self.index}'s power limit to {limit0 / 1000:g} W",
-                         "nvmlDeviceSetPowerManagementLimit", limit0)
+            self._change(
+                f"restoring GPU {self.index}'s power limit to {limit0 / 1000:g} W",
+                "nvmlDeviceSetPowerManagementLimit",
+                limit0,
+            )
         self._limit0_mw = None
 
     def _shutdown(self) -> None:
@@ -282,5 +294,3 @@ class NVMLGPU(OwnedLocks):
             except Exception:
                 pass
         self._shutdown()
-
-

@@ -48,7 +48,6 @@ def may_administer() -> bool | None:
     return None
 
 
-
 class ReadOnlyViolation(ClockControlError):
     """A GPU setting was about to change in read-only mode (a bug: read-only paths record, never apply)."""
 
@@ -68,10 +67,13 @@ class _ReadOnlyNVML:
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._module, name)
         if name.startswith("nvml") and callable(attr) and not isinstance(attr, type) and not is_read_call(name):
+
             def refuse(*_args: Any, **_kwargs: Any) -> Any:
                 self.refused.append(name)
-                raise ReadOnlyViolation(f"KAREUS_GPU_READ_ONLY is set: refused NVML call {name}; a read-only run "
-                                        "changes nothing on the GPU (this is a bug in kareus, please report it)")
+                raise ReadOnlyViolation(
+                    f"KAREUS_GPU_READ_ONLY is set: refused NVML call {name}; a read-only run "
+                    "changes nothing on the GPU (this is a bug in kareus, please report it)"
+                )
 
             return refuse
         return attr
@@ -86,7 +88,8 @@ def nvml_module() -> Any:
         import pynvml
     except ImportError:
         raise DeviceUnavailableError(
-            f"nvidia-ml-py is not installed (pip install nvidia-ml-py). {NO_NVML_FIX}") from None
+            f"nvidia-ml-py is not installed (pip install nvidia-ml-py). {NO_NVML_FIX}"
+        ) from None
     if not read_only_from_env():
         return pynvml
     global _guarded
@@ -131,9 +134,11 @@ def change_setting(what: str, function: str, handle: Any, *args: Any, read_only:
     if is_read_call(function):
         raise ValueError(f"{function} reads; change_setting is for the functions that change a GPU setting")
     if read_only_from_env(read_only):
-        raise ReadOnlyViolation(f"{what}: refused, the device is read-only (--no-clock-control or "
-                                "KAREUS_GPU_READ_ONLY); a read-only run changes nothing on the GPU (this is a bug in "
-                                "kareus, please report it)")
+        raise ReadOnlyViolation(
+            f"{what}: refused, the device is read-only (--no-clock-control or "
+            "KAREUS_GPU_READ_ONLY); a read-only run changes nothing on the GPU (this is a bug in "
+            "kareus, please report it)"
+        )
     pynvml = nvml_module()
     try:
         return getattr(pynvml, function)(handle, *args)

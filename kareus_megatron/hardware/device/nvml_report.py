@@ -43,13 +43,17 @@ def clock_settings(pynvml: Any, handle: Any) -> dict[str, Any]:
     reasons = _read(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", handle)
     if reasons is None:
         reasons = _read(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", handle)
-    bit = getattr(pynvml, "nvmlClocksEventReasonApplicationsClocksSetting",
-                  getattr(pynvml, "nvmlClocksThrottleReasonApplicationsClocksSetting", 0x2))
+    bit = getattr(
+        pynvml,
+        "nvmlClocksEventReasonApplicationsClocksSetting",
+        getattr(pynvml, "nvmlClocksThrottleReasonApplicationsClocksSetting", 0x2),
+    )
     app = _read(pynvml, "nvmlDeviceGetApplicationsClock", handle, pynvml.NVML_CLOCK_SM)
     app_default = _read(pynvml, "nvmlDeviceGetDefaultApplicationsClock", handle, pynvml.NVML_CLOCK_SM)
     persistence = _read(pynvml, "nvmlDeviceGetPersistenceMode", handle)
-    restricted = _read(pynvml, "nvmlDeviceGetAPIRestriction", handle,
-                       getattr(pynvml, "NVML_RESTRICTED_API_SET_APPLICATION_CLOCKS", 0))
+    restricted = _read(
+        pynvml, "nvmlDeviceGetAPIRestriction", handle, getattr(pynvml, "NVML_RESTRICTED_API_SET_APPLICATION_CLOCKS", 0)
+    )
     return {
         "user_clock_setting": None if reasons is None else bool(int(reasons) & int(bit)),
         "clock_event_reasons": None if reasons is None else int(reasons),
@@ -66,32 +70,52 @@ def setting_in_force(settings: dict[str, Any]) -> bool:
     return bool(settings["user_clock_setting"]) or (app is not None and default is not None and app != default)
 
 
-def clock_permission(pynvml: Any, handle: Any, sm_now_mhz: int, supported: list[int], *,
-                     try_lock: bool = False) -> dict[str, Any]:
+def clock_permission(
+    pynvml: Any, handle: Any, sm_now_mhz: int, supported: list[int], *, try_lock: bool = False
+) -> dict[str, Any]:
     """Whether this process may lock SM clocks, from what can be read (see module doc); with `try_lock`, and
     only when no clock setting is in force, lock the supported clock nearest `sm_now_mhz` (MHz) and reset that
     lock (the choke point refuses both in read-only mode)."""
     settings = clock_settings(pynvml, handle)
     out: dict[str, Any] = {"clock_settings": settings, "capability": may_administer()}
     if out["capability"] is False:
-        return {**out, "clock_permission": False, "permission_method": "capability",
-                "permission_error": f"not root and no CAP_SYS_ADMIN; {PERMISSION_FIX}"}
+        return {
+            **out,
+            "clock_permission": False,
+            "permission_method": "capability",
+            "permission_error": f"not root and no CAP_SYS_ADMIN; {PERMISSION_FIX}",
+        }
     if not try_lock:
-        return {**out, "clock_permission": None, "permission_method": "capability",
-                "permission_note": ("root or CAP_SYS_ADMIN: NVML should accept clock locks (not tried; "
-                                    "--try-lock tries one and resets it)") if out["capability"]
-                else "whether this process holds CAP_SYS_ADMIN cannot be read here (not tried; --try-lock tries)"}
+        return {
+            **out,
+            "clock_permission": None,
+            "permission_method": "capability",
+            "permission_note": (
+                "root or CAP_SYS_ADMIN: NVML should accept clock locks (not tried; --try-lock tries one and resets it)"
+            )
+            if out["capability"]
+            else "whether this process holds CAP_SYS_ADMIN cannot be read here (not tried; --try-lock tries)",
+        }
     if setting_in_force(settings):
-        return {**out, "clock_permission": None, "permission_method": "none",
-                "permission_note": "a clock setting is in force (locked or application clocks): not tried, since "
-                                   "the reset would end it; left alone"}
+        return {
+            **out,
+            "clock_permission": None,
+            "permission_method": "none",
+            "permission_note": "a clock setting is in force (locked or application clocks): not tried, since "
+            "the reset would end it; left alone",
+        }
     if not supported:
-        return {**out, "clock_permission": False, "permission_method": "lock",
-                "permission_error": "the GPU lists no lockable SM clocks"}
+        return {
+            **out,
+            "clock_permission": False,
+            "permission_method": "lock",
+            "permission_error": "the GPU lists no lockable SM clocks",
+        }
     mhz = min(supported, key=lambda c: (abs(c - sm_now_mhz), -c))
     try:
-        change_setting(f"locking {mhz} MHz to test permission", "nvmlDeviceSetGpuLockedClocks", handle, mhz, mhz,
-                       read_only=False)
+        change_setting(
+            f"locking {mhz} MHz to test permission", "nvmlDeviceSetGpuLockedClocks", handle, mhz, mhz, read_only=False
+        )
     except DeviceUnavailableError as e:
         return {**out, "clock_permission": False, "permission_method": "lock", "permission_error": str(e)}
     try:
@@ -129,15 +153,23 @@ def nvml_report(index: int = 0, check_permission: bool = False, *, try_lock: boo
         mem = int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM))
         clocks = list(supported_graphics_clocks_mhz(pynvml, h))
         sm_now = int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
-        out.update(index=index, name=name, preset=spec.name if spec else None, memory_clock_mhz=mem,
-                   supported_sm_clocks_mhz=clocks, sm_clock_mhz=sm_now)
+        out.update(
+            index=index,
+            name=name,
+            preset=spec.name if spec else None,
+            memory_clock_mhz=mem,
+            supported_sm_clocks_mhz=clocks,
+            sm_clock_mhz=sm_now,
+        )
         try:
             out["uuid"] = str(pynvml.nvmlDeviceGetUUID(h))
             out["temperature_c"] = float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
         except pynvml.NVMLError:
             pass
-        power_mw, limit_mw = _read(pynvml, "nvmlDeviceGetPowerUsage", h), _read(
-            pynvml, "nvmlDeviceGetPowerManagementLimit", h)
+        power_mw, limit_mw = (
+            _read(pynvml, "nvmlDeviceGetPowerUsage", h),
+            _read(pynvml, "nvmlDeviceGetPowerManagementLimit", h),
+        )
         out["power_w"] = None if power_mw is None else int(power_mw) / 1000.0
         out["power_limit_w"] = None if limit_mw is None else int(limit_mw) / 1000.0
         try:

@@ -67,9 +67,16 @@ def latency_from_env() -> float:
 class SimulatedGPU(OwnedLocks):
     """A GPU simulated from its preset: clock log, NVML-like latency, modelled energy. Units: MHz, J, s."""
 
-    def __init__(self, spec: GPUSpec, index: int = 0, *, log_path: str | os.PathLike[str] | None = None,
-                 latency_s: float | None = None, deny_clock_control: bool | None = None, read_only: bool = False
-                 ) -> None:
+    def __init__(
+        self,
+        spec: GPUSpec,
+        index: int = 0,
+        *,
+        log_path: str | os.PathLike[str] | None = None,
+        latency_s: float | None = None,
+        deny_clock_control: bool | None = None,
+        read_only: bool = False,
+    ) -> None:
         """Open simulated GPU `index`; unset options come from the KAREUS_SIMULATED_* variables."""
         self.spec = spec
         self.index = index
@@ -150,8 +157,14 @@ class SimulatedGPU(OwnedLocks):
         self._energy_j, self._t_last, self._mhz, n = self._integrate(t)
         del self._changes[:n]
 
-    def set_busy(self, busy: bool, t: float | None = None, compute_activity: float = DEFAULT_COMPUTE_ACTIVITY,
-                 memory_activity: float = DEFAULT_MEMORY_ACTIVITY, power_w: float = _MODEL) -> None:
+    def set_busy(
+        self,
+        busy: bool,
+        t: float | None = None,
+        compute_activity: float = DEFAULT_COMPUTE_ACTIVITY,
+        memory_activity: float = DEFAULT_MEMORY_ACTIVITY,
+        power_w: float = _MODEL,
+    ) -> None:
         """Mark an instruction as running (busy) or not from time `t` (time.monotonic(), s; now if None); a
         busy one draws `power_w` W (NaN: the power model at the clock and activities)."""
         with self._lock:
@@ -353,8 +366,9 @@ class SimulatedGPU(OwnedLocks):
         self._check_open()
         lo, hi = self.power_limit_range_w()
         if not lo <= watts <= hi:
-            raise ClockControlError(f"simulated {self.spec.name} cannot set a power limit of {watts:g} W; "
-                                    f"allowed: {lo:g}..{hi:g} W")
+            raise ClockControlError(
+                f"simulated {self.spec.name} cannot set a power limit of {watts:g} W; allowed: {lo:g}..{hi:g} W"
+            )
         if self._read_only:
             self._record("power_limit", int(round(watts)))
             self._limit_set = True  # as if applied: a later reset is recorded too

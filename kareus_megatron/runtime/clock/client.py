@@ -42,8 +42,13 @@ class ClockClient:
     `mhz` MHz; ``instruction_ends()``: it ends (only a simulated GPU needs it); ``mark()``: a
     measurement point, returning a ``MarkTicket`` that fills with its time (s) and energy (J)."""
 
-    def __init__(self, event_factory: Callable[[], Any] | None = None, coalesce_s: float | None = None,
-                 bind_thread: Callable[[], None] | None = None, recycle: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None = None,
+        coalesce_s: float | None = None,
+        bind_thread: Callable[[], None] | None = None,
+        recycle: Callable[[Any], None] | None = None,
+    ) -> None:
         """`event_factory` makes a recorded CUDA event (GPU); None means CPU timing (time.monotonic).
         `coalesce_s`: how long messages gather before one write (default: KAREUS_CLOCK_COALESCE_MS,
         else CPU_COALESCE_S on CPU, where timestamps are taken at hand-over, and 0 on GPU, where
@@ -54,8 +59,9 @@ class ClockClient:
         if event_factory is None:
             transport = CpuTransport(coalesce_from_env(CPU_COALESCE_S) if coalesce_s is None else coalesce_s)
         else:
-            transport = GpuTransport(event_factory, coalesce_from_env(0.0) if coalesce_s is None else coalesce_s,
-                                     bind_thread, recycle)
+            transport = GpuTransport(
+                event_factory, coalesce_from_env(0.0) if coalesce_s is None else coalesce_s, bind_thread, recycle
+            )
         self.transport = transport
         self.instruction_begins: Callable[[int, int, int, str], None] = transport.instruction_begins
         self.instruction_ends: Callable[[], None] = transport.instruction_ends
@@ -94,28 +100,48 @@ class ClockClient:
         return self._proc.pid if self._proc is not None else None
 
     # -- starting ----------------------------------------------------------------------------
-    def start_process(self, index: int, backend: str | None = None, gpu: str | None = None,
-                      log_path: str | None = None, timeout_s: float = 60.0, uuid: str | None = None,
-                      power_limit_w: float | None = None) -> dict[str, Any]:
+    def start_process(
+        self,
+        index: int,
+        backend: str | None = None,
+        gpu: str | None = None,
+        log_path: str | None = None,
+        timeout_s: float = 60.0,
+        uuid: str | None = None,
+        power_limit_w: float | None = None,
+    ) -> dict[str, Any]:
         """Start the side process for GPU `index` (NVML's; `uuid` picks it when given); return its
         ``ready`` message or raise."""
         self._proc = proc = process.spawn(index, backend, gpu, log_path, uuid, power_limit_w)
         assert proc.stdin is not None and proc.stdout is not None
         self.transport.connect_pipe(proc.stdin.fileno())
-        threading.Thread(target=self.transport.read_replies, args=(proc.stdout,), name="kareus-clock-reader",
-                         daemon=True).start()
+        threading.Thread(
+            target=self.transport.read_replies, args=(proc.stdout,), name="kareus-clock-reader", daemon=True
+        ).start()
         return self._await_ready(timeout_s)
 
-    def start_thread(self, device: GPUDevice, *, simulation: SimulationHooks | None,
-                     log_path: str | None = None, power_limit_w: float | None = None) -> dict[str, Any]:
+    def start_thread(
+        self,
+        device: GPUDevice,
+        *,
+        simulation: SimulationHooks | None,
+        log_path: str | None = None,
+        power_limit_w: float | None = None,
+    ) -> dict[str, Any]:
         """Run the controller in a thread of this process around `device`; `simulation`: its
         SimulationHooks when it is a simulated GPU (``hardware.device.simulation_of``), else None."""
         from kareus_megatron.hardware.device import power_reader_of
         from kareus_megatron.runtime.clock.controller import ClockController
 
         transport = self.transport
-        ctl = ClockController(device, transport.on_reply, simulation=simulation, log_path=log_path,
-                              power_limit_w=power_limit_w, power=power_reader_of(device))
+        ctl = ClockController(
+            device,
+            transport.on_reply,
+            simulation=simulation,
+            log_path=log_path,
+            power_limit_w=power_limit_w,
+            power=power_reader_of(device),
+        )
         transport.connect(ctl.feed)
         transport.on_reply(ctl.probe())
         self._controller_thread = threading.Thread(target=ctl.run, name="kareus-clock-controller", daemon=True)
@@ -131,8 +157,10 @@ class ClockClient:
         if ready is None:  # the process ended before saying anything
             self._kill()
             status = self._proc.poll() if self._proc is not None else None
-            raise DeviceUnavailableError(f"the clock controller exited before it was ready (exit status {status}); "
-                                         "run `kareus env` to check the GPU backend")
+            raise DeviceUnavailableError(
+                f"the clock controller exited before it was ready (exit status {status}); "
+                "run `kareus env` to check the GPU backend"
+            )
         if ready.get("op") == "error":
             if ready.get("type") == "ClockControlError":
                 transport.begin(clock_control=False, want_ends=bool(ready.get("busy_events", False)))

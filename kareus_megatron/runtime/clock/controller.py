@@ -40,9 +40,17 @@ def _nothing() -> None:
 class ClockController:
     """Applies clock changes to one device in order, skipping stale ones; `feed`/`submit` are thread-safe."""
 
-    def __init__(self, device: GPUDevice, reply: ReplyFn, *, simulation: SimulationHooks | None = None,
-                 log_path: str | None = None, reply_many: Callable[[list[MarkReply]], None] | None = None,
-                 power_limit_w: float | None = None, power: tuple[Callable[[], float], str] | None = None) -> None:
+    def __init__(
+        self,
+        device: GPUDevice,
+        reply: ReplyFn,
+        *,
+        simulation: SimulationHooks | None = None,
+        log_path: str | None = None,
+        reply_many: Callable[[list[MarkReply]], None] | None = None,
+        power_limit_w: float | None = None,
+        power: tuple[Callable[[], float], str] | None = None,
+    ) -> None:
         """Control `device`; `simulation`: its SimulationHooks when it is a simulated GPU (None: NVML);
         `power`: NVML's board power reader and its reading (hardware.device.power_reader_of), sampled on a thread.
         `reply` sends messages back (`reply_many`, when given, several at once: the energy marks of one
@@ -54,8 +62,9 @@ class ClockController:
         self._reply_many = reply_many
         self.decisions = Decisions(device.index, simulation, log_path)
         # late: a call made more than half a clock latency (s) after its instruction began (decisions.py)
-        self.decisions.late_after_s = 0.5 * (device.spec.clock_latency_s if simulation is None
-                                             else simulation.latency_s)
+        self.decisions.late_after_s = 0.5 * (
+            device.spec.clock_latency_s if simulation is None else simulation.latency_s
+        )
         # Items for the control loop: begins as (mhz, iteration, index, kind, t), ("stale", n), control dicts.
         self._inbox: queue.Queue[list[Any]] = queue.Queue()
         self._held: list[MarkReply] = []  # answers to lazy marks not sent yet
@@ -161,8 +170,7 @@ class ClockController:
         for answer in answers:
             answer["temperature_c"] = value
 
-    def _take_wall(self, items: list[Any], rest: list[Any], answers: list[MarkReply],
-                   held: list[MarkReply]) -> bool:
+    def _take_wall(self, items: list[Any], rest: list[Any], answers: list[MarkReply], held: list[MarkReply]) -> bool:
         """NVML: begins go to `rest` for the control loop (without a decision log only the last begin of
         a block, with the number it overtook); a mark is answered with the energy counter now (its
         record left the client when the GPU reached the point). Return whether held answers go out."""

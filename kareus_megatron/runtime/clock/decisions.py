@@ -38,6 +38,8 @@ def route_control(msg: dict[str, Any], rest: list[Any]) -> bool:
     if op != "answer":
         rest.append(msg)
     return op in RELEASE_OPS
+
+
 Begin = tuple[int, int, int, int]  # mhz, iteration, index, kind
 QueuedBegin = tuple[int, int, int, int, float]  # a Begin and its begin time (s, time.monotonic())
 Writer = Callable[..., None]  # (event, **fields)
@@ -152,10 +154,18 @@ class Decisions:
             energy = float("nan")
             self.error(str(e))
         counts = self.counts
-        return {"op": "mark", "seq": seq, "t": t, "energy_j": energy,
-                "temperature_c": self.temperature_c(self.read_temperature_c), "sm_clock_mhz": self.locked_mhz,
-                "applied": counts["applied"], "late": counts["late"], "stale": counts["stale"],
-                "errors": counts["errors"]}
+        return {
+            "op": "mark",
+            "seq": seq,
+            "t": t,
+            "energy_j": energy,
+            "temperature_c": self.temperature_c(self.read_temperature_c),
+            "sm_clock_mhz": self.locked_mhz,
+            "applied": counts["applied"],
+            "late": counts["late"],
+            "stale": counts["stale"],
+            "errors": counts["errors"],
+        }
 
     def close(self) -> None:
         """Close the controller's own log file (a simulated GPU closes its log itself)."""

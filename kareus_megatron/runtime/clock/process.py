@@ -26,14 +26,34 @@ from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.clock.wire import Reply
 
 
-def spawn(index: int, backend: str | None, gpu: str | None, log_path: str | None,
-          uuid: str | None = None, power_limit_w: float | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    index: int,
+    backend: str | None,
+    gpu: str | None,
+    log_path: str | None,
+    uuid: str | None = None,
+    power_limit_w: float | None = None,
+) -> subprocess.Popen[bytes]:
     """Start the side process for local GPU `index` (NVML's index; `uuid`, when given, picks the GPU
     instead: hardware/device/cuda_map.py); stdin and stdout are pipes. KAREUS_GPU_READ_ONLY is inherited."""
     # This module's own name: on the training side it is imported, never run.
-    cmd = [sys.executable, "-m", __name__, "--index", str(index), "--backend", backend or "", "--gpu", gpu or "",
-           "--log", log_path or "", "--uuid", uuid or "",
-           "--power-limit-w", "" if power_limit_w is None else repr(float(power_limit_w))]
+    cmd = [
+        sys.executable,
+        "-m",
+        __name__,
+        "--index",
+        str(index),
+        "--backend",
+        backend or "",
+        "--gpu",
+        gpu or "",
+        "--log",
+        log_path or "",
+        "--uuid",
+        uuid or "",
+        "--power-limit-w",
+        "" if power_limit_w is None else repr(float(power_limit_w)),
+    ]
     # One thread per library pool: a BLAS pool would spin on the trainers' cores for nothing.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, env=env)
@@ -69,9 +89,15 @@ def serve(args: argparse.Namespace) -> int:
     simulation = simulation_of(device)
     if simulation is not None:  # a simulated GPU: the trainers are the device, take only idle time
         sched.idle_time_only()
-    controller = ClockController(device, reply, simulation=simulation, log_path=args.log or None,
-                                 reply_many=reply_many, power=power_reader_of(device),
-                                 power_limit_w=float(args.power_limit_w) if args.power_limit_w else None)
+    controller = ClockController(
+        device,
+        reply,
+        simulation=simulation,
+        log_path=args.log or None,
+        reply_many=reply_many,
+        power=power_reader_of(device),
+        power_limit_w=float(args.power_limit_w) if args.power_limit_w else None,
+    )
 
     def on_signal(signum: int, frame: Any) -> None:
         controller.stop()

@@ -35,8 +35,7 @@ class SimulatedTimeLine:
         self._pending: tuple[Begin, float] | None = None  # a begin waiting for the device, and its time (s)
         self._power = ModelSampler(simulation.energy_j_at)  # the power model sampled on the time line
 
-    def take(self, items: list[Any], rest: list[Any], answers: list[MarkReply],
-             held: list[MarkReply]) -> bool:
+    def take(self, items: list[Any], rest: list[Any], answers: list[MarkReply], held: list[MarkReply]) -> bool:
         """Handle what arrived, in order: record blocks here (busy/idle edges, marks into `answers`, or
         `held` when lazy, clock calls on the time line), control messages into `rest` for the control
         loop. Return whether one of them releases the held mark answers."""

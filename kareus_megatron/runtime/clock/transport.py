@@ -173,8 +173,12 @@ class Transport:
         for ev in acks:
             ev.set()
 
-    def _fill(self, tickets: list[MarkTicket], answers: list[tuple[float | None, float]],
-              info: Mapping[str, Any] | None = None) -> None:
+    def _fill(
+        self,
+        tickets: list[MarkTicket],
+        answers: list[tuple[float | None, float]],
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
         with self._answered:
             for ticket, (t, energy_j) in zip(tickets, answers):
                 ticket.t, ticket.energy_j, ticket.info, ticket.done = t, energy_j, info, True

@@ -54,8 +54,7 @@ class CpuTransport(Transport):
         super().read_replies(lines)
 
     # -- training thread ---------------------------------------------------------------------
-    def _append(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0,
-                e: float = 0.0) -> None:
+    def _append(self, code: float, a: float, b: float = 0.0, c: float = 0.0, d: float = 0.0, e: float = 0.0) -> None:
         now = monotonic()
         idle, self._idle_from = self._idle_from, NO_TIME  # the previous instruction's end rides along
         recs = self._recs
@@ -136,8 +135,7 @@ class CpuTransport(Transport):
                 self._doorbell.clear()
                 idle_since = monotonic()
                 continue
-            self._doorbell.wait(max(MIN_WAKE_S, window - (monotonic() - self._out_since)
-                                    if self._recs else window))
+            self._doorbell.wait(max(MIN_WAKE_S, window - (monotonic() - self._out_since) if self._recs else window))
             self._doorbell.clear()
 
     def _stop_helper(self) -> None:

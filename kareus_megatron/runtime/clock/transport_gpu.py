@@ -120,8 +120,13 @@ class GpuTransport(Transport):
 
     HELPER = "forwarder"
 
-    def __init__(self, event_factory: Callable[[], Any], coalesce_s: float,
-                 bind_thread: Callable[[], None] | None = None, recycle: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        event_factory: Callable[[], Any],
+        coalesce_s: float,
+        bind_thread: Callable[[], None] | None = None,
+        recycle: Callable[[Any], None] | None = None,
+    ) -> None:
         """`event_factory` returns a recorded CUDA event (anything with ``synchronize()``); `bind_thread`
         (``CudaEvents.bind_thread``), when given, runs in the forwarder once before it first waits; `recycle`
         (``CudaEvents.give_back``), when given, gets each event back once the forwarder has waited on it."""

@@ -81,8 +81,9 @@ class AckReply(TypedDict):
 Reply = ReadyReply | ErrorReply | MarkReply | AckReply
 
 
-def begin_record(t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME,
-                 power_w: float = NO_POWER) -> tuple[float, ...]:
+def begin_record(
+    t: float, iteration: int, index: int, mhz: int, kind: str, idle_from: float = NO_TIME, power_w: float = NO_POWER
+) -> tuple[float, ...]:
     """The record of "instruction `index` of `iteration` (`kind`) begins at `t` at `mhz` MHz" (a simulated
     GPU draws `power_w` W while it runs; NaN: its own model)."""
     return (CODE_BEGIN, t, idle_from, iteration, index, mhz, KINDS.index(kind), power_w)
@@ -114,15 +115,15 @@ class FrameReader:
             nl = buf.find(b"\n", pos)
             if nl < 0:
                 break
-            if buf[pos:pos + 2] == b"R ":
-                count = buf[pos + 2:nl]
+            if buf[pos : pos + 2] == b"R ":
+                count = buf[pos + 2 : nl]
                 if not count.isdigit():
                     raise ValueError(f"bad clock controller message header {buf[pos:nl][:40]!r}")
                 end = nl + 1 + int(count) * RECORD_FIELDS * 8
                 if end > len(buf):
                     break
                 block = array("d")
-                block.frombytes(buf[nl + 1:end])
+                block.frombytes(buf[nl + 1 : end])
                 out.append(block)
                 pos = end
                 continue

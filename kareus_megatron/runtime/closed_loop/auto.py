@@ -67,8 +67,10 @@ class AutoSettings:
 
     def __post_init__(self) -> None:
         if self.warmup_iterations < 0 or self.profile_clocks < 2 or self.iterations_per_clock < 2:
-            raise ConfigError("auto: needs >= 0 warm-up iterations, >= 2 profile clocks and >= 2 iterations per "
-                              "clock (the first at each clock is left out)")
+            raise ConfigError(
+                "auto: needs >= 0 warm-up iterations, >= 2 profile clocks and >= 2 iterations per "
+                "clock (the first at each clock is left out)"
+            )
         if not 0 < self.drift_threshold < 1 or self.drift_window < 2:
             raise ConfigError("auto: drift threshold must be in (0, 1) and the drift window >= 2 iterations")
 
@@ -99,19 +101,42 @@ def interleaved(clocks: list[int]) -> list[int]:
 def uniform_plan(base: Plan, mhz: int) -> Plan:
     """`base`'s instructions, every one at `mhz` MHz and one nanobatch (a profile plan; no predictions)."""
     stages = tuple(
-        st.model_copy(update={"instructions": tuple(
-            i.model_copy(update={"sm_clock_mhz": mhz, "nanobatches": 1, "partitions": {},
-                                 "predicted_time_s": None, "predicted_energy_j": None})
-            for i in st.instructions)})
-        for st in base.stages)
+        st.model_copy(
+            update={
+                "instructions": tuple(
+                    i.model_copy(
+                        update={
+                            "sm_clock_mhz": mhz,
+                            "nanobatches": 1,
+                            "partitions": {},
+                            "predicted_time_s": None,
+                            "predicted_energy_j": None,
+                        }
+                    )
+                    for i in st.instructions
+                )
+            }
+        )
+        for st in base.stages
+    )
     return base.model_copy(update={"stages": stages, "power_limit_w": None})
 
 
 class AutoController:
     """Drives the phases on this rank (training thread, at iteration ends); rank 0 also runs the worker."""
 
-    def __init__(self, session: Any, base: Plan, settings: AutoSettings, *, log_dir: str,
-                 supported_mhz: tuple[int, ...], rank: int = 0, world: int = 1, method: str | None = None) -> None:
+    def __init__(
+        self,
+        session: Any,
+        base: Plan,
+        settings: AutoSettings,
+        *,
+        log_dir: str,
+        supported_mhz: tuple[int, ...],
+        rank: int = 0,
+        world: int = 1,
+        method: str | None = None,
+    ) -> None:
         self.session = session
         self.base = base
         self.settings = settings
@@ -197,9 +222,14 @@ class AutoController:
             return
         self.plan, self.version, self.phase, self.fallback = plan, version, "plan", plan
         self.plan_sha = plan_sha256(plan)
-        self._event("switch", plan_version=version, plan_sha256=self.plan_sha,
-                    predicted_time_s=plan.predicted.iteration_time_s,
-                    predicted_energy_j=plan.predicted.iteration_energy_j, method=plan.method)
+        self._event(
+            "switch",
+            plan_version=version,
+            plan_sha256=self.plan_sha,
+            predicted_time_s=plan.predicted.iteration_time_s,
+            predicted_energy_j=plan.predicted.iteration_energy_j,
+            method=plan.method,
+        )
         self._tag(profile_mhz=None)
         if self.worker is not None:
             self.worker.switched(version, plan)
@@ -280,8 +310,17 @@ class AutoController:
             sys.stderr.write(f"kareus auto: {message}\n")
 
 
-def install_auto(slot: Any, base: Plan, source: str, objective: Objective, *, log_path: str | None,
-                 settings: AutoSettings | None = None, method: str | None = None, **session_kwargs: Any) -> Any:
+def install_auto(
+    slot: Any,
+    base: Plan,
+    source: str,
+    objective: Objective,
+    *,
+    log_path: str | None,
+    settings: AutoSettings | None = None,
+    method: str | None = None,
+    **session_kwargs: Any,
+) -> Any:
     """Start a session in `slot` that runs the closed loop for the job `base` was planned for; return it.
 
     `log_path` (the run log directory) is required: rank 0 calibrates from it, so on several nodes it must be on
@@ -299,8 +338,16 @@ def install_auto(slot: Any, base: Plan, source: str, objective: Objective, *, lo
     try:
         supported = tuple(session.ready.get("supported") or ()) or gpu_spec(base.gpu).sm_clocks_mhz
         rank, world = global_rank_and_world()
-        ctl = AutoController(session, base, settings, log_dir=str(log_path), supported_mhz=supported, rank=rank,
-                             world=world, method=method)
+        ctl = AutoController(
+            session,
+            base,
+            settings,
+            log_dir=str(log_path),
+            supported_mhz=supported,
+            rank=rank,
+            world=world,
+            method=method,
+        )
         session.patch.on_iteration_end = ctl.on_iteration_end
         session.auto = ctl
         ctl.start()

@@ -92,8 +92,11 @@ def against(log: Any, plan: Plan, match: dict[str, Any], skip_first: bool = True
     prev = None
     for rec in log.iterations:
         ranks = rec.get("ranks") or []
-        ok = bool(ranks) and rec.get("iteration") not in log.partial and all(
-            r.get(k) == v for r in ranks for k, v in match.items())
+        ok = (
+            bool(ranks)
+            and rec.get("iteration") not in log.partial
+            and all(r.get(k) == v for r in ranks for k, v in match.items())
+        )
         first = ok and (prev is None or prev + 1 != rec["iteration"])
         prev = rec["iteration"] if ok else None
         if not ok or (first and skip_first) or rec.get("time_s") is None or rec.get("energy_j") is None:
@@ -110,8 +113,13 @@ def against(log: Any, plan: Plan, match: dict[str, Any], skip_first: bool = True
     t = statistics.median(r[0] for r in rows)
     e = sum(r[1] for r in rows)
     known = all(i.predicted_energy_j is not None for st in plan.stages for i in st.instructions)
-    return Verdict(len(rows), t, e / len(rows), _rel(t, plan.predicted.iteration_time_s),
-                   _rel(e, sum(r[2] for r in rows)) if known else None)
+    return Verdict(
+        len(rows),
+        t,
+        e / len(rows),
+        _rel(t, plan.predicted.iteration_time_s),
+        _rel(e, sum(r[2] for r in rows)) if known else None,
+    )
 
 
 def _pct(x: float | None) -> str:
@@ -192,8 +200,13 @@ class AutoWorker(threading.Thread):
 
     def _run(self, args: list[str], what: str) -> None:
         try:
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            proc = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
         except OSError as e:
             raise AutoError(f"{what} did not start: {e}") from None
         self._proc = proc
@@ -230,13 +243,24 @@ class AutoWorker(threading.Thread):
     def _method(self) -> str:
         return self.ctl.method or KAREUS
 
-    def _plan(self, version: int, calibration: Path | None, tag: str, max_time_s: float | None = None,
-              points: int = 2) -> Path:
+    def _plan(
+        self, version: int, calibration: Path | None, tag: str, max_time_s: float | None = None, points: int = 2
+    ) -> Path:
         out = self.dir / (f"plan-{version}" + ("" if max_time_s is None else "-bounded"))
         # --band-samples 0: the loop selects on the point estimate, and drawing bands would take CPU from the
         # training it replans beside
-        args = kareus_command("plan", *self.job_args, "--methods", self._method(), "--points", str(points),
-                              "--band-samples", "0", "--out", str(out))
+        args = kareus_command(
+            "plan",
+            *self.job_args,
+            "--methods",
+            self._method(),
+            "--points",
+            str(points),
+            "--band-samples",
+            "0",
+            "--out",
+            str(out),
+        )
         if calibration is not None:
             args += ["--calibration", str(calibration)]
         from kareus_megatron.hardware.device import backend_from_env
@@ -263,8 +287,10 @@ class AutoWorker(threading.Thread):
             except KareusError:
                 pass
             if time.monotonic() > deadline or self.stopped.is_set():
-                raise AutoError(f"the run log {self.ctl.log_dir} did not get iteration {last} from every rank in "
-                                f"{LOG_WAIT_S:.0f} s (is it on a file system every rank shares?)")
+                raise AutoError(
+                    f"the run log {self.ctl.log_dir} did not get iteration {last} from every rank in "
+                    f"{LOG_WAIT_S:.0f} s (is it on a file system every rank shares?)"
+                )
             time.sleep(max(POLL_S, READ_SPACING * self._read_s))
 
     def _read(self, reader: Any) -> Any:
@@ -279,13 +305,31 @@ class AutoWorker(threading.Thread):
         log = self._wait_for(last)
         version = self.ctl.version + 1
         calib = self.dir / f"calib-{version}.json"
-        self._run(kareus_command("calibrate", "--from-log", self.ctl.log_dir, "--plan", str(self.base_file),
-                                 "--force", "--iterations", f"{first}:{last}", "--seconds", repr(self._window_s()),
-                                 "-o", str(calib)), "kareus calibrate --from-log")
+        self._run(
+            kareus_command(
+                "calibrate",
+                "--from-log",
+                self.ctl.log_dir,
+                "--plan",
+                str(self.base_file),
+                "--force",
+                "--iterations",
+                f"{first}:{last}",
+                "--seconds",
+                repr(self._window_s()),
+                "-o",
+                str(calib),
+            ),
+            "kareus calibrate --from-log",
+        )
         objective = self.ctl.settings.objective
-        out = self._plan(version, calib, "calibrated",
-                         max_time_s=objective.bound if objective.kind == MAX_TIME else None,
-                         points=2 if objective.kind in (ISO_TIME, MIN_ENERGY, MAX_TIME) else DENSE_POINTS)
+        out = self._plan(
+            version,
+            calib,
+            "calibrated",
+            max_time_s=objective.bound if objective.kind == MAX_TIME else None,
+            points=2 if objective.kind in (ISO_TIME, MIN_ENERGY, MAX_TIME) else DENSE_POINTS,
+        )
         mega = select_frontier_points(out, "all", method=MEGATRON, allow_all=True)[0]
         if objective.kind == ISO_TIME:
             out = self._plan(version, calib, "calibrated, iso-time", max_time_s=mega.time_s * (1 + ISO_REL_TOL))
@@ -295,12 +339,22 @@ class AutoWorker(threading.Thread):
         top = {"profile_mhz": fmax, "plan_version": self.ctl.version}
         before = against(log, load_plan(self.reference_plan), top) if self.reference_plan else Verdict(0)
         after = against(log, load_plan(mega.plan_path), top)
-        self.ctl._event("calibrated", plan_version=version, calibration=str(calib), iterations=[first, last],
-                        max_clock_iterations=after.iterations, measured_time_s=after.time_s,
-                        measured_energy_j=after.energy_j, error_before_time=before.error_time,
-                        error_before_energy=before.error_energy, error_after_time=after.error_time,
-                        error_after_energy=after.error_energy, objective=str(objective),
-                        point=f"{chosen.method}-{chosen.index:02d}", plan=str(chosen.plan_path))
+        self.ctl._event(
+            "calibrated",
+            plan_version=version,
+            calibration=str(calib),
+            iterations=[first, last],
+            max_clock_iterations=after.iterations,
+            measured_time_s=after.time_s,
+            measured_energy_j=after.energy_j,
+            error_before_time=before.error_time,
+            error_before_energy=before.error_energy,
+            error_after_time=after.error_time,
+            error_after_energy=after.error_energy,
+            objective=str(objective),
+            point=f"{chosen.method}-{chosen.index:02d}",
+            plan=str(chosen.plan_path),
+        )
         plan = load_plan(chosen.plan_path)
         self.ctl.post(1, version, plan.model_dump_json())
 
@@ -324,8 +378,13 @@ class AutoWorker(threading.Thread):
             return
         et, ee, n = v.error_time, v.error_energy, v.iterations
         bad = [x for x in (et, ee) if x is not None and abs(x) > self.ctl.settings.drift_threshold]
-        fields = dict(plan_version=version, iterations=n, error_time=et, error_energy=ee,
-                      threshold=self.ctl.settings.drift_threshold)
+        fields = dict(
+            plan_version=version,
+            iterations=n,
+            error_time=et,
+            error_energy=ee,
+            threshold=self.ctl.settings.drift_threshold,
+        )
         if not bad:
             if self._checked != version:  # the model error on the run after calibration, once per plan
                 self._checked = version
@@ -333,6 +392,8 @@ class AutoWorker(threading.Thread):
             return
         self.watching = None
         self.ctl._event("drift", **fields)
-        self.ctl.say(f"measured iteration time {_pct(et)} / energy {_pct(ee)} against plan {version}'s prediction "
-                     f"over the last {n} iterations; re-profiling and re-planning")
+        self.ctl.say(
+            f"measured iteration time {_pct(et)} / energy {_pct(ee)} against plan {version}'s prediction "
+            f"over the last {n} iterations; re-profiling and re-planning"
+        )
         self.ctl.post(2)

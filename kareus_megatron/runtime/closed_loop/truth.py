@@ -98,12 +98,20 @@ def _check_params(raw: Any, what: str, path: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in raw.items():
         if key not in PARAM_NAMES:
-            raise CalibrationError(f"truth file {path!r}: {what}: unknown parameter {key!r}; allowed: "
-                                   f"{', '.join(PARAM_NAMES)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-                or (key == "time_scale" and value <= 0):
-            raise CalibrationError(f"truth file {path!r}: {what}: {key} = {value!r} must be a finite number >= 0"
-                                   + (" (> 0)" if key == "time_scale" else ""))
+            raise CalibrationError(
+                f"truth file {path!r}: {what}: unknown parameter {key!r}; allowed: {', '.join(PARAM_NAMES)}"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+            or (key == "time_scale" and value <= 0)
+        ):
+            raise CalibrationError(
+                f"truth file {path!r}: {what}: {key} = {value!r} must be a finite number >= 0"
+                + (" (> 0)" if key == "time_scale" else "")
+            )
         out[key] = float(value)
     return out
 
@@ -111,8 +119,9 @@ def _check_params(raw: Any, what: str, path: str) -> dict[str, float]:
 def load_truth(path: str | os.PathLike[str]) -> TruthFile:
     """Read and check a truth file (see module doc); CalibrationError names the first problem."""
     p = os.fspath(path)
-    text = read_input_text(p, CalibrationError, "truth file",
-                           not_text_fix=f"give a {FORMAT} or {CALIBRATION_FORMAT} JSON file")
+    text = read_input_text(
+        p, CalibrationError, "truth file", not_text_fix=f"give a {FORMAT} or {CALIBRATION_FORMAT} JSON file"
+    )
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -140,15 +149,19 @@ def load_truth(path: str | os.PathLike[str]) -> TruthFile:
     for k, entry in enumerate(drift):
         what = f"drift[{k}]"
         if not isinstance(entry, dict) or set(entry) != {"after_iteration", "params"}:
-            raise CalibrationError(f"truth file {p!r}: {what} must be {{\"after_iteration\": N, \"params\": {{...}}}}")
+            raise CalibrationError(f'truth file {p!r}: {what} must be {{"after_iteration": N, "params": {{...}}}}')
         n = entry["after_iteration"]
         if isinstance(n, bool) or not isinstance(n, int) or n <= segments[-1][0] and not (n == 0 == k):
-            raise CalibrationError(f"truth file {p!r}: {what}.after_iteration {n!r} must be an integer >= 0, "
-                                   "increasing from entry to entry")
+            raise CalibrationError(
+                f"truth file {p!r}: {what}.after_iteration {n!r} must be an integer >= 0, "
+                "increasing from entry to entry"
+            )
         changes = _check_params(entry["params"], f"{what}.params", p)
         if "p_blocked_w" in changes:
-            raise CalibrationError(f"truth file {p!r}: {what} sets p_blocked_w; drift may change busy power "
-                                   "and times only (the blocked power is fixed when the run starts)")
+            raise CalibrationError(
+                f"truth file {p!r}: {what} sets p_blocked_w; drift may change busy power "
+                "and times only (the blocked power is fixed when the run starts)"
+            )
         if n == 0:
             segments[0] = (0, {**params, **changes})
         else:
@@ -178,8 +191,9 @@ def apply_truth_power(simulation: Any, spec: Any) -> bool:
 
 def _check_gpu(truth: TruthFile, gpu: str, whose: str) -> None:
     if truth.gpu != gpu:
-        raise CalibrationError(f"truth file {truth.path!r} is for GPU {truth.gpu!r}, {whose} is {gpu!r}; "
-                               f"make the truth for {gpu}")
+        raise CalibrationError(
+            f"truth file {truth.path!r} is for GPU {truth.gpu!r}, {whose} is {gpu!r}; make the truth for {gpu}"
+        )
 
 
 def session_truth(backend: str, plan: Plan | None) -> Truth | None:
@@ -189,8 +203,10 @@ def session_truth(backend: str, plan: Plan | None) -> Truth | None:
     if path is None:
         return None
     if backend != "simulated":
-        raise ConfigError(f"{TRUTH_ENV}={path!r} needs the simulated GPU (KAREUS_GPU_BACKEND=simulated): a truth "
-                          f"only makes sense there; unset it to run on the {backend} backend")
+        raise ConfigError(
+            f"{TRUTH_ENV}={path!r} needs the simulated GPU (KAREUS_GPU_BACKEND=simulated): a truth "
+            f"only makes sense there; unset it to run on the {backend} backend"
+        )
     if plan is None:
         raise ConfigError(f"{TRUTH_ENV}={path!r} needs a plan (its instructions are what the truth costs)")
     truth = Truth(load_truth(path))
@@ -248,13 +264,16 @@ class Truth:
             clocks = np.asarray(sorted(gpu.sm_clocks_mhz), dtype=float)
             t, e = kernel.instruction_cost(model, par, stage, kind, clocks, chunk)
             if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(e))):
-                raise CalibrationError(f"truth file {self.file.path!r}: its parameters give a non-finite or zero "
-                                       f"time for stage {stage} chunk {chunk} {kind}")
+                raise CalibrationError(
+                    f"truth file {self.file.path!r}: its parameters give a non-finite or zero "
+                    f"time for stage {stage} chunk {chunk} {kind}"
+                )
             hit = self._cache[key] = (clocks, t, e)
         return hit
 
-    def _row(self, plan: Plan, segment: int, stage: int, chunk: int, kind: str, mhz: int
-             ) -> tuple[float, float, float, float]:
+    def _row(
+        self, plan: Plan, segment: int, stage: int, chunk: int, kind: str, mhz: int
+    ) -> tuple[float, float, float, float]:
         import numpy as np
 
         clocks, t, e = self.table(plan, segment, stage, chunk, kind)
@@ -268,8 +287,10 @@ class Truth:
         if pp_rank is not None:
             self.pp_rank = pp_rank
         stage = plan.stages[self.pp_rank]
-        rows = [tuple(self._row(plan, k, self.pp_rank, i.chunk, i.kind, i.sm_clock_mhz) for i in stage.instructions)
-                for k in range(len(self.file.segments))]
+        rows = [
+            tuple(self._row(plan, k, self.pp_rank, i.chunk, i.kind, i.sm_clock_mhz) for i in stage.instructions)
+            for k in range(len(self.file.segments))
+        ]
         self.plan, self._segment_rows, self._next_switch = plan, rows, -1
         self._rows = rows[0]
 
@@ -289,8 +310,9 @@ class Truth:
         self._rows = self._segment_rows[k]
         self._next_switch = self._starts[k + 1] if k + 1 < len(self._starts) else 1 << 62
 
-    def callables(self, begins: Begins, ends: Callable[[], None]
-                  ) -> tuple[Callable[[int, int, int, str], None], Callable[[], None]]:
+    def callables(
+        self, begins: Begins, ends: Callable[[], None]
+    ) -> tuple[Callable[[int, int, int, str], None], Callable[[], None]]:
         """(begins, ends) for the patch: the clock client's `begins(iteration, index, mhz, kind, power_w)`
         with the truth's busy power, and `ends()` after the truth's time has passed."""
 
@@ -320,6 +342,10 @@ class Truth:
     def close(self) -> None:
         """At the session's close: warn when more than FLOOR_WARN_FRACTION of the instructions hit the floor."""
         if self.instructions and self.floors > FLOOR_WARN_FRACTION * self.instructions:
-            warnings.warn(f"kareus: simulated truth: {self.floors} of {self.instructions} instructions took longer "
-                          "on the CPU (stretched by the truth's clock ratio) than the truth's time; raise the "
-                          f"truth's time_scale in {self.file.path}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"kareus: simulated truth: {self.floors} of {self.instructions} instructions took longer "
+                "on the CPU (stretched by the truth's clock ratio) than the truth's time; raise the "
+                f"truth's time_scale in {self.file.path}",
+                RuntimeWarning,
+                stacklevel=2,
+            )

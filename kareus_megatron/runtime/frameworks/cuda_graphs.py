@@ -26,10 +26,14 @@ from collections.abc import Sequence
 from typing import Any
 
 OFF = ("none", "", None)
-_DEPRECATED = (("enable_cuda_graph", "--enable-cuda-graph", "local"),
-               ("external_cuda_graph", "--external-cuda-graph", "transformer_engine"))
-WHY = ("a replayed graph skips the per-instruction clock and overlap hooks, so the plan would not run; "
-       "turn CUDA graphs off (--cuda-graph-impl none)")
+_DEPRECATED = (
+    ("enable_cuda_graph", "--enable-cuda-graph", "local"),
+    ("external_cuda_graph", "--external-cuda-graph", "transformer_engine"),
+)
+WHY = (
+    "a replayed graph skips the per-instruction clock and overlap hooks, so the plan would not run; "
+    "turn CUDA graphs off (--cuda-graph-impl none)"
+)
 
 
 def _scopes(config: Any) -> list[str]:
@@ -50,8 +54,10 @@ def cuda_graph_problem(config: Any) -> str | None:
     if setting is None and impl not in OFF:
         setting = f"cuda_graph_impl={impl!r} (--cuda-graph-impl {impl})"
         if impl == "local" and "full_iteration" in _scopes(config):
-            setting = "cuda_graph_impl='local' with cuda_graph_scope full_iteration (--cuda-graph-impl local " \
-                      "--cuda-graph-scope full_iteration)"
+            setting = (
+                "cuda_graph_impl='local' with cuda_graph_scope full_iteration (--cuda-graph-impl local "
+                "--cuda-graph-scope full_iteration)"
+            )
     if setting is None:
         return None
     return f"CUDA graphs are on: {setting}; {WHY}"

@@ -56,7 +56,8 @@ def deepspeed_version() -> str:
         return version("deepspeed")
     except Exception:
         raise UnsupportedVersionError(
-            f"DeepSpeed is not installed; pip install deepspeed=={supported_series('deepspeed')[-1].tested}") from None
+            f"DeepSpeed is not installed; pip install deepspeed=={supported_series('deepspeed')[-1].tested}"
+        ) from None
 
 
 def check_deepspeed_version(v: str | None = None) -> str:
@@ -110,16 +111,20 @@ def engine_problem(engine_class: type) -> str | None:
     except ImportError:
         DualPipeVEngine = None  # noqa: N806
     if DualPipeVEngine is not None and issubclass(engine_class, DualPipeVEngine):
-        return (f"{name} runs DeepSpeed's DualPipeV schedule (DualPipeVSchedule, with its own instruction map), "
-                "which kareus does not plan; kareus runs PipelineEngine's TrainSchedule: build the model as a "
-                "deepspeed.pipe.PipelineModule, not a DualPipeVModule")
+        return (
+            f"{name} runs DeepSpeed's DualPipeV schedule (DualPipeVSchedule, with its own instruction map), "
+            "which kareus does not plan; kareus runs PipelineEngine's TrainSchedule: build the model as a "
+            "deepspeed.pipe.PipelineModule, not a DualPipeVModule"
+        )
     own_map = getattr(engine_class, "_INSTRUCTION_MAP", None) is not PipelineEngine._INSTRUCTION_MAP
     hook = "_train_schedule"  # 0.19: the schedule a train_batch runs (0.18: none, TrainSchedule built inline)
     own_schedule = getattr(engine_class, hook, None) is not getattr(PipelineEngine, hook, None)
     if own_map or own_schedule:
         what = "its own instruction map" if own_map else "its own train schedule"
-        return (f"{name} overrides PipelineEngine with {what}, so kareus cannot follow its instructions; "
-                "kareus runs PipelineEngine's TrainSchedule only")
+        return (
+            f"{name} overrides PipelineEngine with {what}, so kareus cannot follow its instructions; "
+            "kareus runs PipelineEngine's TrainSchedule only"
+        )
     return None
 
 
@@ -137,9 +142,13 @@ def live_engine(engine: Any) -> LiveEngine:
         mbs = int(engine.train_micro_batch_size_per_gpu())
     except Exception:
         mbs = None
-    return LiveEngine(stages=int(engine.num_stages), stage_id=int(engine.stage_id),
-                      micro_batches=int(engine.micro_batches), micro_batch_size=mbs,
-                      dp=int(dp) if isinstance(dp, int) else None)
+    return LiveEngine(
+        stages=int(engine.num_stages),
+        stage_id=int(engine.stage_id),
+        micro_batches=int(engine.micro_batches),
+        micro_batch_size=mbs,
+        dp=int(dp) if isinstance(dp, int) else None,
+    )
 
 
 def train_schedule_order(micro_batches: int, stages: int, stage_id: int) -> list[tuple[str, int, int]]:
@@ -154,16 +163,22 @@ def train_schedule_order(micro_batches: int, stages: int, stage_id: int) -> list
     count = {"forward": 0, "backward": 0}
     for step in sched:
         for cmd in step:
-            kind = ("forward" if type(cmd) is schedule.ForwardPass
-                    else "backward" if type(cmd) is schedule.BackwardPass else None)
+            kind = (
+                "forward"
+                if type(cmd) is schedule.ForwardPass
+                else "backward"
+                if type(cmd) is schedule.BackwardPass
+                else None
+            )
             if kind is not None:
                 out.append((kind, count[kind], int(cmd.buffer_id)))
                 count[kind] += 1
     return out
 
 
-def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None,
-                    device_gpu: str | None = None) -> list[str]:
+def plan_mismatches(
+    plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None, device_gpu: str | None = None
+) -> list[str]:
     """Every way `plan` does not fit the DeepSpeed engine `live` (empty when it fits)."""
     par = plan.parallel
     out: list[str] = []
@@ -176,30 +191,39 @@ def plan_mismatches(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[in
     if par.vp != 1:
         out.append(f"virtual pipeline chunks: plan {par.vp}, DeepSpeed runs 1")
     if any(i.nanobatches > 1 for s in plan.stages for i in s.instructions):
-        out.append("nanobatches: the plan splits microbatches into 2 nanobatches, DeepSpeed runs them whole "
-                   "(no overlap engine); use a perseus or kareus plan")
+        out.append(
+            "nanobatches: the plan splits microbatches into 2 nanobatches, DeepSpeed runs them whole "
+            "(no overlap engine); use a perseus or kareus plan"
+        )
     if plan.framework != FRAMEWORK:
         out.append(f"framework: plan {plan.framework}, engine deepspeed (plan with kareus plan --framework deepspeed)")
     if not out and live.stage_id < len(plan.stages):
         want = [(k, mb) for k, mb, _ in train_schedule_order(live.micro_batches, live.stages, live.stage_id)]
         have = [(i.kind, i.microbatch) for i in plan.stages[live.stage_id].instructions]
         if have != want:
-            at = next(k for k, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have)))
-                      if a != b)
-            out.append(f"instruction order of stage {live.stage_id} differs from DeepSpeed's TrainSchedule at "
-                       f"position {at} (plan {have[at] if at < len(have) else 'nothing'}, "
-                       f"TrainSchedule {want[at] if at < len(want) else 'nothing'})")
+            at = next(k for k, (a, b) in enumerate(zip(have + [None] * len(want), want + [None] * len(have))) if a != b)
+            out.append(
+                f"instruction order of stage {live.stage_id} differs from DeepSpeed's TrainSchedule at "
+                f"position {at} (plan {have[at] if at < len(have) else 'nothing'}, "
+                f"TrainSchedule {want[at] if at < len(want) else 'nothing'})"
+            )
     out.extend(device_mismatches(plan, live.stage_id, supported_clocks_mhz, device_gpu))
     return out
 
 
-def validate_plan(plan: Plan, live: LiveEngine, supported_clocks_mhz: tuple[int, ...] | None = None,
-                  device_gpu: str | None = None, source: str = "the plan") -> None:
+def validate_plan(
+    plan: Plan,
+    live: LiveEngine,
+    supported_clocks_mhz: tuple[int, ...] | None = None,
+    device_gpu: str | None = None,
+    source: str = "the plan",
+) -> None:
     """Raise one PlanMismatchError listing every mismatch between `plan` and the engine."""
-    raise_mismatches(plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
-                     f"{source} does not match this DeepSpeed pipeline (stage {live.stage_id})",
-                     "Regenerate the plan for this configuration (kareus plan --framework deepspeed) "
-                     "or fix the config.")
+    raise_mismatches(
+        plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
+        f"{source} does not match this DeepSpeed pipeline (stage {live.stage_id})",
+        "Regenerate the plan for this configuration (kareus plan --framework deepspeed) or fix the config.",
+    )
 
 
 # ---- the patch ------------------------------------------------------------------------------
@@ -223,8 +247,9 @@ class PatchState(BasePatchState):
         self.stage_id = live.stage_id
         from deepspeed.runtime.pipe import schedule
 
-        self.num_buffers = schedule.TrainSchedule(micro_batches=live.micro_batches, stages=live.stages,
-                                                  stage_id=live.stage_id).num_pipe_buffers()
+        self.num_buffers = schedule.TrainSchedule(
+            micro_batches=live.micro_batches, stages=live.stages, stage_id=live.stage_id
+        ).num_pipe_buffers()
         self.plan_entries(live.stage_id, lambda i: (i.kind, i.microbatch))
 
     def begin_iteration(self) -> None:
@@ -238,9 +263,14 @@ class PatchState(BasePatchState):
         if self.num_buffers and buffer_id != mb % self.num_buffers:
             self.buffer_mismatches += 1
             if self.buffer_mismatches == 1:
-                log.warning("kareus: %s buffer %d is not microbatch %d's buffer (%d buffers); the engine does "
-                            "not run TrainSchedule, clocks may follow the wrong microbatches", kind, buffer_id,
-                            mb, self.num_buffers)
+                log.warning(
+                    "kareus: %s buffer %d is not microbatch %d's buffer (%d buffers); the engine does "
+                    "not run TrainSchedule, clocks may follow the wrong microbatches",
+                    kind,
+                    buffer_id,
+                    mb,
+                    self.num_buffers,
+                )
         if not self.announce((kind, mb)):
             self.position += 1
             self.session.instruction_begins_unplanned(kind)
@@ -291,7 +321,8 @@ def install(plan: Plan | None, session: Any, source: str = "the plan") -> PatchS
     replacements: list[tuple[Any, Any, Callable[[Any], Any]]] = [
         (imap, schedule.ForwardPass, functools.partial(_wrap_compute, "forward")),
         (imap, schedule.BackwardPass, functools.partial(_wrap_compute, "backward")),
-        (PipelineEngine, "train_batch", _wrap_train_batch)]
+        (PipelineEngine, "train_batch", _wrap_train_batch),
+    ]
     state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
     return state
 

@@ -32,28 +32,54 @@ from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the --kareus-* flags on `parser`."""
     g = parser.add_argument_group("kareus")
-    g.add_argument("--kareus-plan", required=True, metavar="PATH",
-                   help="plan file, or a `kareus plan` output directory (then see --kareus-point), or 'auto': "
-                        "measure, calibrate and plan while training (needs --kareus-workload and --kareus-log)")
-    g.add_argument("--kareus-workload", default=None, metavar="PATH",
-                   help="with --kareus-plan auto: a plan (file or directory; --kareus-point picks one) of this job, "
-                        "made with the preset model: it names the workload to re-plan")
-    g.add_argument("--kareus-objective", default="iso-time", metavar="OBJ",
-                   help="with --kareus-plan auto: iso-time (least energy at the max-clock time, default), "
-                        "min-energy, max-time=S or energy=J")
-    g.add_argument("--kareus-point", default=None, metavar="POINT",
-                   help="which plan of a plan directory: iso-time, NN, METHOD-NN, fastest, min-energy, "
-                        "METHOD-iso-time, METHOD-fastest or METHOD-min-energy (default: iso-time of the kareus "
-                        "method, the least predicted energy no slower than Megatron's max-clock plan)")
-    g.add_argument("--kareus-log", default=None, metavar="DIR",
-                   help="log directory: each rank appends its per-iteration time and energy to "
-                        "DIR/rank-NNNNN.jsonl; read it with `kareus report DIR`")
-    g.add_argument("--kareus-log-mode", default="new", choices=LOG_MODES,
-                   help="when DIR already holds this run's rank logs: refuse (new, default), append a run, "
-                        "or overwrite them")
-    g.add_argument("--kareus-on-error", default="fail", choices=("fail", "warn"),
-                   help="without permission to lock clocks: fail before training (default) or warn and "
-                        "train at default clocks")
+    g.add_argument(
+        "--kareus-plan",
+        required=True,
+        metavar="PATH",
+        help="plan file, or a `kareus plan` output directory (then see --kareus-point), or 'auto': "
+        "measure, calibrate and plan while training (needs --kareus-workload and --kareus-log)",
+    )
+    g.add_argument(
+        "--kareus-workload",
+        default=None,
+        metavar="PATH",
+        help="with --kareus-plan auto: a plan (file or directory; --kareus-point picks one) of this job, "
+        "made with the preset model: it names the workload to re-plan",
+    )
+    g.add_argument(
+        "--kareus-objective",
+        default="iso-time",
+        metavar="OBJ",
+        help="with --kareus-plan auto: iso-time (least energy at the max-clock time, default), "
+        "min-energy, max-time=S or energy=J",
+    )
+    g.add_argument(
+        "--kareus-point",
+        default=None,
+        metavar="POINT",
+        help="which plan of a plan directory: iso-time, NN, METHOD-NN, fastest, min-energy, "
+        "METHOD-iso-time, METHOD-fastest or METHOD-min-energy (default: iso-time of the kareus "
+        "method, the least predicted energy no slower than Megatron's max-clock plan)",
+    )
+    g.add_argument(
+        "--kareus-log",
+        default=None,
+        metavar="DIR",
+        help="log directory: each rank appends its per-iteration time and energy to "
+        "DIR/rank-NNNNN.jsonl; read it with `kareus report DIR`",
+    )
+    g.add_argument(
+        "--kareus-log-mode",
+        default="new",
+        choices=LOG_MODES,
+        help="when DIR already holds this run's rank logs: refuse (new, default), append a run, or overwrite them",
+    )
+    g.add_argument(
+        "--kareus-on-error",
+        default="fail",
+        choices=("fail", "warn"),
+        help="without permission to lock clocks: fail before training (default) or warn and train at default clocks",
+    )
     g.add_argument("--kareus-debug", action="store_true", help="show tracebacks for kareus errors")
 
 
@@ -71,11 +97,15 @@ def help_requested(argv: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
 
-def print_kareus_help(prog: str, usage: str, description: str, epilog: str | None = None,
-                      extra: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+def print_kareus_help(
+    prog: str,
+    usage: str,
+    description: str,
+    epilog: str | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
     """Print the --kareus-* flags (and `extra`'s) as `prog`'s help; return exit status 0."""
-    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=description, epilog=epilog,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, usage=usage, description=description, epilog=epilog, allow_abbrev=False)
     add_kareus_arguments(parser)
     if extra is not None:
         extra(parser)
@@ -100,8 +130,9 @@ def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
         raise ConfigError("--kareus-workload goes with --kareus-plan auto")
     plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
     apply_required_environment(plan)
-    return slot.install(plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
-                        log_mode=ns.kareus_log_mode)
+    return slot.install(
+        plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error, log_mode=ns.kareus_log_mode
+    )
 
 
 def start_auto_session(ns: argparse.Namespace, slot: Any, **session_kwargs: Any) -> Any:
@@ -111,13 +142,24 @@ def start_auto_session(ns: argparse.Namespace, slot: Any, **session_kwargs: Any)
 
     objective = parse_objective(ns.kareus_objective)
     if not ns.kareus_workload:
-        raise ConfigError("--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
-                          "plan) that says what to re-plan")
-    base, source = load_point_plan(ns.kareus_workload, ns.kareus_point, flag="--kareus-point",
-                                   path_flag="--kareus-workload")
+        raise ConfigError(
+            "--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
+            "plan) that says what to re-plan"
+        )
+    base, source = load_point_plan(
+        ns.kareus_workload, ns.kareus_point, flag="--kareus-point", path_flag="--kareus-workload"
+    )
     apply_required_environment(base)
-    return install_auto(slot, base, source, objective, log_path=ns.kareus_log, on_error=ns.kareus_on_error,
-                        log_mode=ns.kareus_log_mode, **session_kwargs)
+    return install_auto(
+        slot,
+        base,
+        source,
+        objective,
+        log_path=ns.kareus_log,
+        on_error=ns.kareus_on_error,
+        log_mode=ns.kareus_log_mode,
+        **session_kwargs,
+    )
 
 
 def apply_required_environment(plan: Plan) -> dict[str, str]:
@@ -135,8 +177,10 @@ def apply_required_environment(plan: Plan) -> dict[str, str]:
             if speak:
                 sys.stderr.write(f"kareus: set {name}={value} ({MAX_CONNECTIONS_WHY})\n")
         elif have != value and speak:
-            sys.stderr.write(f"kareus: keeping {name}={have} as set; {MAX_CONNECTIONS_WHY} unless FSDP or "
-                             "MoE overlap is on, so Megatron-LM may refuse it\n")
+            sys.stderr.write(
+                f"kareus: keeping {name}={have} as set; {MAX_CONNECTIONS_WHY} unless FSDP or "
+                "MoE overlap is on, so Megatron-LM may refuse it\n"
+            )
     return done
 
 
@@ -146,10 +190,13 @@ def choose_megatron_layer(ns: Any, megatron_args: Any) -> LayerChoice:
     auto = ns.kareus_plan == AUTO
     if auto:
         if not getattr(ns, "kareus_workload", None):
-            raise ConfigError("--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
-                              "plan) that says what to re-plan")
-        plan, _ = load_point_plan(ns.kareus_workload, getattr(ns, "kareus_point", None), flag="--kareus-point",
-                                  path_flag="--kareus-workload")
+            raise ConfigError(
+                "--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
+                "plan) that says what to re-plan"
+            )
+        plan, _ = load_point_plan(
+            ns.kareus_workload, getattr(ns, "kareus_point", None), flag="--kareus-point", path_flag="--kareus-workload"
+        )
     else:
         plan, _ = resolve_plan(ns.kareus_plan, getattr(ns, "kareus_point", None))
     choice = choose_layer(plan, megatron_args, auto=auto)
@@ -206,8 +253,7 @@ def run_guarded(prog: str, debug: bool, body: Callable[[], int]) -> int:
         return 130
 
 
-def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = None,
-                  allow_module: bool = True) -> int:
+def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = None, allow_module: bool = True) -> int:
     """``PROG --kareus-* ... -- train.py ARGS`` (or ``-- -m MODULE ARGS`` with `allow_module`): start the
     session in `slot` (start_session), run the script as ``__main__``; return the exit status.
 
@@ -215,14 +261,20 @@ def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = 
     ours, target = split_at_double_dash(argv)
     usage = f"{prog} --kareus-plan PLAN -- train.py ARGS"
     if help_requested(ours):
-        return print_kareus_help(prog, f"{prog} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS"
-                                 + (" | -m MODULE ARGS" if allow_module else ""), description)
+        return print_kareus_help(
+            prog,
+            f"{prog} --kareus-plan PATH [--kareus-* ...] -- train.py ARGS"
+            + (" | -m MODULE ARGS" if allow_module else ""),
+            description,
+        )
 
     def body() -> int:
         ns, unknown = kareus_parser(prog).parse_known_args(ours)
         if unknown:
-            raise ConfigError(f"unknown launcher argument(s) {' '.join(unknown)}; put the training script and "
-                              f"its arguments after '--': {usage}")
+            raise ConfigError(
+                f"unknown launcher argument(s) {' '.join(unknown)}; put the training script and "
+                f"its arguments after '--': {usage}"
+            )
         if not target:
             raise ConfigError(f"no training script given; usage: {usage}")
         refuse_cuda_graph_flags(target)
@@ -261,7 +313,7 @@ def split_at_double_dash(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv = list(argv)
     if "--" in argv:
         k = argv.index("--")
-        return argv[:k], argv[k + 1:]
+        return argv[:k], argv[k + 1 :]
     return argv, []
 
 
@@ -271,15 +323,29 @@ def install_from_megatron_args(args: Any) -> Any:
 
     local_rank = getattr(args, "local_rank", None)
     if args.kareus_plan == AUTO:
-        ns = argparse.Namespace(**{k: getattr(args, k, d) for k, d in (
-            ("kareus_workload", None), ("kareus_objective", "iso-time"), ("kareus_point", None), ("kareus_log", None),
-            ("kareus_on_error", "fail"), ("kareus_log_mode", "new"))})
+        ns = argparse.Namespace(
+            **{
+                k: getattr(args, k, d)
+                for k, d in (
+                    ("kareus_workload", None),
+                    ("kareus_objective", "iso-time"),
+                    ("kareus_point", None),
+                    ("kareus_log", None),
+                    ("kareus_on_error", "fail"),
+                    ("kareus_log_mode", "new"),
+                )
+            }
+        )
         return start_auto_session(ns, MEGATRON_SESSIONS, local_rank=local_rank if isinstance(local_rank, int) else None)
     plan, source = resolve_plan(args.kareus_plan, getattr(args, "kareus_point", None))
-    return MEGATRON_SESSIONS.install(plan, source=source, log_path=getattr(args, "kareus_log", None),
-                                     on_error=getattr(args, "kareus_on_error", "fail"),
-                                     log_mode=getattr(args, "kareus_log_mode", "new"),
-                                     local_rank=local_rank if isinstance(local_rank, int) else None)
+    return MEGATRON_SESSIONS.install(
+        plan,
+        source=source,
+        log_path=getattr(args, "kareus_log", None),
+        on_error=getattr(args, "kareus_on_error", "fail"),
+        log_mode=getattr(args, "kareus_log_mode", "new"),
+        local_rank=local_rank if isinstance(local_rank, int) else None,
+    )
 
 
 def megatron_lm_hook(args: Any, cfg_container: Any = None) -> Any:

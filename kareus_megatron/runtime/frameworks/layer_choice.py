@@ -65,8 +65,11 @@ _REFUSED = (
     ("use_legacy_models", "--use-legacy-models", "megatron-core's layers"),
 )
 # Transformer-Engine-only features the local modules cannot run.
-_TE_ONLY = (("fp8", "--fp8-format", "FP8"), ("fp4", "--fp4-format", "FP4"),
-            ("tp_comm_overlap", "--tp-comm-overlap", "TE's userbuffer comm overlap"))
+_TE_ONLY = (
+    ("fp8", "--fp8-format", "FP8"),
+    ("fp4", "--fp4-format", "FP4"),
+    ("tp_comm_overlap", "--tp-comm-overlap", "TE's userbuffer comm overlap"),
+)
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,10 @@ def partitioned_reason(plan: Plan, auto: bool = False) -> str | None:
     if n:
         return f"the plan ({plan.method}) runs {n} instructions with 2 nanobatches"
     if auto and (plan.parallel.tp > 1 or plan.parallel.cp > 1):
-        return ("--kareus-plan auto may switch to plans that overlap the TP/CP collectives with 2 nanobatches "
-                f"(tp={plan.parallel.tp}, cp={plan.parallel.cp})")
+        return (
+            "--kareus-plan auto may switch to plans that overlap the TP/CP collectives with 2 nanobatches "
+            f"(tp={plan.parallel.tp}, cp={plan.parallel.cp})"
+        )
     return None
 
 
@@ -118,44 +123,60 @@ def choose_layer(plan: Plan, args: Any, auto: bool = False) -> LayerChoice:
     why = partitioned_reason(plan, auto)
     user_spec = getattr(args, "spec", None)
     if why is None:
-        return LayerChoice(tuple(user_spec) if user_spec else None,
-                           "kareus: model built with Megatron-LM's own layer"
-                           + (f" (--spec {' '.join(user_spec)})" if user_spec else "")
-                           + ": every instruction of the plan runs 1 nanobatch", given=bool(user_spec))
+        return LayerChoice(
+            tuple(user_spec) if user_spec else None,
+            "kareus: model built with Megatron-LM's own layer"
+            + (f" (--spec {' '.join(user_spec)})" if user_spec else "")
+            + ": every instruction of the plan runs 1 nanobatch",
+            given=bool(user_spec),
+        )
     if user_spec:
         spec = tuple(user_spec)
         if len(spec) != 2:
             raise ConfigError(f"--spec {' '.join(spec)}: give MODULE NAME, e.g. --spec {SPEC_MODULE} {SPEC_SDPA}")
-        return LayerChoice(spec, f"kareus: model built with --spec {' '.join(spec)} as given ({why})",
-                           given=True)
+        return LayerChoice(spec, f"kareus: model built with --spec {' '.join(spec)} as given ({why})", given=True)
     for dest, flag, what in _REFUSED:
         if getattr(args, dest, None):
-            raise ConfigError(f"{flag}: kareus's partitioned layer has no {what}, and {why}; drop the flag or "
-                              f"{WHY_1NB}")
+            raise ConfigError(
+                f"{flag}: kareus's partitioned layer has no {what}, and {why}; drop the flag or {WHY_1NB}"
+            )
     te = getattr(args, "transformer_impl", TE) == TE
     for dest, flag, what in _TE_ONLY:
         if getattr(args, dest, None):
-            raise ConfigError(f"{flag}: {what} needs Transformer Engine's modules, but {why}, which kareus's "
-                              f"partitioned layer runs on megatron-core's local modules; drop {flag}, or "
-                              f"{WHY_1NB} with --transformer-impl {TE}")
+            raise ConfigError(
+                f"{flag}: {what} needs Transformer Engine's modules, but {why}, which kareus's "
+                f"partitioned layer runs on megatron-core's local modules; drop {flag}, or "
+                f"{WHY_1NB} with --transformer-impl {TE}"
+            )
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     local_attention = bool(getattr(args, "reset_attention_mask", False)) or getattr(
-        args, "attention_backend", "auto") in ("local", "AttnBackend.local")
+        args, "attention_backend", "auto"
+    ) in ("local", "AttnBackend.local")
     if local_attention and cp > 1:
         flag = "--reset-attention-mask" if getattr(args, "reset_attention_mask", False) else "--attention-backend local"
-        raise ConfigError(f"{flag} with --context-parallel-size {cp}: the partitioned layer's context-parallel "
-                          f"attention is causal SDPA only, and {why}; drop the flag or {WHY_1NB}")
+        raise ConfigError(
+            f"{flag} with --context-parallel-size {cp}: the partitioned layer's context-parallel "
+            f"attention is causal SDPA only, and {why}; drop the flag or {WHY_1NB}"
+        )
     name = SPEC_LOCAL_ATTENTION if local_attention else SPEC_SDPA
     block = bool(getattr(args, "sequence_parallel", False)) and torch_norm_fallback()
     if block:
         name = BLOCK_SPECS[name]
-    attention = ("megatron's DotProductAttention, which applies the dataloader's mask" if local_attention
-                 else "torch SDPA")
-    te_note = (f"; --transformer-impl {TE}: built on megatron-core's local modules, giving up "
-               f"{', '.join(TE_GIVEN_UP)}") if te else ""
-    return LayerChoice((SPEC_MODULE, name), f"kareus: model built with kareus's partitioned layer "
-                       f"(--spec {SPEC_MODULE} {name}; core attention {attention}"
-                       + ("; final norm: SP-capable torch norm" if block else "") + f"): {why}{te_note}")
+    attention = (
+        "megatron's DotProductAttention, which applies the dataloader's mask" if local_attention else "torch SDPA"
+    )
+    te_note = (
+        (f"; --transformer-impl {TE}: built on megatron-core's local modules, giving up {', '.join(TE_GIVEN_UP)}")
+        if te
+        else ""
+    )
+    return LayerChoice(
+        (SPEC_MODULE, name),
+        f"kareus: model built with kareus's partitioned layer "
+        f"(--spec {SPEC_MODULE} {name}; core attention {attention}"
+        + ("; final norm: SP-capable torch norm" if block else "")
+        + f"): {why}{te_note}",
+    )
 
 
 def torch_norm_fallback() -> bool:

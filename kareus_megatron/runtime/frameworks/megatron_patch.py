@@ -169,9 +169,16 @@ def live_run_from_call(kwargs: dict[str, Any]) -> LiveRun:
         dp = ps.get_data_parallel_world_size()
     config = get_model_config(chunks[0])
     live = LiveRun(
-        pp=pp, pp_rank=pp_rank, vp=len(chunks), num_microbatches=int(kwargs["num_microbatches"]),
-        seq_length=kwargs.get("seq_length"), micro_batch_size=kwargs.get("micro_batch_size"),
-        tp=tp, cp=cp, dp=dp, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+        pp=pp,
+        pp_rank=pp_rank,
+        vp=len(chunks),
+        num_microbatches=int(kwargs["num_microbatches"]),
+        seq_length=kwargs.get("seq_length"),
+        micro_batch_size=kwargs.get("micro_batch_size"),
+        tp=tp,
+        cp=cp,
+        dp=dp,
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
         modules=chunks,
     )
     heads = getattr(config, "num_attention_heads", None)
@@ -202,8 +209,9 @@ def _spelled(value: Any) -> Any:
     return str(value).lower() if isinstance(value, bool) else value
 
 
-def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
-                    device_gpu: str | None = None) -> list[str]:
+def plan_mismatches(
+    plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None, device_gpu: str | None = None
+) -> list[str]:
     """Every way `plan` does not fit `live` (empty when it fits)."""
     par = plan.parallel
     out: list[str] = []
@@ -232,22 +240,32 @@ def plan_mismatches(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, 
                 continue  # megatron pads the vocabulary (--make-vocab-size-divisible-by x TP)
             cmp(f"model {name}", _spelled(planned), _spelled(actual))
     if live.pp_rank < len(par.layers_per_stage) and live.layers_on_rank is not None:
-        cmp(f"transformer layers on pipeline rank {live.pp_rank}", par.layers_per_stage[live.pp_rank],
-            live.layers_on_rank)
+        cmp(
+            f"transformer layers on pipeline rank {live.pp_rank}",
+            par.layers_per_stage[live.pp_rank],
+            live.layers_on_rank,
+        )
     out.extend(device_mismatches(plan, live.pp_rank, supported_clocks_mhz, device_gpu))
     out.extend(live.unsupported)
     return out
 
 
-def validate_plan(plan: Plan, live: LiveRun, supported_clocks_mhz: tuple[int, ...] | None = None,
-                  device_gpu: str | None = None, source: str = "the plan") -> None:
+def validate_plan(
+    plan: Plan,
+    live: LiveRun,
+    supported_clocks_mhz: tuple[int, ...] | None = None,
+    device_gpu: str | None = None,
+    source: str = "the plan",
+) -> None:
     """Raise one PlanMismatchError listing every mismatch between `plan` and the live run; a ConfigError
     first when the model runs under CUDA graphs (no plan can run there: cuda_graphs.py)."""
     if live.cuda_graphs:
         raise ConfigError(f"{source} cannot run on this model (pipeline rank {live.pp_rank}): {live.cuda_graphs}")
-    raise_mismatches(plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
-                     f"{source} does not match this run (pipeline rank {live.pp_rank})",
-                     "Regenerate the plan for this configuration (kareus plan) or fix the launch arguments.")
+    raise_mismatches(
+        plan_mismatches(plan, live, supported_clocks_mhz, device_gpu),
+        f"{source} does not match this run (pipeline rank {live.pp_rank})",
+        "Regenerate the plan for this configuration (kareus plan) or fix the launch arguments.",
+    )
 
 
 # ---- the patch ------------------------------------------------------------------------------
@@ -351,7 +369,8 @@ def install(plan: Plan, session: Any, source: str = "the plan") -> PatchState:
     from megatron.core.pipeline_parallel import schedules
 
     replacements: list[tuple[Any, str, Callable[[Any], Any]]] = [
-        (schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS]
+        (schedules, name, functools.partial(_wrap_schedule, name)) for name in SCHEDULE_FUNCTIONS
+    ]
     replacements += [(schedules, "forward_step", _wrap_forward), (schedules, "backward_step", _wrap_backward)]
     state: PatchState = _slot.install(replacements, lambda: PatchState(plan, session, source))
     return state

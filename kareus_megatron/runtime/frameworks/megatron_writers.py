@@ -73,8 +73,10 @@ def plan_text(plan: Plan, source: str) -> str:
     """One line naming the plan point: file name, method, index, path and plan sha256 (first 12 digits)."""
     name, index = plan_point(source)
     point = f", point {index}" if index is not None else ""
-    return (f"{name or 'plan'} (method {plan.method}{point}; {source}; plan_sha256 {plan_sha256(plan)[:12]}; "
-            f"predicted {plan.predicted.iteration_time_s:g} s, {plan.predicted.iteration_energy_j:g} J per iteration)")
+    return (
+        f"{name or 'plan'} (method {plan.method}{point}; {source}; plan_sha256 {plan_sha256(plan)[:12]}; "
+        f"predicted {plan.predicted.iteration_time_s:g} s, {plan.predicted.iteration_energy_j:g} J per iteration)"
+    )
 
 
 class MegatronWriters:
@@ -87,8 +89,10 @@ class MegatronWriters:
         self._args = args
         base = getattr(args, "iteration", 0)
         self._base = base if isinstance(base, int) and not isinstance(base, bool) else 0
-        self._planned = {"planned_iteration_time_s": plan.predicted.iteration_time_s,
-                         "planned_job_energy_j": plan.predicted.iteration_energy_j}
+        self._planned = {
+            "planned_iteration_time_s": plan.predicted.iteration_time_s,
+            "planned_job_energy_j": plan.predicted.iteration_energy_j,
+        }
         _, index = plan_point(source)
         if index is not None:
             self._planned["plan_point"] = float(index)
@@ -108,8 +112,12 @@ class MegatronWriters:
             getattr(writer, method)(*args, **kwargs)
             return True
         except Exception as e:  # the writer's own problem: warn once, keep training
-            log.warning("kareus: Megatron's %s writer failed (%s: %s); no more kareus figures go to it",
-                        which, type(e).__name__, e)
+            log.warning(
+                "kareus: Megatron's %s writer failed (%s: %s); no more kareus figures go to it",
+                which,
+                type(e).__name__,
+                e,
+            )
             if which == "tensorboard":
                 self._tb = None
             else:

@@ -60,8 +60,9 @@ class PatchSlot:
         self.state: Any = None  # the patch's PatchState; its wrappers read it on every call
         self.replaced = Replaced()
 
-    def install(self, replacements: Sequence[tuple[Any, Any, Callable[[Any], Any]]],
-                make_state: Callable[[], Any]) -> Any:
+    def install(
+        self, replacements: Sequence[tuple[Any, Any, Callable[[Any], Any]]], make_state: Callable[[], Any]
+    ) -> Any:
         """Uninstall any earlier state, swap in the wrappers, then hold `make_state()`. Each replacement
         is (owner, name, wrap): an attribute of an object or class, or (dict, key, wrap) an entry."""
         self.uninstall()
@@ -89,8 +90,9 @@ def compare(out: list[str], name: str, planned: Any, actual: Any, side: str = "r
         out.append(f"{name}: plan {planned}, {side} {actual}")
 
 
-def device_mismatches(plan: Plan, stage: int, supported_clocks_mhz: tuple[int, ...] | None,
-                      device_gpu: str | None) -> list[str]:
+def device_mismatches(
+    plan: Plan, stage: int, supported_clocks_mhz: tuple[int, ...] | None, device_gpu: str | None
+) -> list[str]:
     """The GPU model and the lockable SM clocks (MHz) of pipeline stage `stage` against this device.
 
     None (not known, e.g. without clock control) skips a check.
@@ -148,8 +150,9 @@ class BasePatchState:
         """Map rank `rank`'s planned instructions by `key(instruction)` (called by ``bind``)."""
         self.rank = rank
         if self.plan is not None:
-            self._entries = {key(i): (k, i, i.sm_clock_mhz, i.kind)
-                             for k, i in enumerate(self.plan.stages[rank].instructions)}
+            self._entries = {
+                key(i): (k, i, i.sm_clock_mhz, i.kind) for k, i in enumerate(self.plan.stages[rank].instructions)
+            }
 
     def announce(self, key: Any) -> bool:
         """The planned instruction `key` begins: its clock, then the hooks' listeners. False when
@@ -171,8 +174,13 @@ class BasePatchState:
     def _out_of_order(self, key: Any, index: int) -> None:
         self.order_deviations += 1
         if self.order_deviations == 1:
-            log.warning("kareus: live instruction order differs from the plan at position %d (%s is planned at "
-                        "%d); clocks follow each instruction's identity", self.position, key, index)
+            log.warning(
+                "kareus: live instruction order differs from the plan at position %d (%s is planned at "
+                "%d); clocks follow each instruction's identity",
+                self.position,
+                key,
+                index,
+            )
 
     def bind(self, live: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -113,8 +113,9 @@ class InstructionTimes:
 
     def set_plan(self, instructions: Sequence[Any]) -> None:
         """This rank's planned instructions (kind, chunk, microbatch, sm_clock_mhz), by plan index."""
-        self.table = tuple((int(i.chunk), int(i.microbatch), KIND_LETTER.get(i.kind, "?"), int(i.sm_clock_mhz))
-                           for i in instructions)
+        self.table = tuple(
+            (int(i.chunk), int(i.microbatch), KIND_LETTER.get(i.kind, "?"), int(i.sm_clock_mhz)) for i in instructions
+        )
 
     def wrap(self, begins: Begins, ends: Callable[[], None]) -> tuple[Begins, Callable[[], None]]:
         """`begins`/`ends` with a stamp first at a begin and last at an end (so whatever they do, e.g. a
@@ -172,7 +173,12 @@ class InstructionTimes:
             self._events.give_back([base, *flat])
         keep = [n for n, (k, _, _) in enumerate(rows) if 0 <= k < len(table)]  # indices of this plan only
         known = [table[rows[n][0]] for n in keep]
-        return {"index": [rows[n][0] for n in keep], "chunk": [c[0] for c in known],
-                "microbatch": [c[1] for c in known], "kind": "".join(c[2] for c in known),
-                "sm_clock_mhz": [c[3] for c in known], "t_start_s": [starts[n] for n in keep],
-                "time_s": [times[n] for n in keep]}
+        return {
+            "index": [rows[n][0] for n in keep],
+            "chunk": [c[0] for c in known],
+            "microbatch": [c[1] for c in known],
+            "kind": "".join(c[2] for c in known),
+            "sm_clock_mhz": [c[3] for c in known],
+            "t_start_s": [starts[n] for n in keep],
+            "time_s": [times[n] for n in keep],
+        }

@@ -74,9 +74,26 @@ RECENT_RECORDS = 1000  # lines kept in memory (IterationMeter.records); the file
 ANSWER_WAIT_S = 0.05  # how long the writer waits per period for marks still being answered
 FLUSH_INTERVAL_S = 0.25  # the writer thread's period: a resolved iteration is on disk this long after
 # The keys an iteration line has of its own (a tag may not take one); report/measurements.py reads the rest as tags.
-RECORD_KEYS = frozenset({"kind", "iteration", "t_start", "t_end", "time_s", "energy_j", "temperature_c",
-                         "sm_clock_mhz", "clock_stale", "clock_errors", "clock_applied", "clock_late", "instructions",
-                         "power", "rank", "pp_rank"})
+RECORD_KEYS = frozenset(
+    {
+        "kind",
+        "iteration",
+        "t_start",
+        "t_end",
+        "time_s",
+        "energy_j",
+        "temperature_c",
+        "sm_clock_mhz",
+        "clock_stale",
+        "clock_errors",
+        "clock_applied",
+        "clock_late",
+        "instructions",
+        "power",
+        "rank",
+        "pp_rank",
+    }
+)
 EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
 
@@ -149,9 +166,14 @@ def cuda_device_identity() -> dict[str, str]:
 class IterationMeter:
     """Marks each iteration's start and end on the training thread; a writer thread appends resolved ones."""
 
-    def __init__(self, log: JsonlAppender | None, mark: Callable[[], Any] | None = None,
-                 header: dict[str, Any] | None = None, flush_interval_s: float | None = FLUSH_INTERVAL_S,
-                 instructions: bool | None = None) -> None:
+    def __init__(
+        self,
+        log: JsonlAppender | None,
+        mark: Callable[[], Any] | None = None,
+        header: dict[str, Any] | None = None,
+        flush_interval_s: float | None = FLUSH_INTERVAL_S,
+        instructions: bool | None = None,
+    ) -> None:
         """`log`: this rank's open file (open_rank_log) or None; `mark()` returns a ticket with
         .wait()/.done/.t/.energy_j (and .info: the controller's answer) (the clock client), None: CPU time
         only. `flush_interval_s` None: no writer thread (only drain/close write). `instructions`: log each
@@ -177,8 +199,9 @@ class IterationMeter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if log is not None and flush_interval_s is not None:
-            self._thread = threading.Thread(target=self._run, args=(flush_interval_s,), name="kareus-log-writer",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(flush_interval_s,), name="kareus-log-writer", daemon=True
+            )
             self._thread.start()
 
     def _point(self) -> Any:
@@ -205,9 +228,9 @@ class IterationMeter:
         self._queue.append((iteration, self._start, end, self._start_tags, stamps))
         self._start, self._running, self._next = None, None, iteration + 1
 
-    def instruction_callables(self, begins: Callable[[int, int, int, str], None] | None,
-                              ends: Callable[[], None]) -> tuple[Callable[[int, int, int, str], None] | None,
-                                                                 Callable[[], None]]:
+    def instruction_callables(
+        self, begins: Callable[[int, int, int, str], None] | None, ends: Callable[[], None]
+    ) -> tuple[Callable[[int, int, int, str], None] | None, Callable[[], None]]:
         """The session's per-instruction callables, timed for the ``instructions`` columns (as they are
         when the columns are off or nothing is planned: `begins` None). Call at validation (training
         thread): a GPU's timing events are chosen there."""
@@ -249,8 +272,15 @@ class IterationMeter:
         if clash:
             raise ConfigError(f"run-log event {name!r}: field(s) {', '.join(clash)} are the event line's own keys")
         running = self._running
-        self._queue.append({"kind": "event", "event": name, "iteration": self._next if running is None else running,
-                            "t": time.monotonic(), **fields})
+        self._queue.append(
+            {
+                "kind": "event",
+                "event": name,
+                "iteration": self._next if running is None else running,
+                "t": time.monotonic(),
+                **fields,
+            }
+        )
 
     def attach_sink(self, sink: IterationSink | None) -> None:
         """Hand every later iteration to `sink` too (None: no sink); see the module doc."""
@@ -308,8 +338,9 @@ class IterationMeter:
             if not self._staged and not any(isinstance(item, tuple) for item in self._queue):
                 self._queue.clear()  # events of a run that never began (its stage unknown): not written
             self.drain(wait_s)
-            rest = [r for r in (self._write_item(self._queue.popleft()) for _ in range(len(self._queue)))
-                    if r is not None]
+            rest = [
+                r for r in (self._write_item(self._queue.popleft()) for _ in range(len(self._queue))) if r is not None
+            ]
             if self.sink is not None:
                 for record in rest:
                     self.sink.record(record)
@@ -343,17 +374,27 @@ class IterationMeter:
             return None
         return self._write(*item)
 
-    def _write(self, iteration: int, p0: Any, p1: Any, tags: dict[str, Any] | None = None,
-               stamps: Any = None) -> dict[str, Any]:
+    def _write(
+        self, iteration: int, p0: Any, p1: Any, tags: dict[str, Any] | None = None, stamps: Any = None
+    ) -> dict[str, Any]:
         t0, e0 = _resolve(p0)
         t1, e1 = _resolve(p1)
         info0, info1 = getattr(p0, "info", None) or {}, getattr(p1, "info", None) or {}
         clock = info1.get("sm_clock_mhz")
-        record = {"kind": "iteration", "iteration": iteration, "t_start": _num(t0), "t_end": _num(t1),
-                  "time_s": _num(t1 - t0), "energy_j": _num(e1 - e0), "temperature_c": _num(info1.get("temperature_c")),
-                  "sm_clock_mhz": clock if isinstance(clock, int) else None,
-                  "clock_stale": _count(info0, info1, "stale"), "clock_errors": _count(info0, info1, "errors"),
-                  "clock_applied": _count(info0, info1, "applied"), "clock_late": _count(info0, info1, "late")}
+        record = {
+            "kind": "iteration",
+            "iteration": iteration,
+            "t_start": _num(t0),
+            "t_end": _num(t1),
+            "time_s": _num(t1 - t0),
+            "energy_j": _num(e1 - e0),
+            "temperature_c": _num(info1.get("temperature_c")),
+            "sm_clock_mhz": clock if isinstance(clock, int) else None,
+            "clock_stale": _count(info0, info1, "stale"),
+            "clock_errors": _count(info0, info1, "errors"),
+            "clock_applied": _count(info0, info1, "applied"),
+            "clock_late": _count(info0, info1, "late"),
+        }
         if isinstance(info1.get("power"), dict):  # the GPU's power samples over the iteration (clock/power_samples.py)
             record["power"] = info1["power"]
         if stamps is not None and self._times is not None:

@@ -46,8 +46,10 @@ def open_rank_log(log_dir: str | os.PathLike[str], rank: int, mode: str = "new")
         if mode == "new" and not holds_iterations(path):
             mode = "overwrite"  # left by a run that stopped before its first iteration: nothing to keep
         if mode == "new":
-            raise ConfigError(f"--kareus-log {d} already holds a run log ({os.path.basename(path)}); choose a new "
-                              "directory or pass --kareus-log-mode append or overwrite")
+            raise ConfigError(
+                f"--kareus-log {d} already holds a run log ({os.path.basename(path)}); choose a new "
+                "directory or pass --kareus-log-mode append or overwrite"
+            )
         if mode == "overwrite":
             try:
                 os.unlink(path)

@@ -133,8 +133,15 @@ class SDPAttention(MegatronModule):
         # [b, np, sq, hv] -> [sq, b, np * hv]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n_heads * ctx.shape[-1])
 
-    def _forward_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                    mask_type: AttnMaskType, attention_bias: torch.Tensor | None) -> torch.Tensor:
+    def _forward_cp(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        mask_type: AttnMaskType,
+        attention_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Context parallelism: local queries over every CP rank's gathered K/V (cp_attention.cp_attend)."""
         if mask_type not in _CAUSAL_TYPES or attention_bias is not None:
             raise InfeasibleConfigError(
@@ -151,8 +158,15 @@ class SDPAttention(MegatronModule):
             ctx = cp_attend(self._attend, q, k, v, mask, self.cp_size, rank, dropout_p)
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, n_heads * ctx.shape[-1])
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                is_causal: bool, dropout_p: float) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        dropout_p: float,
+    ) -> torch.Tensor:
         """SDPA on [b, heads, s, hn] tensors (key/value may have fewer heads: GQA)."""
         group = q.shape[1] // k.shape[1]
         kw: dict[str, Any] = {}
@@ -161,8 +175,9 @@ class SDPAttention(MegatronModule):
                 kw["enable_gqa"] = True
             else:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=self.softmax_scale, **kw)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale, **kw
+        )
 
 
 @functools.lru_cache(maxsize=4)  # [s, s] bools each: a model uses one or two shapes
@@ -203,7 +218,8 @@ def _config_problems(config: Any, layer_number: int) -> list[str]:
 def _refuse(problems: list[str]) -> None:
     if problems:
         raise InfeasibleConfigError(
-            "SDPAttention does not support " + ", ".join(problems)
+            "SDPAttention does not support "
+            + ", ".join(problems)
             + "; build the layer with core_attention='local' (megatron's DotProductAttention)"
         )
 
@@ -214,8 +230,9 @@ def swap_core_attention(spec: ModuleSpec, core_attention: type) -> ModuleSpec:
     attn = sub.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=core_attention)
     new_attn = ModuleSpec(module=attn.module, params=dict(attn.params), submodules=attn_sub)
-    return ModuleSpec(module=spec.module, params=dict(spec.params),
-                      submodules=dataclasses.replace(sub, self_attention=new_attn))
+    return ModuleSpec(
+        module=spec.module, params=dict(spec.params), submodules=dataclasses.replace(sub, self_attention=new_attn)
+    )
 
 
 def core_attention_class(name: str) -> type | None:

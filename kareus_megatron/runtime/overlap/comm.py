@@ -102,7 +102,10 @@ class Communicator:
         return self._start(lambda a: dist.all_reduce(tensor, group=group, async_op=a), tensor), requested
 
     def all_gather(
-        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None,
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        comm_sms: int | None,
         layer_group: dist.ProcessGroup | None = None,
     ) -> tuple[Pending, bool]:
         """Start gathering `tensor` of every rank into `out` along dim 0 (rank order; sequence parallelism's
@@ -115,7 +118,10 @@ class Communicator:
         return self._start(lambda a: dist.all_gather_into_tensor(out, tensor, group=group, async_op=a), out), requested
 
     def reduce_scatter(
-        self, out: torch.Tensor, tensor: torch.Tensor, comm_sms: int | None,
+        self,
+        out: torch.Tensor,
+        tensor: torch.Tensor,
+        comm_sms: int | None,
         layer_group: dist.ProcessGroup | None = None,
     ) -> tuple[Pending, bool]:
         """Start summing `tensor` over the ranks and keeping this rank's dim-0 slice in `out` (sequence

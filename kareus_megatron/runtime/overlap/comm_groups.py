@@ -105,25 +105,30 @@ def usable_sm_counts(values: Iterable[int], environ: Mapping[str, str] | None = 
     for k, v in env.items():
         v = v.strip()
         if k in _REPLACING_ENV or not v.isdigit() or int(v) < 1:
-            return [], (f"{named} override every NCCL communicator's CTA limit, so no comm SM count of the plan "
-                        "can apply")
+            return [], (
+                f"{named} override every NCCL communicator's CTA limit, so no comm SM count of the plan can apply"
+            )
         limits[k] = int(v)
     lo, hi = limits.get("NCCL_MIN_NCHANNELS", 0), limits.get("NCCL_MAX_NCHANNELS", 1 << 30)
     keep = [s for s in values if lo <= s <= hi]
     dropped = [s for s in values if s not in keep]
     if not dropped:
         return keep, ""
-    return keep, (f"{named} leave(s) NCCL no room for comm SM counts {', '.join(map(str, dropped))} "
-                  f"(channels {lo or 1}..{hi if hi < 1 << 30 else 'max'})")
+    return keep, (
+        f"{named} leave(s) NCCL no room for comm SM counts {', '.join(map(str, dropped))} "
+        f"(channels {lo or 1}..{hi if hi < 1 << 30 else 'max'})"
+    )
 
 
 def check_budget(values: Iterable[int], kind: str = "tp") -> None:
     """ConfigError when `values` has more distinct counts than one group's budget (vocab.MAX_COMM_SM_VALUES)."""
     n = len(set(values))
     if n > MAX_COMM_SM_VALUES:
-        raise ConfigError(f"{n} distinct comm SM counts for the {kind.upper()} group; the overlap engine builds at "
-                          f"most {MAX_COMM_SM_VALUES} SM-limited communicators per group; use at most "
-                          f"{MAX_COMM_SM_VALUES} (the planner's grid: search/tables.py knob_sms)")
+        raise ConfigError(
+            f"{n} distinct comm SM counts for the {kind.upper()} group; the overlap engine builds at "
+            f"most {MAX_COMM_SM_VALUES} SM-limited communicators per group; use at most "
+            f"{MAX_COMM_SM_VALUES} (the planner's grid: search/tables.py knob_sms)"
+        )
 
 
 def nccl_options(comm_sms: int | None = None, share: bool = False, max_ctas: int | None = None) -> Any:
@@ -175,11 +180,20 @@ def _timed(kind: str, sms: int | None, shared: bool, make: Any, scratch: torch.T
     g = make()
     warm_up(g, scratch)  # members only, in the same order on every rank of a group: no rank waits on another
     free1 = _device_free_bytes()
-    info = CommGroupInfo(comm_sms=sms, kind=kind, init_s=time.perf_counter() - t0, shared=shared,
-                         memory_bytes=None if free0 is None or free1 is None else free0 - free1)
-    _log.info("kareus: %s communicator %s ready in %.3f s%s", kind.upper(),
-              "parent (shared)" if sms is None else f"for {sms} SMs" + (" (shared)" if shared else ""), info.init_s,
-              "" if info.memory_bytes is None else f", {info.memory_bytes / 2**20:.0f} MiB of device memory")
+    info = CommGroupInfo(
+        comm_sms=sms,
+        kind=kind,
+        init_s=time.perf_counter() - t0,
+        shared=shared,
+        memory_bytes=None if free0 is None or free1 is None else free0 - free1,
+    )
+    _log.info(
+        "kareus: %s communicator %s ready in %.3f s%s",
+        kind.upper(),
+        "parent (shared)" if sms is None else f"for {sms} SMs" + (" (shared)" if shared else ""),
+        info.init_s,
+        "" if info.memory_bytes is None else f", {info.memory_bytes / 2**20:.0f} MiB of device memory",
+    )
     return g, info
 
 
@@ -196,8 +210,11 @@ def build_sm_group_set(comm_sms: Iterable[int], group: Any, kind: str = "tp") ->
         return SmGroupSet()
     values, why = usable_sm_counts(values)
     if why:
-        warnings.warn(f"kareus: {why}; those partitions run on the default communicator, recorded as not "
-                      "SM-limited (unset the variables to apply the plan)", stacklevel=2)
+        warnings.warn(
+            f"kareus: {why}; those partitions run on the default communicator, recorded as not "
+            "SM-limited (unset the variables to apply the plan)",
+            stacklevel=2,
+        )
     if not values:
         return SmGroupSet()
     mine = tuple(dist.get_process_group_ranks(group))
@@ -225,12 +242,16 @@ def build_sm_group_set(comm_sms: Iterable[int], group: Any, kind: str = "tp") ->
     groups: dict[int, Any] = {}
     for sms in values:
         if shared:  # ncclCommSplit, collective over the parent (this rank's group) only
+
             def make(sms: int = sms) -> Any:
-                return dist.split_group(parent_pg=parent, split_ranks=[list(range(len(mine)))],
-                                        pg_options=nccl_options(sms))
+                return dist.split_group(
+                    parent_pg=parent, split_ranks=[list(range(len(mine)))], pg_options=nccl_options(sms)
+                )
         else:
+
             def make(sms: int = sms) -> Any:
                 return every_group(lambda: nccl_options(sms))
+
         groups[sms], info = _timed(kind, sms, shared, make, scratch)
         infos.append(info)
     return SmGroupSet(groups=groups, infos=tuple(infos), parent=parent)

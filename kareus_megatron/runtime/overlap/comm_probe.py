@@ -33,8 +33,14 @@ from kareus_megatron.runtime.overlap.comm_groups import (
 from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 
 PROBE_ELEMENTS = 1024  # float32 elements of the probe's all-reduce (4 KiB)
-CUDA_ONLY = ("memory_free_before_bytes", "memory_free_after_bytes", "memory_bytes", "memory_allocated_before_bytes",
-             "memory_allocated_after_bytes", "nccl_version")
+CUDA_ONLY = (
+    "memory_free_before_bytes",
+    "memory_free_after_bytes",
+    "memory_bytes",
+    "memory_allocated_before_bytes",
+    "memory_allocated_after_bytes",
+    "nccl_version",
+)
 
 
 def _nccl_version() -> str | None:
@@ -72,8 +78,10 @@ def _world(device: torch.device) -> bool:
     """Make a world of one for `device` when there is none; True when this call made it."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ConfigError(f"probe_sm_limited_comms runs on one rank, but this process is in a world of "
-                              f"{dist.get_world_size()}; call it before init_process_group or in a world of one")
+            raise ConfigError(
+                f"probe_sm_limited_comms runs on one rank, but this process is in a world of "
+                f"{dist.get_world_size()}; call it before init_process_group or in a world of one"
+            )
         return False
     if device.type == "cuda":
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
@@ -102,13 +110,21 @@ def probe_sm_limited_comms(device: str, sm_counts: Sequence[int]) -> dict[str, A
         raise ConfigError(f"sm_counts {list(sm_counts)}: comm SM counts are positive integers")
     cuda = dev.type == "cuda"
     report: dict[str, Any] = {
-        "device": str(dev), "torch_version": torch.__version__, "nccl_version": _nccl_version() if cuda else None,
-        "backend": "nccl" if cuda else "gloo", "sm_counts": counts, "budget_per_group": MAX_COMM_SM_VALUES,
-        "nccl_env": nccl_cta_overrides(), **sm_limit_support(),
+        "device": str(dev),
+        "torch_version": torch.__version__,
+        "nccl_version": _nccl_version() if cuda else None,
+        "backend": "nccl" if cuda else "gloo",
+        "sm_counts": counts,
+        "budget_per_group": MAX_COMM_SM_VALUES,
+        "nccl_env": nccl_cta_overrides(),
+        **sm_limit_support(),
         "not_applicable": [] if cuda else [*CUDA_ONLY, "init_s", "sm_limit_requested"],
-        "notes": ["one rank: each all-reduce moves no data between GPUs (a launch, not a bandwidth)"] + (
-            [] if cuda else ["gloo has no CTA limit: no SM-limited communicator is built, the all-reduces run on "
-                             "the world group"]),
+        "notes": ["one rank: each all-reduce moves no data between GPUs (a launch, not a bandwidth)"]
+        + (
+            []
+            if cuda
+            else ["gloo has no CTA limit: no SM-limited communicator is built, the all-reduces run on the world group"]
+        ),
     }
     usable, why = usable_sm_counts(counts)
     report["usable_sm_counts"], report["dropped_by_nccl_env"] = usable, why or None
@@ -134,14 +150,21 @@ def probe_sm_limited_comms(device: str, sm_counts: Sequence[int]) -> dict[str, A
                 torch.cuda.synchronize()
             t_ar = time.perf_counter() - t0
             fa, aa = _memory(cuda)
-            rows.append({
-                "comm_sms": s, "sm_limit_requested": group is not None,
-                "init_s": None if info is None else info.init_s,
-                "memory_bytes": None if info is None else info.memory_bytes, "shared": bool(info and info.shared),
-                "memory_free_before_bytes": fb, "memory_free_after_bytes": fa,
-                "memory_allocated_before_bytes": ab, "memory_allocated_after_bytes": aa,
-                "all_reduce_s": t_ar, "all_reduce_ok": bool(torch.all(x == float(dist.get_world_size()))),
-            })
+            rows.append(
+                {
+                    "comm_sms": s,
+                    "sm_limit_requested": group is not None,
+                    "init_s": None if info is None else info.init_s,
+                    "memory_bytes": None if info is None else info.memory_bytes,
+                    "shared": bool(info and info.shared),
+                    "memory_free_before_bytes": fb,
+                    "memory_free_after_bytes": fa,
+                    "memory_allocated_before_bytes": ab,
+                    "memory_allocated_after_bytes": aa,
+                    "all_reduce_s": t_ar,
+                    "all_reduce_ok": bool(torch.all(x == float(dist.get_world_size()))),
+                }
+            )
         report["communicators"] = rows
         report["build_memory_free_before_bytes"], report["build_memory_free_after_bytes"] = f0, f1
         report["build_memory_allocated_before_bytes"], report["build_memory_allocated_after_bytes"] = a0, a1

@@ -109,8 +109,9 @@ class LayerSettings:
         return self.knobs.get(partition) or default_knobs(partition)
 
 
-def settings_from_instruction(instr: Instruction, index: int | None = None, cross_layer: bool = False,
-                              backward_nanobatches: int | None = None) -> LayerSettings:
+def settings_from_instruction(
+    instr: Instruction, index: int | None = None, cross_layer: bool = False, backward_nanobatches: int | None = None
+) -> LayerSettings:
     """Layer settings for one plan instruction (`cross_layer`: its plan's ``cross_layer``; a forward's
     `backward_nanobatches`: those of its microbatch's backward instruction)."""
     knobs = {
@@ -131,15 +132,23 @@ def settings_from_instruction(instr: Instruction, index: int | None = None, cros
 
 def backward_nanobatches(plan: Plan) -> dict[tuple[int, int, int], int]:
     """(pp rank, chunk, microbatch) → nanobatches of that microbatch's backward instruction in `plan`."""
-    return {(st.pp_rank, ins.chunk, ins.microbatch): ins.nanobatches
-            for st in plan.stages for ins in st.instructions if ins.kind == "backward"}
+    return {
+        (st.pp_rank, ins.chunk, ins.microbatch): ins.nanobatches
+        for st in plan.stages
+        for ins in st.instructions
+        if ins.kind == "backward"
+    }
 
 
 class OverlapState:
     """The settings partitioned layers read; switched per instruction by the hooks listener."""
 
-    def __init__(self, settings: LayerSettings | None = None, cross_layer: bool = False,
-                 backward: dict[tuple[int, int, int], int] | None = None) -> None:
+    def __init__(
+        self,
+        settings: LayerSettings | None = None,
+        cross_layer: bool = False,
+        backward: dict[tuple[int, int, int], int] | None = None,
+    ) -> None:
         self.settings = settings or LayerSettings()
         self.cross_layer = cross_layer  # the plan's: every 2-nanobatch instruction runs cross-layer overlap
         self.backward = backward or {}  # the plan's backward_nanobatches
@@ -152,9 +161,12 @@ class OverlapState:
     def on_instruction(self, event: InstructionEvent) -> None:
         """Hooks listener: switch to the settings of the instruction about to run (no blocking)."""
         ins = event.instruction
-        self.settings = settings_from_instruction(ins, index=event.index, cross_layer=self.cross_layer,
-                                                  backward_nanobatches=self.backward.get(
-                                                      (event.pp_rank, ins.chunk, ins.microbatch)))
+        self.settings = settings_from_instruction(
+            ins,
+            index=event.index,
+            cross_layer=self.cross_layer,
+            backward_nanobatches=self.backward.get((event.pp_rank, ins.chunk, ins.microbatch)),
+        )
         self.instructions_seen += 1
 
     def forward_phase(self) -> str:
@@ -214,8 +226,13 @@ def validate_plan_for_layer(
                 f"({', '.join(map(str, values))}); the overlap engine builds at most {MAX_COMM_SM_VALUES} "
                 "SM-limited communicators per group. Re-plan with this version of kareus plan (its grid fits)."
             )
-    engine_slots = ((cp_sp_engine_slots() if sp else cp_engine_slots()) if cp > 1
-                    else SP_PARTITION_SLOTS if sp else TP_PARTITION_SLOTS)
+    engine_slots = (
+        (cp_sp_engine_slots() if sp else cp_engine_slots())
+        if cp > 1
+        else SP_PARTITION_SLOTS
+        if sp
+        else TP_PARTITION_SLOTS
+    )
     other = "with" if sp else "without"  # the --sp of a plan that fits this live layout
     for st in plan.stages:
         for pos, ins in enumerate(st.instructions):

@@ -47,7 +47,7 @@ def to_sequence_order(t: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
     n = t.shape[dim]
     if n % (2 * cp):
         raise InfeasibleConfigError(f"gathered length {n} is not divisible by 2*cp={2 * cp}")
-    shape = (*t.shape[:dim], 2 * cp, n // (2 * cp), *t.shape[dim + 1:])
+    shape = (*t.shape[:dim], 2 * cp, n // (2 * cp), *t.shape[dim + 1 :])
     return t.reshape(shape).index_select(dim, sequence_index(cp, t.device)).reshape(t.shape)
 
 
@@ -61,8 +61,16 @@ def sequence_index(cp: int, device: torch.device) -> torch.Tensor:
 Attend = Callable[..., torch.Tensor]  # (q, k, v, mask, is_causal, dropout_p) -> [b, np, sq, hv]
 
 
-def cp_attend(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              cp: int, rank: int, dropout_p: float) -> torch.Tensor:
+def cp_attend(
+    attend: Attend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    cp: int,
+    rank: int,
+    dropout_p: float,
+) -> torch.Tensor:
     """Causal attention of local queries over gathered keys; returns [b, np, sq, hv].
 
     ``q`` [b, np, sq, hn] holds this rank's two chunks; ``k``/``v`` [b, ng, cp·sq, hn] every rank's, in rank
@@ -85,6 +93,14 @@ def cp_attend(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     outs = []
     for i, g in enumerate(local_chunks(cp, rank)):
         end = (g + 1) * c
-        outs.append(attend(q[:, :, i * c:(i + 1) * c], k_seq[:, :, :end], v_seq[:, :, :end],
-                           causal_lower_right(c, end), False, dropout_p))
+        outs.append(
+            attend(
+                q[:, :, i * c : (i + 1) * c],
+                k_seq[:, :, :end],
+                v_seq[:, :, :end],
+                causal_lower_right(c, end),
+                False,
+                dropout_p,
+            )
+        )
     return torch.cat(outs, dim=2)

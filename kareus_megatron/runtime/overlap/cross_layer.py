@@ -96,4 +96,3 @@ class Prefetched:
                 "changed after the next layer's backward); re-plan without --cross-layer."
             )
         return False
-

@@ -38,10 +38,7 @@ class OverlapEngine:
     """Settings (switched per instruction), communicators and tracer of one rank."""
 
     def __init__(
-        self,
-        state: OverlapState | None = None,
-        comm: Communicator | None = None,
-        tracer: Tracer | None = None,
+        self, state: OverlapState | None = None, comm: Communicator | None = None, tracer: Tracer | None = None
     ) -> None:
         self.state = state or OverlapState()
         self.comm = comm or Communicator()
@@ -163,10 +160,19 @@ def setup_overlap(
     if trace is False and kareus_settings().overlap_trace:
         trace = kareus_settings().overlap_trace
     engine = OverlapEngine(
-        state=OverlapState(settings, cross_layer=bool(plan is not None and plan.cross_layer),
-                           backward=backward_nanobatches(plan) if plan is not None else None),
-        comm=Communicator(tp_group=tp_group, sm_groups=tp_set.groups, cp_sm_groups=cp_set.groups, delay_s=delay_s,
-                          delay_s_per_byte=delay_s_per_byte, group_infos=tp_set.infos + cp_set.infos),
+        state=OverlapState(
+            settings,
+            cross_layer=bool(plan is not None and plan.cross_layer),
+            backward=backward_nanobatches(plan) if plan is not None else None,
+        ),
+        comm=Communicator(
+            tp_group=tp_group,
+            sm_groups=tp_set.groups,
+            cp_sm_groups=cp_set.groups,
+            delay_s=delay_s,
+            delay_s_per_byte=delay_s_per_byte,
+            group_infos=tp_set.infos + cp_set.infos,
+        ),
         tracer=Tracer(enabled=bool(trace), rank=rank),
     )
     set_engine(engine)

@@ -150,8 +150,15 @@ class PartitionedTransformerLayer(TransformerLayer):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
         """Same contract as TransformerLayer.forward: returns (output [s, b, h], context)."""
-        unsupported = ("context", "context_mask", "inference_context", "inference_params",
-                       "packed_seq_params", "sequence_len_offset", "rotary_pos_cos_sin")
+        unsupported = (
+            "context",
+            "context_mask",
+            "inference_context",
+            "inference_params",
+            "packed_seq_params",
+            "sequence_len_offset",
+            "rotary_pos_cos_sin",
+        )
         if any(kwargs.get(k) is not None for k in unsupported):
             get_engine().take_carry(None)
             return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
@@ -213,14 +220,18 @@ def _module_problems(layer: TransformerLayer) -> list[str]:
         return ["a non-standard attention/MLP module"]
     if getattr(layer.config, "context_parallel_size", 1) > 1 and not isinstance(attn.core_attention, SDPAttention):
         return [f"context parallelism with {type(attn.core_attention).__name__} (use core_attention='sdpa')"]
-    return [f"{type(lin).__name__} without skip_bias_add" for lin in (attn.linear_proj, mlp.linear_fc2)
-            if not getattr(lin, "skip_bias_add", False)]
+    return [
+        f"{type(lin).__name__} without skip_bias_add"
+        for lin in (attn.linear_proj, mlp.linear_fc2)
+        if not getattr(lin, "skip_bias_add", False)
+    ]
 
 
 def _refuse(problems: list[str]) -> None:
     if problems:
         raise InfeasibleConfigError(
-            "the partitioned (overlap) layer does not support " + ", ".join(problems)
+            "the partitioned (overlap) layer does not support "
+            + ", ".join(problems)
             + "; use get_gpt_layer_local_spec() for this model or change the config."
         )
 
@@ -248,9 +259,12 @@ def check_model_for_plan(model: Any, plan: Any) -> int:
     if link_layers(model, enabled=cross) == 0 and cross and count > 1:
         import warnings
 
-        warnings.warn("kareus: the plan was made with --cross-layer but no two partitioned layers run back to back "
-                      "in one call (full recompute with recompute_num_layers=1?): every layer's last collective "
-                      "stays exposed and the plan's prediction is optimistic", stacklevel=2)
+        warnings.warn(
+            "kareus: the plan was made with --cross-layer but no two partitioned layers run back to back "
+            "in one call (full recompute with recompute_num_layers=1?): every layer's last collective "
+            "stays exposed and the plan's prediction is optimistic",
+            stacklevel=2,
+        )
     return count
 
 

@@ -41,8 +41,11 @@ class SPTorchNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
     ) -> torch.nn.Module:
-        problems = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
-                                      "memory_efficient_layer_norm") if getattr(config, name, False)]
+        problems = [
+            name
+            for name in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm")
+            if getattr(config, name, False)
+        ]
         if problems:
             raise InfeasibleConfigError(
                 f"the torch norm does not support {', '.join(problems)}; install Apex or Transformer Engine "
@@ -83,8 +86,9 @@ def sp_capable_norms(spec: ModuleSpec) -> ModuleSpec:
     if isinstance(attn, ModuleSpec) and attn.submodules is not None:
         attn_sub = _swap(attn.submodules, QK_NORM_FIELDS, old)
         if attn_sub is not attn.submodules:
-            sub = dataclasses.replace(sub, self_attention=ModuleSpec(module=attn.module, params=dict(attn.params),
-                                                                     submodules=attn_sub))
+            sub = dataclasses.replace(
+                sub, self_attention=ModuleSpec(module=attn.module, params=dict(attn.params), submodules=attn_sub)
+            )
     if sub is spec.submodules:
         return spec
     return ModuleSpec(module=spec.module, params=dict(spec.params), submodules=sub)

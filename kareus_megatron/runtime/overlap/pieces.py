@@ -146,7 +146,7 @@ class Grads:
         res = torch.autograd.grad(
             [o for o, _ in pairs], [*leaves, *self.params], [g for _, g in pairs], allow_unused=True
         )
-        for i, g in enumerate(res[len(leaves):]):
+        for i, g in enumerate(res[len(leaves) :]):
             if g is not None:
                 acc = self.acc[i]
                 self.acc[i] = g if acc is None else acc + g

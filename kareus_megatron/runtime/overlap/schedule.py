@@ -27,8 +27,15 @@ class LayerRun(StepRun):
     fwd_units: tuple[str, ...] = ("attn", "mlp")  # forward units, in order
     bwd_units: tuple[str, ...] = ("mlp", "attn")  # backward units (before the tail), in order
 
-    def __init__(self, layer: Any, engine: OverlapEngine, settings: LayerSettings, phase: str, grad: bool,
-                 halves: int | None = None):
+    def __init__(
+        self,
+        layer: Any,
+        engine: OverlapEngine,
+        settings: LayerSettings,
+        phase: str,
+        grad: bool,
+        halves: int | None = None,
+    ):
         super().__init__(layer, engine, settings, phase, grad, halves)
         # cross-layer overlap (cross_layer.py): the previous layer's pending end, taken by this call's forward;
         # that layer's run (weakly: for the backward prefetch); this run's first backward steps if prefetched
@@ -95,8 +102,12 @@ class LayerRun(StepRun):
         the next layer completes both (``cross_layer.ForwardCarry``). A forward of such a plan that runs merged
         (1 nanobatch, halves for a 2-nanobatch backward) hands the next layer a carry with nothing pending, so
         that its backward runs this layer's first step as cross-layer overlap does."""
-        linked = (self.n > 1 and self.runs_cross_layer and getattr(self.layer, "feeds_next", False)
-                  and (self.engine.state.cross_layer or self.settings.cross_layer))
+        linked = (
+            self.n > 1
+            and self.runs_cross_layer
+            and getattr(self.layer, "feeds_next", False)
+            and (self.engine.state.cross_layer or self.settings.cross_layer)
+        )
         defer = linked and self.settings.cross_layer and last is not None
         if not defer and last is not None:
             self._issue(last)
@@ -156,8 +167,15 @@ class LayerRun(StepRun):
         def tail(nb: int) -> None:
             self.tail_nb(grads, nb, lower, settings)
 
-        self.walk("bwd", self.bwd_units, prev, overlap, lambda seg, st, nb: self.backward_unit(seg, grads, st, nb),
-                  tail=tail, skip_first=skip)
+        self.walk(
+            "bwd",
+            self.bwd_units,
+            prev,
+            overlap,
+            lambda seg, st, nb: self.backward_unit(seg, grads, st, nb),
+            tail=tail,
+            skip_first=skip,
+        )
         self.nbs = []  # free the graphs' tensors
         dx, pgrads = grads.result()
         if lower is not None and lower.prefetched is not None:  # what the previous layer's backward is handed

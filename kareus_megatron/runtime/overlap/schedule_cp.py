@@ -89,7 +89,7 @@ class CPUnits(StepRun):
         if not self._capture:
             self.op("attention")
             return None
-        vals = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value")[len(args):] if k in kwargs]
+        vals = list(args[:3]) + [kwargs[k] for k in ("query", "key", "value")[len(args) :] if k in kwargs]
         q, k, v = vals[:3]
         self._captured = (self.mark(q, "rope"), self.mark(k, "rope"), v)
         raise _Captured
@@ -114,8 +114,9 @@ class CPUnits(StepRun):
         st.q, st.k, st.v = self._captured
         st.hn = st.k.shape[-1]
         src = torch.cat([st.k.detach(), st.v.detach()], dim=-1).contiguous()
-        return _Coll(name, nb, src.new_empty((src.shape[0] * self._cp(), *src.shape[1:])), kind="cp_all_gather",
-                     src=src)
+        return _Coll(
+            name, nb, src.new_empty((src.shape[0] * self._cp(), *src.shape[1:])), kind="cp_all_gather", src=src
+        )
 
     def attend_proj(self, st: _NB) -> None:
         """Core attention of the local queries over the gathered K/V (waited at the attention op), then proj."""
@@ -124,9 +125,14 @@ class CPUnits(StepRun):
         st.kv_in = _leaf(st.colls["fwd.cp_kv"].buf, self.grad)
         self._need = st.colls["fwd.cp_kv"]  # waited at the attention op (core_attention_pre)
         with lay.local_comm(), lay.active(self):
-            ctx = attn.core_attention(st.q_in, st.kv_in[..., :st.hn], st.kv_in[..., st.hn:],
-                                      st.kw.get("attention_mask"), attn_mask_type=None,
-                                      attention_bias=st.kw.get("attention_bias"))
+            ctx = attn.core_attention(
+                st.q_in,
+                st.kv_in[..., : st.hn],
+                st.kv_in[..., st.hn :],
+                st.kw.get("attention_mask"),
+                attn_mask_type=None,
+                attention_bias=st.kw.get("attention_bias"),
+            )
             st.attn_partial, st.attn_bias = attn.linear_proj(ctx)
 
     def kv_scatter(self, grads: Grads, st: _NB, nb: int, d_attn: torch.Tensor, name: str) -> _Coll:
@@ -135,15 +141,16 @@ class CPUnits(StepRun):
         self.op("proj")
         st.d_q, d_kv = grads([st.attn_partial], [d_attn], [st.q_in, st.kv_in])
         src = torch.zeros_like(st.kv_in) if d_kv is None else d_kv.contiguous()
-        return _Coll(name, nb, src.new_empty((src.shape[0] // self._cp(), *src.shape[1:])), kind="cp_reduce_scatter",
-                     src=src)
+        return _Coll(
+            name, nb, src.new_empty((src.shape[0] // self._cp(), *src.shape[1:])), kind="cp_reduce_scatter", src=src
+        )
 
     def qkv_backward(self, grads: Grads, st: _NB, nb: int) -> torch.Tensor:
         """Backward of rope and qkv once this nanobatch's dK/dV reduce-scatter is waited; return d ``ln1_in``."""
         self._need = st.colls["bwd.cp_kv"]
         self.backward_op(nb, "rope")
         d_kv = st.colls["bwd.cp_kv"].buf
-        (d_ln1,) = grads([st.q, st.k, st.v], [st.d_q, d_kv[..., :st.hn], d_kv[..., st.hn:]], [st.ln1_in])
+        (d_ln1,) = grads([st.q, st.k, st.v], [st.d_q, d_kv[..., : st.hn], d_kv[..., st.hn :]], [st.ln1_in])
         return d_ln1
 
 

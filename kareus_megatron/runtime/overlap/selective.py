@@ -64,10 +64,15 @@ def _recomputed(cls: type[Any]) -> type:
                 return plain(*args, **kwargs)
             return checkpoint(plain, *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs)
 
-        sub = type(f"Recomputed{cls.__name__}", (cls,), {
-            "forward": forward, "__doc__": f"{cls.__name__} recomputed in the backward (selective recompute).",
-            "__module__": __name__,
-        })
+        sub = type(
+            f"Recomputed{cls.__name__}",
+            (cls,),
+            {
+                "forward": forward,
+                "__doc__": f"{cls.__name__} recomputed in the backward (selective recompute).",
+                "__module__": __name__,
+            },
+        )
         _CLASSES[cls] = sub
     return _CLASSES[cls]
 

@@ -44,8 +44,15 @@ class StepRun:
 
     cp_group: Any = None  # the context-parallel group (schedule_cp.CPLayerRun)
 
-    def __init__(self, layer: Any, engine: OverlapEngine, settings: LayerSettings, phase: str, grad: bool,
-                 halves: int | None = None):
+    def __init__(
+        self,
+        layer: Any,
+        engine: OverlapEngine,
+        settings: LayerSettings,
+        phase: str,
+        grad: bool,
+        halves: int | None = None,
+    ):
         self.layer = layer
         self.engine = engine
         self.settings = settings
@@ -77,8 +84,13 @@ class StepRun:
     def _emit(self, kind: str, **fields: Any) -> None:
         s = self.settings
         self.engine.tracer.emit(
-            kind, phase=self.phase, layer=self.layer.layer_number, call=self.call, mb=s.microbatch,
-            instr=s.index, **fields,
+            kind,
+            phase=self.phase,
+            layer=self.layer.layer_number,
+            call=self.call,
+            mb=s.microbatch,
+            instr=s.index,
+            **fields,
         )
 
     def group_of(self, kind: str) -> Any:
@@ -103,9 +115,17 @@ class StepRun:
         if c.noop or not self.engine.tracer.enabled:
             return
         self._emit(
-            "issue", coll=c.name, nb=None if c.parts else c.nb, partition=c.partition, slot=c.slot,
-            comm_sms=c.comm_sms, sm_limit_requested=applied, collective=c.kind, bytes=c.message_bytes(),
-            ranks=self.engine.tracer.ranks(group), whole=bool(c.parts),
+            "issue",
+            coll=c.name,
+            nb=None if c.parts else c.nb,
+            partition=c.partition,
+            slot=c.slot,
+            comm_sms=c.comm_sms,
+            sm_limit_requested=applied,
+            collective=c.kind,
+            bytes=c.message_bytes(),
+            ranks=self.engine.tracer.ranks(group),
+            whole=bool(c.parts),
         )
 
     def _start(self, c: _Coll, group: Any) -> tuple[Any, bool]:
@@ -201,8 +221,16 @@ class StepRun:
         """Trace name of unit `seg`'s collective of nanobatch `nb` (``L{layer}.{fwd|bwd}.{seg}.nb{nb}``)."""
         return f"L{self.layer.layer_number}.{prefix}.{seg}.nb{nb}"
 
-    def walk(self, prefix: str, segs: Sequence[str], prev: _Coll | None, overlap: bool, unit: Unit,
-             tail: Callable[[int], None] | None = None, skip_first: bool = False) -> _Coll | None:
+    def walk(
+        self,
+        prefix: str,
+        segs: Sequence[str],
+        prev: _Coll | None,
+        overlap: bool,
+        unit: Unit,
+        tail: Callable[[int], None] | None = None,
+        skip_first: bool = False,
+    ) -> _Coll | None:
         """Run units `segs` of every nanobatch as the planner's steps (module docstring); `prev` is a collective
         pending before the first unit (cross-layer overlap), `tail(nb)` runs after each nanobatch's trailing
         block, `skip_first` skips nanobatch 0's first block (run ahead: cross_layer.py). Return the last moving

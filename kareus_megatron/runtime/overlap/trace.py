@@ -109,8 +109,13 @@ def overlap_violations(events: list[dict[str, Any]]) -> list[str]:
 
 
 # trace ``collective`` → the planner's collective kind (kareus_megatron.vocab)
-VOCAB_COLLECTIVE = {"all_reduce": "tp_all_reduce", "all_gather": "tp_all_gather", "reduce_scatter": "tp_reduce_scatter",
-                    "cp_all_gather": "cp_all_gather", "cp_reduce_scatter": "cp_reduce_scatter"}
+VOCAB_COLLECTIVE = {
+    "all_reduce": "tp_all_reduce",
+    "all_gather": "tp_all_gather",
+    "reduce_scatter": "tp_reduce_scatter",
+    "cp_all_gather": "cp_all_gather",
+    "cp_reduce_scatter": "cp_reduce_scatter",
+}
 # ops the engine reports that the planner's op graph folds into others (the output bias-dropout-add: into the
 # next layer's input_norm, workload/opgraph.py): no partner of their own
 FOLDED_OPS = ("bda",)
@@ -127,10 +132,17 @@ def traced_collectives(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if e["kind"] == "issue":
             open_[(e["coll"], e.get("call"))] = len(out)
             between.append([])
-            out.append({"instr": e.get("instr"), "phase": e["phase"],
-                        "layer": int(e["coll"].split(".", 1)[0].lstrip("L")),
-                        "collective": VOCAB_COLLECTIVE[e["collective"]], "bytes": e["bytes"],
-                        "ranks": list(e["ranks"]), "partner": "exposed"})
+            out.append(
+                {
+                    "instr": e.get("instr"),
+                    "phase": e["phase"],
+                    "layer": int(e["coll"].split(".", 1)[0].lstrip("L")),
+                    "collective": VOCAB_COLLECTIVE[e["collective"]],
+                    "bytes": e["bytes"],
+                    "ranks": list(e["ranks"]),
+                    "partner": "exposed",
+                }
+            )
         elif e["kind"] == "wait":
             open_.pop((e["coll"], e.get("call")), None)
         elif e["kind"] == "op" and e["op"] not in FOLDED_OPS:

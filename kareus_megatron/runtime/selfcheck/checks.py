@@ -53,8 +53,9 @@ def check_megatron_patch(torch: Any, sizes: Sizes, device: str, work: str) -> di
     losses_a = train(build_gpt(torch, sizes, device), sizes, device, times_a, around_schedule=counters[0])
     gpu_name, clocks = _device_preset()
     plan = gpt_plan(sizes, gpu_name, clocks)
-    session = MEGATRON_SESSIONS.install(plan, source="the selfcheck plan", log_path=os.path.join(work, "run"),
-                                        controller="thread")  # what kareus_megatron.megatron.install does
+    session = MEGATRON_SESSIONS.install(
+        plan, source="the selfcheck plan", log_path=os.path.join(work, "run"), controller="thread"
+    )  # what kareus_megatron.megatron.install does
     times_b: list[float] = []
     try:
         losses_b = train(build_gpt(torch, sizes, device), sizes, device, times_b, around_schedule=counters[1])
@@ -68,17 +69,31 @@ def check_megatron_patch(torch: Any, sizes: Sizes, device: str, work: str) -> di
     if cuda:
         a, b = counters
         assert a is not None and b is not None
-        syncs = {"explicit_without": a.explicit, "explicit_with": b.explicit, "implicit_without": a.implicit,
-                 "implicit_with": b.implicit}
+        syncs = {
+            "explicit_without": a.explicit,
+            "explicit_with": b.explicit,
+            "implicit_without": a.implicit,
+            "implicit_with": b.implicit,
+        }
         added = (b.explicit - a.explicit) + (b.implicit - a.implicit)  # the patch's own: must be 0
     med_a, med_b = statistics.median(times_a[1:]), statistics.median(times_b[1:])  # first: warm-up
     ok = same and added == 0 and bool(ready.get("read_only"))
-    return {"status": "ok" if ok else "failed", "iterations": sizes.iterations, "microbatches": sizes.microbatches,
-            "losses_without": losses_a, "losses_with": losses_b, "losses_identical": same,
-            "iteration_s_median_without": med_a, "iteration_s_median_with": med_b,
-            "overhead_pct": 100.0 * (med_b / med_a - 1.0), "device_syncs_in_schedule": syncs,
-            "device_syncs_added_by_patch": added if cuda else "not applicable (CPU)",
-            "read_only": bool(ready.get("read_only")), "gpu": ready.get("gpu"), "controller_counts": counts}
+    return {
+        "status": "ok" if ok else "failed",
+        "iterations": sizes.iterations,
+        "microbatches": sizes.microbatches,
+        "losses_without": losses_a,
+        "losses_with": losses_b,
+        "losses_identical": same,
+        "iteration_s_median_without": med_a,
+        "iteration_s_median_with": med_b,
+        "overhead_pct": 100.0 * (med_b / med_a - 1.0),
+        "device_syncs_in_schedule": syncs,
+        "device_syncs_added_by_patch": added if cuda else "not applicable (CPU)",
+        "read_only": bool(ready.get("read_only")),
+        "gpu": ready.get("gpu"),
+        "controller_counts": counts,
+    }
 
 
 def _device_preset() -> tuple[str, tuple[int, ...]]:
@@ -106,13 +121,18 @@ def check_event_alignment(torch: Any, cuda_index: int | None) -> dict[str, Any]:
     if cuda_index is None:
         client = ClockClient(coalesce_s=0.005)
     else:
+
         def factory() -> Any:  # as CudaEvents, with timing so the GPU's own clock dates the event
             ev = torch.cuda.Event(enable_timing=True, blocking=True)
             ev.record()
             events.append(ev)
             return ev
-        client = ClockClient(event_factory=factory, coalesce_s=0.0,  # the forwarder on this device (CudaEvents)
-                             bind_thread=lambda: torch.cuda.set_device(cuda_index))
+
+        client = ClockClient(
+            event_factory=factory,
+            coalesce_s=0.0,  # the forwarder on this device (CudaEvents)
+            bind_thread=lambda: torch.cuda.set_device(cuda_index),
+        )
     client.start_thread(device, simulation=simulation_of(device))
     lat: list[float] = []
     try:
@@ -140,8 +160,13 @@ def check_event_alignment(torch: Any, cuda_index: int | None) -> dict[str, Any]:
     if len(lat) < MARKS // 2:
         return {"status": "failed", "samples": len(lat), "message": "marks were not answered"}
     key = "cpu_mark_latency" if cuda_index is None else "event_to_controller"
-    out = {"status": "ok", "measure": f"{key}_s", "samples": len(lat), f"{key}_s_median": statistics.median(lat),
-           f"{key}_s_p95": _p95(lat)}
+    out = {
+        "status": "ok",
+        "measure": f"{key}_s",
+        "samples": len(lat),
+        f"{key}_s_median": statistics.median(lat),
+        f"{key}_s_p95": _p95(lat),
+    }
     if cuda_index is None:
         out["note"] = "CPU dry run: no CUDA events; the CPU transport's mark round trip (mark to answer) instead"
     else:
@@ -154,8 +179,7 @@ def _guarded(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         res = fn()
     except Exception as e:  # a failed check is a report line, not a crash of the kit
-        res = {"status": "failed", "message": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc(limit=6)}
+        res = {"status": "failed", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
     res["elapsed_s"] = time.monotonic() - t0
     print(f"selfcheck {name}: {res['status']} ({res['elapsed_s']:.1f} s)", file=sys.stderr)
     return res
@@ -199,11 +223,17 @@ def run_checks(dry_run: bool, device: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kareus-selfcheck-") as work:
         torch, dev = _init(dry_run, device, work)
         sizes = Sizes.tiny() if dry_run else Sizes.gpu()
-        report: dict[str, Any] = {"format": FORMAT, "dry_run": dry_run, "device": dev,
-                                  "torch": torch.__version__, "sizes": sizes.as_dict()}
+        report: dict[str, Any] = {
+            "format": FORMAT,
+            "dry_run": dry_run,
+            "device": dev,
+            "torch": torch.__version__,
+            "sizes": sizes.as_dict(),
+        }
         report["megatron_patch"] = _guarded("megatron_patch", lambda: check_megatron_patch(torch, sizes, dev, work))
-        report["event_alignment"] = _guarded("event_alignment",
-                                             lambda: check_event_alignment(torch, None if dry_run else device))
+        report["event_alignment"] = _guarded(
+            "event_alignment", lambda: check_event_alignment(torch, None if dry_run else device)
+        )
 
         def layer() -> dict[str, Any]:
             from kareus_megatron.runtime.selfcheck.layer import check_partitioned_layer

@@ -73,13 +73,21 @@ def _compare(s: Sizes, device: str, sdpa: bool, limit: float) -> dict[str, Any]:
             out, g = _fwd_bwd(part, s, device, mask=not sdpa)
             o_abs, o_rel = _diff(out, out_ref)
             worst = max(((k, *_diff(g[k], g_ref[k])) for k in g_ref), key=lambda r: r[2])
-            res[f"nanobatches_{n}"] = {"out_max_abs": o_abs, "out_max_rel": o_rel, "grad_max_abs": max(
-                _diff(g[k], g_ref[k])[0] for k in g_ref), "grad_max_rel": worst[2], "worst_grad": worst[0],
-                "grads_compared": len(g_ref), "grad_keys_equal": sorted(g) == sorted(g_ref)}
+            res[f"nanobatches_{n}"] = {
+                "out_max_abs": o_abs,
+                "out_max_rel": o_rel,
+                "grad_max_abs": max(_diff(g[k], g_ref[k])[0] for k in g_ref),
+                "grad_max_rel": worst[2],
+                "worst_grad": worst[0],
+                "grads_compared": len(g_ref),
+                "grad_keys_equal": sorted(g) == sorted(g_ref),
+            }
     finally:
         state.set(LayerSettings())
-    ok = len(layers) == s.layers and all(r["out_max_rel"] <= limit and r["grad_max_rel"] <= limit
-                                         and r["grad_keys_equal"] and r["grads_compared"] for r in res.values())
+    ok = len(layers) == s.layers and all(
+        r["out_max_rel"] <= limit and r["grad_max_rel"] <= limit and r["grad_keys_equal"] and r["grads_compared"]
+        for r in res.values()
+    )
     return {"status": "ok" if ok else "failed", "partitioned_layers": len(layers), "core_attention": cores, **res}
 
 
@@ -89,6 +97,11 @@ def check_partitioned_layer(torch_module: Any, s: Sizes, device: str) -> dict[st
     local = _compare(s, device, sdpa=False, limit=limit)
     fast = _compare(s, device, sdpa=True, limit=limit)
     ok = local["status"] == "ok" and fast["status"] == "ok"
-    return {"status": "ok" if ok else "failed", "tp": 1, "max_rel_limit": limit,
-            "note": "TP=1 on one device: no collective runs; split, merge, schedule and backward do",
-            "local_attention": local, "sdpa_attention": fast}
+    return {
+        "status": "ok" if ok else "failed",
+        "tp": 1,
+        "max_rel_limit": limit,
+        "note": "TP=1 on one device: no collective runs; split, merge, schedule and backward do",
+        "local_attention": local,
+        "sdpa_attention": fast,
+    }

@@ -18,8 +18,16 @@ from kareus_megatron.vocab import SCHEDULE_1F1B, InstructionKind
 
 KINDS: tuple[InstructionKind, ...] = ("forward", "backward")  # per microbatch, in the no-pipelining order
 
-ARCH: dict[str, Any] = dict(activation="gelu", normalization="layernorm", position_embedding="learned",
-                            bias_linear=True, qkv_bias=True, tied_embeddings=False, qk_norm=False, precision="fp32")
+ARCH: dict[str, Any] = dict(
+    activation="gelu",
+    normalization="layernorm",
+    position_embedding="learned",
+    bias_linear=True,
+    qkv_bias=True,
+    tied_embeddings=False,
+    qk_norm=False,
+    precision="fp32",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +61,16 @@ def config(torch: Any, s: Sizes, **extra: Any) -> Any:
     """The megatron TransformerConfig of the selfcheck's GPT."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
-                             use_cpu_initialization=True, pipeline_dtype=torch.float32, hidden_dropout=0.0,
-                             attention_dropout=0.0, **extra)
+    return TransformerConfig(
+        num_layers=s.layers,
+        hidden_size=s.hidden,
+        num_attention_heads=s.heads,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )
 
 
 def build_gpt(torch: Any, s: Sizes, device: str, seed: int = 1234) -> Any:
@@ -64,8 +79,14 @@ def build_gpt(torch: Any, s: Sizes, device: str, seed: int = 1234) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(seed)
-    model = GPTModel(config=config(torch, s), transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=s.vocab,
-                     max_sequence_length=s.seq, pre_process=True, post_process=True)
+    model = GPTModel(
+        config=config(torch, s),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=s.vocab,
+        max_sequence_length=s.seq,
+        pre_process=True,
+        post_process=True,
+    )
     return model.to(device)
 
 
@@ -106,8 +127,14 @@ def train(model: Any, s: Sizes, device: str, times_s: list[float], around_schedu
             p.grad = None
         with around_schedule if around_schedule is not None else contextlib.nullcontext():
             out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=_batches(torch, s, it, device), model=model,
-                num_microbatches=s.microbatches, seq_length=s.seq, micro_batch_size=s.mbs, forward_only=False)
+                forward_step_func=forward_step,
+                data_iterator=_batches(torch, s, it, device),
+                model=model,
+                num_microbatches=s.microbatches,
+                seq_length=s.seq,
+                micro_batch_size=s.mbs,
+                forward_only=False,
+            )
             with torch.no_grad():
                 for p in params:
                     if p.grad is not None:
@@ -126,16 +153,45 @@ def gpt_plan(s: Sizes, gpu: str, clocks_mhz: tuple[int, ...]) -> Plan:
     instrs = []
     for mb in range(s.microbatches):
         for j, kind in enumerate(KINDS):
-            instrs.append(Instruction(kind=kind, microbatch=mb, chunk=0, sm_clock_mhz=cycle[(2 * mb + j) % len(cycle)],
-                                      predicted_time_s=0.002, predicted_energy_j=0.5))
+            instrs.append(
+                Instruction(
+                    kind=kind,
+                    microbatch=mb,
+                    chunk=0,
+                    sm_clock_mhz=cycle[(2 * mb + j) % len(cycle)],
+                    predicted_time_s=0.002,
+                    predicted_energy_j=0.5,
+                )
+            )
     return Plan(
-        format="kareus-plan/1", method="kareus", gpu=gpu,
-        model=ModelShape(name="selfcheck-gpt", num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
-                         num_query_groups=s.heads, ffn_hidden_size=4 * s.hidden, vocab_size=s.vocab,
-                         kv_channels=s.hidden // s.heads, **ARCH),
-        parallel=ParallelLayout(tp=1, cp=1, pp=1, vp=1, dp=1, micro_batch_size=s.mbs, seq_length=s.seq,
-                                num_microbatches=s.microbatches, layers_per_stage=(s.layers,), nodes=1,
-                                gpus_per_node=1, schedule=SCHEDULE_1F1B),
+        format="kareus-plan/1",
+        method="kareus",
+        gpu=gpu,
+        model=ModelShape(
+            name="selfcheck-gpt",
+            num_layers=s.layers,
+            hidden_size=s.hidden,
+            num_attention_heads=s.heads,
+            num_query_groups=s.heads,
+            ffn_hidden_size=4 * s.hidden,
+            vocab_size=s.vocab,
+            kv_channels=s.hidden // s.heads,
+            **ARCH,
+        ),
+        parallel=ParallelLayout(
+            tp=1,
+            cp=1,
+            pp=1,
+            vp=1,
+            dp=1,
+            micro_batch_size=s.mbs,
+            seq_length=s.seq,
+            num_microbatches=s.microbatches,
+            layers_per_stage=(s.layers,),
+            nodes=1,
+            gpus_per_node=1,
+            schedule=SCHEDULE_1F1B,
+        ),
         predicted=Predicted(iteration_time_s=0.05, iteration_energy_j=40.0),
         stages=(StagePlan(pp_rank=0, instructions=tuple(instrs)),),
     )

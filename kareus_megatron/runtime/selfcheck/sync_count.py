@@ -40,12 +40,40 @@ import torch
 Predicate = Callable[[tuple[Any, ...], dict[str, Any]], bool]
 
 # Tensor methods that always read device memory on the host (or size an output by device values).
-_TENSOR_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-                 "__repr__", "__format__", "__array__", "__contains__", "nonzero", "argwhere", "masked_select",
-                 "unique", "unique_consecutive", "equal", "allclose", "is_nonzero")
+_TENSOR_READS = (
+    "item",
+    "tolist",
+    "numpy",
+    "cpu",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "__complex__",
+    "__repr__",
+    "__format__",
+    "__array__",
+    "__contains__",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "equal",
+    "allclose",
+    "is_nonzero",
+)
 # torch functions that always do.
-_TORCH_READS = ("equal", "allclose", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive",
-                "is_nonzero")
+_TORCH_READS = (
+    "equal",
+    "allclose",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "is_nonzero",
+)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -73,6 +101,7 @@ def _target_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.devic
 def _to_crosses(simulated: bool) -> Predicate:
     """``Tensor.to(device)`` without ``non_blocking`` that copies between host and device (`simulated`, i.e. on
     a CPU standing in for the device: any explicit device, see the module doc)."""
+
     def crosses(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if kwargs.get("non_blocking") or any(a is True for a in args[2:4]):
             return False
@@ -125,17 +154,21 @@ def _operations(simulated: bool) -> list[tuple[Any, str, str, Predicate | None]]
     ops: list[tuple[Any, str, str, Predicate | None]] = []
     ops += [(torch.Tensor, a, f"Tensor.{a}", None) for a in _TENSOR_READS]
     ops += [(torch, a, f"torch.{a}", None) for a in _TORCH_READS]
-    ops += [(torch.Tensor, "to", "Tensor.to(device)", _to_crosses(simulated)),
-            (torch.Tensor, "cuda", "Tensor.cuda", _cuda_blocking),
-            (torch.Tensor, "__getitem__", "Tensor[bool mask]", _indexes_by_mask),
-            (torch.Tensor, "__setitem__", "Tensor[bool mask]=", _indexes_by_mask),
-            (torch.Tensor, "repeat_interleave", "Tensor.repeat_interleave(tensor)", _unsized_repeat),
-            (torch, "repeat_interleave", "torch.repeat_interleave(tensor)", _unsized_repeat),
-            (torch, "where", "torch.where(cond)", _where_one_arg)]
+    ops += [
+        (torch.Tensor, "to", "Tensor.to(device)", _to_crosses(simulated)),
+        (torch.Tensor, "cuda", "Tensor.cuda", _cuda_blocking),
+        (torch.Tensor, "__getitem__", "Tensor[bool mask]", _indexes_by_mask),
+        (torch.Tensor, "__setitem__", "Tensor[bool mask]=", _indexes_by_mask),
+        (torch.Tensor, "repeat_interleave", "Tensor.repeat_interleave(tensor)", _unsized_repeat),
+        (torch, "repeat_interleave", "torch.repeat_interleave(tensor)", _unsized_repeat),
+        (torch, "where", "torch.where(cond)", _where_one_arg),
+    ]
     ops += [(torch, a, f"torch.{a}(data, device)", _from_python_data) for a in ("tensor", "as_tensor", "asarray")]
-    ops += [(torch.cuda, "synchronize", "torch.cuda.synchronize", None),
-            (torch.cuda.Event, "synchronize", "Event.synchronize", None),
-            (torch.cuda.Stream, "synchronize", "Stream.synchronize", None)]
+    ops += [
+        (torch.cuda, "synchronize", "torch.cuda.synchronize", None),
+        (torch.cuda.Event, "synchronize", "Event.synchronize", None),
+        (torch.cuda.Stream, "synchronize", "Stream.synchronize", None),
+    ]
     if torch.distributed.is_available():
         ops.append((torch.distributed, "barrier", "torch.distributed.barrier", None))
     return ops
@@ -233,6 +266,7 @@ class SyncCount:
 
     def paused_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, with nothing counted during its calls."""
+
         def call(*args: Any, **kwargs: Any) -> Any:
             with self.paused():
                 return fn(*args, **kwargs)
@@ -241,6 +275,7 @@ class SyncCount:
 
     def counting_call(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn`, counted during its calls (except where paused inside)."""
+
         def call(*args: Any, **kwargs: Any) -> Any:
             with self.counting():
                 return fn(*args, **kwargs)
@@ -249,8 +284,11 @@ class SyncCount:
 
     def report(self) -> dict[str, Any]:
         """JSON-ready: total, counts by operation, and the first 20 sites."""
-        return {"syncs": self.total, "by_operation": dict(self.counts), "sites": [f"{n} at {s}" for n, s in
-                                                                                  self.sites[:20]]}
+        return {
+            "syncs": self.total,
+            "by_operation": dict(self.counts),
+            "sites": [f"{n} at {s}" for n, s in self.sites[:20]],
+        }
 
 
 class CudaSyncCounter:

@@ -50,10 +50,13 @@ def instructions(nanobatches: int, slots: dict[str, tuple[str, ...]]) -> tuple[A
     its launch slots) at its last slot (the default is the first)."""
     from kareus_megatron.plan.schema import Instruction, PartitionKnobs
 
-    knobs = {name: PartitionKnobs(comm_sms=8, launch_slot=s[-1]) for name, s in slots.items()} if nanobatches > 1 \
-        else {}
-    fwd, bwd = (Instruction(kind=kind, microbatch=0, sm_clock_mhz=1410, nanobatches=nanobatches, partitions=knobs)
-                for kind in ("forward", "backward"))
+    knobs = (
+        {name: PartitionKnobs(comm_sms=8, launch_slot=s[-1]) for name, s in slots.items()} if nanobatches > 1 else {}
+    )
+    fwd, bwd = (
+        Instruction(kind=kind, microbatch=0, sm_clock_mhz=1410, nanobatches=nanobatches, partitions=knobs)
+        for kind in ("forward", "backward")
+    )
     return fwd, bwd
 
 
@@ -69,8 +72,15 @@ def partitioned_block(config: Any, device: Any, **spec_kwargs: Any) -> Any:
     return block.to(device=device, dtype=config.params_dtype)
 
 
-def block_syncs(block: Any, x: torch.Tensor, mask: torch.Tensor | None, instrs: tuple[Any, Any],
-                rotary_pos_emb: Any = None, cross_layer: bool = False, cuda: bool = False) -> dict[str, Any]:
+def block_syncs(
+    block: Any,
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    instrs: tuple[Any, Any],
+    rotary_pos_emb: Any = None,
+    cross_layer: bool = False,
+    cuda: bool = False,
+) -> dict[str, Any]:
     """Host syncs of one forward and one backward of `block` on input `x` (requires grad), each after its
     instruction of `instrs` went through the hooks listener (the overlap engine's settings switch); with
     `cross_layer`, also ``linked`` (layers marked) and ``carried`` (collectives a layer issued for another)."""
@@ -100,8 +110,9 @@ def block_syncs(block: Any, x: torch.Tensor, mask: torch.Tensor | None, instrs: 
     res = _result(counters, cuda)
     if cross_layer:
         res["linked"] = linked
-        res["carried"] = sum(1 for e in engine.tracer.events if e["kind"] == "issue"
-                             and not str(e["coll"]).startswith(f"L{e['layer']}."))
+        res["carried"] = sum(
+            1 for e in engine.tracer.events if e["kind"] == "issue" and not str(e["coll"]).startswith(f"L{e['layer']}.")
+        )
     return res
 
 
@@ -117,8 +128,10 @@ def cp_attend_syncs(device: Any, dtype: torch.dtype, cuda: bool = False, cp: int
 
     g = torch.Generator().manual_seed(3)
     b, heads, sq, hn = MBS, HEADS, SEQ // cp, HIDDEN // HEADS
-    q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for shape in
-               ((b, heads, sq, hn), (b, heads, cp * sq, hn), (b, heads, cp * sq, hn)))
+    q, k, v = (
+        torch.randn(shape, generator=g).to(device, dtype)
+        for shape in ((b, heads, sq, hn), (b, heads, cp * sq, hn), (b, heads, cp * sq, hn))
+    )
     out: list[dict[str, Any]] = []
     cp_attention.sequence_index.cache_clear()  # the index is built inside the first counted case
     for rank in range(cp):
@@ -165,18 +178,27 @@ def _single_process(device: str) -> Iterator[bool]:
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
-        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
-                 ps.get_pipeline_model_parallel_world_size())
+        sizes = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+        )
         if sizes != (1, 1, 1):
-            raise ConfigError(f"the host-sync probe runs with TP=CP=PP=1; megatron's parallel state has "
-                              f"TP={sizes[0]}, CP={sizes[1]}, PP={sizes[2]} (run it in a process of its own)")
+            raise ConfigError(
+                f"the host-sync probe runs with TP=CP=PP=1; megatron's parallel state has "
+                f"TP={sizes[0]}, CP={sizes[1]}, PP={sizes[2]} (run it in a process of its own)"
+            )
         yield False
         return
     made_pg = not dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="kareus-syncs-") as work:
         if made_pg:
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                    init_method=f"file://{work}/store", rank=0, world_size=1)
+            dist.init_process_group(
+                "nccl" if device.startswith("cuda") else "gloo",
+                init_method=f"file://{work}/store",
+                rank=0,
+                world_size=1,
+            )
         try:
             ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
             try:
@@ -206,11 +228,21 @@ def _config(recompute: bool, cuda: bool) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if cuda else torch.float32
-    extra: dict[str, Any] = dict(recompute_granularity="full", recompute_method="uniform",
-                                 recompute_num_layers=1) if recompute else {}
-    return TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                             params_dtype=dtype, pipeline_dtype=dtype, bf16=cuda, **extra)
+    extra: dict[str, Any] = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    )
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=cuda,
+        **extra,
+    )
 
 
 def probe_partitioned_layer(device: str = "cpu") -> dict[str, Any]:
@@ -234,7 +266,7 @@ def probe_partitioned_layer(device: str = "cpu") -> dict[str, Any]:
     else:
         raise ConfigError(f"host-sync probe: device {device!r}; use cpu, cuda or cuda:N")
     cases: list[dict[str, Any]] = []
-    with _single_process(device) as made, (contextlib.nullcontext() if cuda else _cpu_recompute_rng()):
+    with _single_process(device) as made, contextlib.nullcontext() if cuda else _cpu_recompute_rng():
         if cuda and made:  # megatron's CUDA RNG tracker, as a training run seeds it (full recompute saves it)
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -246,11 +278,17 @@ def probe_partitioned_layer(device: str = "cpu") -> dict[str, Any]:
             block_syncs(block, x, None, instructions(1, {}), cuda=False)  # warm-up (first kernels), not reported
             for n in (1, 2):
                 for kind in MASKS:
-                    res = block_syncs(block, x, causal_mask(kind, MBS, SEQ, dev), instructions(n, TP_PARTITION_SLOTS),
-                                      cuda=cuda)
-                    cases.append({"case": f"layer.nb{n}.mask_{kind}.recompute_{'on' if recompute else 'off'}",
-                                  **res})
+                    res = block_syncs(
+                        block, x, causal_mask(kind, MBS, SEQ, dev), instructions(n, TP_PARTITION_SLOTS), cuda=cuda
+                    )
+                    cases.append({"case": f"layer.nb{n}.mask_{kind}.recompute_{'on' if recompute else 'off'}", **res})
         cases += cp_attend_syncs(dev, torch.bfloat16 if cuda else torch.float32, cuda=cuda)
     total = sum(c["syncs"] + c.get("sync_ops", 0) for c in cases)
-    return {"device": device, "torch": torch.__version__, "cases": cases, "total_syncs": total,
-            "ok": all(c["ok"] for c in cases) and bool(cases), "elapsed_s": round(time.monotonic() - t0, 3)}
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "cases": cases,
+        "total_syncs": total,
+        "ok": all(c["ok"] for c in cases) and bool(cases),
+        "elapsed_s": round(time.monotonic() - t0, 3),
+    }

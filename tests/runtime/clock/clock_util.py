@@ -39,7 +39,12 @@ def wait_for(pred, timeout_s):
 
 def sim_env(tmp_path, **extra):
     """Environment for a side process on a simulated GPU logging to tmp_path/clocks.jsonl."""
-    env = dict(os.environ, KAREUS_GPU_BACKEND="simulated", KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
-               KAREUS_SIMULATED_LATENCY_MS="15", **extra)
+    env = dict(
+        os.environ,
+        KAREUS_GPU_BACKEND="simulated",
+        KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
+        KAREUS_SIMULATED_LATENCY_MS="15",
+        **extra,
+    )
     env.pop("KAREUS_GPU", None)
     return env

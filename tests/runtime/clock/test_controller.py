@@ -37,8 +37,12 @@ def test_batch_applies_latest_and_skips_stale(tmp_path):
     ctl._handle(ctl._inbox.get_nowait())
     ctl.feed(encode_records(begin_record(t, 0, 3, 990, "backward")))
     ctl._handle(ctl._inbox.get_nowait())
-    assert decisions(log) == [("skip", 1200, "stale"), ("skip", 1005, "stale"), ("set", 990, None),
-                              ("skip", 990, "unchanged")]
+    assert decisions(log) == [
+        ("skip", 1200, "stale"),
+        ("skip", 1005, "stale"),
+        ("set", 990, None),
+        ("skip", 990, "unchanged"),
+    ]
     recs = records(log)
     assert (recs[0]["event"], recs[0]["reason"]) == ("reset", "start")  # the permission probe
     skip = next(r for r in recs if r["event"] == "skip")
@@ -88,14 +92,22 @@ def test_reset_and_close_settle_then_reset(tmp_path):
     ctl = ClockController(_plain_device(), replies.append, simulation=None, log_path=str(log))
     ctl.probe()
     t = time.monotonic()
-    ctl.feed(encode_records(begin_record(t, 0, 0, 1200, "forward")) + encode_control({"op": "reset", "seq": 4})
-             + encode_control({"op": "close", "seq": 5}))
+    ctl.feed(
+        encode_records(begin_record(t, 0, 0, 1200, "forward"))
+        + encode_control({"op": "reset", "seq": 4})
+        + encode_control({"op": "close", "seq": 5})
+    )
     assert ctl.run() == "closed"
     assert [(r["event"], r.get("reason")) for r in records(log)] == [
-        ("reset", "start"), ("skip", "stale"), ("reset", "requested"), ("reset", "closed")]
-    assert replies == [{"op": "ack", "seq": 4},
-                       {"op": "ack", "seq": 5,
-                        "counts": {"applied": 0, "late": 0, "stale": 1, "unchanged": 0, "errors": 0}}]
+        ("reset", "start"),
+        ("skip", "stale"),
+        ("reset", "requested"),
+        ("reset", "closed"),
+    ]
+    assert replies == [
+        {"op": "ack", "seq": 4},
+        {"op": "ack", "seq": 5, "counts": {"applied": 0, "late": 0, "stale": 1, "unchanged": 0, "errors": 0}},
+    ]
 
 
 def test_marks_read_the_energy_counter_and_lazy_ones_wait():
@@ -103,8 +115,9 @@ def test_marks_read_the_energy_counter_and_lazy_ones_wait():
     ctl = ClockController(_plain_device(), replies.append, simulation=None)
     ctl.probe()
     t = time.monotonic()
-    ctl.feed(encode_records([3.0, t, float("nan"), 1.0, 0.0, 0.0, 0.0, 0.0,
-                             3.0, t, float("nan"), 2.0, 1.0, 0.0, 0.0, 0.0]))
+    ctl.feed(
+        encode_records([3.0, t, float("nan"), 1.0, 0.0, 0.0, 0.0, 0.0, 3.0, t, float("nan"), 2.0, 1.0, 0.0, 0.0, 0.0])
+    )
     assert [r["seq"] for r in replies] == [1]  # the lazy mark (b = 1) is held
     ctl.feed(encode_control({"op": "answer"}))
     assert [r["seq"] for r in replies] == [1, 2] and all(r["energy_j"] >= 0 and r["t"] == t for r in replies)
@@ -114,6 +127,10 @@ def test_clock_path_never_probes_the_device():
     """The clock path and the session take a simulated GPU's hooks explicitly, never by hasattr/getattr."""
     files = sorted((ROOT / "kareus_megatron" / "runtime" / "clock").glob("*.py"))
     files.append(ROOT / "kareus_megatron" / "runtime" / "session.py")
-    found = [f"{p.name}:{n.lineno}" for p in files for n in ast.walk(ast.parse(p.read_text()))
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr")]
+    found = [
+        f"{p.name}:{n.lineno}"
+        for p in files
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr")
+    ]
     assert not found, found

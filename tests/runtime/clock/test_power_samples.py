@@ -30,9 +30,29 @@ def test_simulated_samples_follow_the_power_model_at_the_records_own_times():
     t0 = (int(time.monotonic() / dt) + 1) * dt  # on the sampling grid
     time.sleep(0.45)
     # mark 1 at t0; one instruction busy t0+0.1 .. t0+0.3 s at 1410 MHz; mark 2 at t0+0.4 (all in one batch)
-    ctl.feed(encode_records([CODE_MARK, t0, NAN, 1.0, 0.0, 0.0, 0.0, 0.0,
-                             *begin_record(t0 + 0.1, 0, 0, 1410, "forward"),
-                             CODE_MARK, t0 + 0.4, t0 + 0.3, 2.0, 0.0, 0.0, 0.0, 0.0]))
+    ctl.feed(
+        encode_records(
+            [
+                CODE_MARK,
+                t0,
+                NAN,
+                1.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                *begin_record(t0 + 0.1, 0, 0, 1410, "forward"),
+                CODE_MARK,
+                t0 + 0.4,
+                t0 + 0.3,
+                2.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+            ]
+        )
+    )
     assert replies[0]["power"] is None  # nothing before the first mark
     p = replies[1]["power"]
     assert p["reading"] == "model" and p["dt_s"] == pytest.approx(dt) and SAMPLE_HZ >= 20

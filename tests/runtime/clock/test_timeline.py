@@ -26,15 +26,26 @@ def test_simulated_time_line_decides_at_the_records_own_times(tmp_path):
     assert ready["latency_s"] == pytest.approx(0.010)
     t = time.monotonic() - 5.0  # the records arrive long after the fact
     begins = [(0.0, 1200), (0.001, 1005), (0.002, 990), (0.030, 990)]
-    ctl.feed(encode_records([x for k, (dt, m) in enumerate(begins)
-                             for x in begin_record(t + dt, 0, k, m, "forward" if k < 3 else "backward")]))
+    ctl.feed(
+        encode_records(
+            [
+                x
+                for k, (dt, m) in enumerate(begins)
+                for x in begin_record(t + dt, 0, k, m, "forward" if k < 3 else "backward")
+            ]
+        )
+    )
     assert ctl._inbox.empty()  # nothing for the wall-time loop
     # 1200 is called at once (busy until +10 ms); 1005 waits and is overtaken by 990, which is called
     # when the device is free (+10 ms, done +20 ms): 8 ms after its begin, more than half a latency: late;
     # at +30 ms 990 is already locked.
     log = tmp_path / "clocks.jsonl"
-    assert decisions(log) == [("set", 1200, None), ("skip", 1005, "stale"), ("set", 990, None),
-                              ("skip", 990, "unchanged")]
+    assert decisions(log) == [
+        ("set", 1200, None),
+        ("skip", 1005, "stale"),
+        ("set", 990, None),
+        ("skip", 990, "unchanged"),
+    ]
     sets = [r for r in records(log) if r["event"] == "set"]
     assert sets[0]["t_done"] == pytest.approx(t + 0.010) and sets[1]["t_issue"] == pytest.approx(t + 0.010)
     assert ctl.counts == {"applied": 2, "late": 1, "stale": 1, "unchanged": 1, "errors": 0}
@@ -47,8 +58,11 @@ def test_reset_overtakes_a_waiting_call(tmp_path):
     ctl = ClockController(dev, replies.append, simulation=simulation_of(dev))
     ctl.probe()
     t = time.monotonic()
-    ctl.feed(encode_records([*begin_record(t, 0, 0, 1200, "forward"), *begin_record(t + 0.001, 0, 1, 990, "forward")])
-             + encode_control({"op": "reset", "seq": 1}) + encode_control({"op": "close", "seq": 2}))
+    ctl.feed(
+        encode_records([*begin_record(t, 0, 0, 1200, "forward"), *begin_record(t + 0.001, 0, 1, 990, "forward")])
+        + encode_control({"op": "reset", "seq": 1})
+        + encode_control({"op": "close", "seq": 2})
+    )
     assert ctl.run() == "closed"
     assert decisions(tmp_path / "clocks.jsonl") == [("set", 1200, None), ("skip", 990, "stale")]
     assert ctl.counts["stale"] == 1 and replies[0] == {"op": "ack", "seq": 1}
@@ -65,9 +79,29 @@ def test_marks_count_busy_time_at_their_own_time(tmp_path):
     time.sleep(0.06)
     nan = float("nan")
     # mark 1 at t0; instruction 0 runs t0+10 ms .. t0+40 ms (its end rides along with mark 2)
-    ctl.feed(encode_records([CODE_MARK, t0, nan, 1.0, 0.0, 0.0, 0.0, 0.0,
-                             *begin_record(t0 + 0.01, 0, 0, 1410, "forward"),
-                             CODE_MARK, t0 + 0.05, t0 + 0.04, 2.0, 0.0, 0.0, 0.0, 0.0]))
+    ctl.feed(
+        encode_records(
+            [
+                CODE_MARK,
+                t0,
+                nan,
+                1.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+                *begin_record(t0 + 0.01, 0, 0, 1410, "forward"),
+                CODE_MARK,
+                t0 + 0.05,
+                t0 + 0.04,
+                2.0,
+                0.0,
+                0.0,
+                0.0,
+                0.0,
+            ]
+        )
+    )
     e1, e2 = (r["energy_j"] for r in replies)
     want = float(power_w(spec, 1410, ACT_C, ACT_M)) * 0.03 + spec.p_blocked_w * 0.02
     assert e2 - e1 == pytest.approx(want, rel=1e-6)

@@ -57,15 +57,30 @@ def _fake_torchvision() -> None:
         def __init__(self, num_classes: int = 1000) -> None:
             super().__init__()
             self.features = nn.Sequential(
-                nn.Conv2d(3, 8, kernel_size=5, stride=2, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Conv2d(8, 16, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Conv2d(16, 16, kernel_size=3, padding=1), nn.ReLU(),
-                nn.Conv2d(16, 16, kernel_size=3, padding=1), nn.ReLU(),
-                nn.Conv2d(16, 16, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+                nn.Conv2d(3, 8, kernel_size=5, stride=2, padding=2),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(8, 16, kernel_size=3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(16, 16, kernel_size=3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(16, 16, kernel_size=3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(16, 16, kernel_size=3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            )
             self.avgpool = nn.AdaptiveAvgPool2d((2, 2))
             self.classifier = nn.Sequential(
-                nn.Dropout(), nn.Linear(16 * 2 * 2, 32), nn.ReLU(),
-                nn.Dropout(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, num_classes))
+                nn.Dropout(),
+                nn.Linear(16 * 2 * 2, 32),
+                nn.ReLU(),
+                nn.Dropout(),
+                nn.Linear(32, 32),
+                nn.ReLU(),
+                nn.Linear(32, num_classes),
+            )
 
     def vgg19(*args: object, **kwargs: object) -> nn.Module:
         raise NotImplementedError("the torchvision stand-in has AlexNet only")
@@ -79,8 +94,14 @@ def _fake_torchvision() -> None:
     models = types.ModuleType("torchvision.models")
     models.AlexNet, models.vgg19 = AlexNet, vgg19  # type: ignore[attr-defined]
     tv.transforms, tv.datasets, tv.models = transforms, datasets, models  # type: ignore[attr-defined]
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": transforms,
-                        "torchvision.datasets": datasets, "torchvision.models": models})
+    sys.modules.update(
+        {
+            "torchvision": tv,
+            "torchvision.transforms": transforms,
+            "torchvision.datasets": datasets,
+            "torchvision.models": models,
+        }
+    )
 
 
 def main() -> None:

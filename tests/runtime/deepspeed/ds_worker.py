@@ -34,18 +34,25 @@ def _engine(dualpipev: bool = False):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     torch.manual_seed(0)
-    layers = [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.Tanh),
-              LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.Tanh)]
+    layers = [
+        LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN),
+        LayerSpec(torch.nn.Tanh),
+        LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN),
+        LayerSpec(torch.nn.Tanh),
+    ]
     if dualpipev:  # DeepSpeed 0.19: 2 stages per rank; deepspeed.initialize then builds a DualPipeVEngine
         from deepspeed.pipe import DualPipeVModule as module_class
     else:
         module_class = PipelineModule
     module = module_class(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-    config = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": MICRO_BATCHES,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 10**6,
-              "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()],
-                                      config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": MBS,
+        "gradient_accumulation_steps": MICRO_BATCHES,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "steps_per_print": 10**6,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()], config=config)
     return engine
 
 
@@ -57,8 +64,9 @@ def run_scenario(rank: int, outdir: str, sc: dict) -> dict:
     events: list[list] = []
 
     def listen(ev: hooks.InstructionEvent) -> None:
-        events.append([ev.iteration, ev.index, ev.instruction.kind, ev.instruction.microbatch,
-                       ev.instruction.sm_clock_mhz])
+        events.append(
+            [ev.iteration, ev.index, ev.instruction.kind, ev.instruction.microbatch, ev.instruction.sm_clock_mhz]
+        )
 
     os.environ["KAREUS_SIMULATED_LOG"] = os.path.join(outdir, f"{sc['name']}-clock-r{rank}.jsonl")
     engine = _engine(sc.get("dualpipev", False))
@@ -83,9 +91,17 @@ def run_scenario(rank: int, outdir: str, sc: dict) -> dict:
 
 
 def worker(rank: int, world: int, port: int, outdir: str, scenarios: list[dict]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), KAREUS_GPU_BACKEND="simulated",
-                      KAREUS_SIMULATED_LATENCY_MS="1", DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        KAREUS_GPU_BACKEND="simulated",
+        KAREUS_SIMULATED_LATENCY_MS="1",
+        DS_ACCELERATOR="cpu",
+    )
     for k in ("KAREUS_GPU", "KAREUS_CLOCK_LOG", "KAREUS_SIMULATED_NO_PERMISSION", "KAREUS_PLAN", "KAREUS_LOG"):
         os.environ.pop(k, None)  # a developer's shell must not change the scenarios
     result: dict = {}

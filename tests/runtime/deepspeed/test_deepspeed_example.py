@@ -59,12 +59,37 @@ def plans(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, m in (("example", 32), ("mismatch", 16)):
         out[name] = d / name
-        assert cli_main.main(["plan", "--framework", "deepspeed", "--model", str(ROOT / "examples" / "tiny-gpt.yaml"),
-                              "--gpu", "a100-sxm4-40gb", *SHAPE, "--seq", "16", "--microbatches", str(m),
-                              "--precision", "fp32", "--recompute", "none", "--points", "2",
-                              # clock changes at once: the tiny model's instructions last microseconds, and the
-                              # test follows a clock per instruction through DeepSpeed's schedule
-                              "--clock-latency-ms", "0", "--out", str(out[name])]) == 0
+        assert (
+            cli_main.main(
+                [
+                    "plan",
+                    "--framework",
+                    "deepspeed",
+                    "--model",
+                    str(ROOT / "examples" / "tiny-gpt.yaml"),
+                    "--gpu",
+                    "a100-sxm4-40gb",
+                    *SHAPE,
+                    "--seq",
+                    "16",
+                    "--microbatches",
+                    str(m),
+                    "--precision",
+                    "fp32",
+                    "--recompute",
+                    "none",
+                    "--points",
+                    "2",
+                    # clock changes at once: the tiny model's instructions last microseconds, and the
+                    # test follows a clock per instruction through DeepSpeed's schedule
+                    "--clock-latency-ms",
+                    "0",
+                    "--out",
+                    str(out[name]),
+                ]
+            )
+            == 0
+        )
     return out
 
 
@@ -73,28 +98,59 @@ def deepspeed_018() -> Path:
     """deepspeed 0.18.x in a directory of its own: `make install-test` puts it in .venv/alt (pip --target)."""
     alt = Path(sys.prefix) / "alt" / f"deepspeed-{DS_018}"
     assert (alt / "deepspeed" / "__init__.py").is_file(), (
-        f"{alt} is missing: `make install-test` installs deepspeed=={DS_018} there")
+        f"{alt} is missing: `make install-test` installs deepspeed=={DS_018} there"
+    )
     return alt
 
 
-def run_example(example: Path, out: Path, kareus_args: list[str],
-                pythonpath: Path | None = None) -> list[tuple[int, str]]:
+def run_example(
+    example: Path, out: Path, kareus_args: list[str], pythonpath: Path | None = None
+) -> list[tuple[int, str]]:
     """Start the example's 2 ranks under the launcher; (exit status, stdout+stderr) per rank."""
     out.mkdir(parents=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "KAREUS_"))}
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "KAREUS_GPU_BACKEND": "simulated",
-               "KAREUS_SIMULATED_LATENCY_MS": "1", "KAREUS_SIMULATED_LOG": str(out / f"clock-r{rank}.jsonl"),
-               "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::UserWarning"}
+        env = {
+            **base,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "KAREUS_GPU_BACKEND": "simulated",
+            "KAREUS_SIMULATED_LATENCY_MS": "1",
+            "KAREUS_SIMULATED_LOG": str(out / f"clock-r{rank}.jsonl"),
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore::UserWarning",
+        }
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [os.environ.get("PYTHONPATH")])])
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HERE / "ds_example_shim.py"), *kareus_args, "--",
-             "train.py", "--deepspeed_config=ds_config.json", "-p", "2", f"--steps={STEPS}", "--backend", "gloo"],
-            cwd=example, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "ds_example_shim.py"),
+                    *kareus_args,
+                    "--",
+                    "train.py",
+                    "--deepspeed_config=ds_config.json",
+                    "-p",
+                    "2",
+                    f"--steps={STEPS}",
+                    "--backend",
+                    "gloo",
+                ],
+                cwd=example,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     results = []
     for p in procs:
         try:
@@ -117,8 +173,12 @@ def test_example_runs_the_plan_on_every_rank(example, plans, tmp_path, request, 
     assert {i.nanobatches for s in plan.stages for i in s.instructions} == {1}  # what DeepSpeed runs
     assert any(len(set(plan.clock_sequence(r))) > 1 for r in range(2))
     log = tmp_path / "run" / "log"
-    ranks = run_example(example, tmp_path / "run", ["--kareus-plan", str(plans["example"]), "--kareus-point", point,
-                                                    "--kareus-log", str(log)], pythonpath)
+    ranks = run_example(
+        example,
+        tmp_path / "run",
+        ["--kareus-plan", str(plans["example"]), "--kareus-point", point, "--kareus-log", str(log)],
+        pythonpath,
+    )
     for rank, (rc, text) in enumerate(ranks):
         assert rc == 0, f"rank {rank}:\n{text[-4000:]}"
         assert f"ds-shim: deepspeed {version}" in text
@@ -134,8 +194,9 @@ def test_example_runs_the_plan_on_every_rank(example, plans, tmp_path, request, 
 
 
 def test_example_refuses_a_mismatched_plan_before_step_1(example, plans, tmp_path):
-    ranks = run_example(example, tmp_path / "run", ["--kareus-plan", str(plans["mismatch"]),
-                                                    "--kareus-point", "perseus-01"])
+    ranks = run_example(
+        example, tmp_path / "run", ["--kareus-plan", str(plans["mismatch"]), "--kareus-point", "perseus-01"]
+    )
     for rank, (rc, text) in enumerate(ranks):
         assert rc == 2, f"rank {rank}:\n{text[-4000:]}"
         (line,) = [x for x in text.splitlines() if x.startswith(f"{LAUNCHER}: error:")]

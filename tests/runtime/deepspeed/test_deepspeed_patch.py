@@ -37,16 +37,39 @@ CYCLE = (1410, 1200, 1200, 1005, 1305, 990, 1095, 1410, 1155)
 def ds_plan(method: str, clocks, m: int = M, *, time_s: float = 0.05, energy_j: float = 40.0) -> Plan:
     """A deepspeed-train plan for ds_worker's model; stage r's k-th instruction gets clocks(r, k)."""
     order = instruction_order("deepspeed-train", PP, m)
-    return Plan.model_validate({
-        "format": "kareus-plan/1", "method": method, "framework": "deepspeed", "gpu": "a100-sxm4-40gb",
-        "parallel": dict(tp=1, cp=1, pp=PP, vp=1, dp=1, micro_batch_size=ds_worker.MBS, seq_length=1,
-                         num_microbatches=m, layers_per_stage=(2, 2), nodes=1, gpus_per_node=2,
-                         schedule="deepspeed-train"),
-        "predicted": {"iteration_time_s": time_s, "iteration_energy_j": energy_j},
-        "stages": [{"pp_rank": r, "instructions": [
-            {"kind": k, "microbatch": mb, "sm_clock_mhz": clocks(r, i)} for i, (k, mb, _) in enumerate(order[r])]}
-            for r in range(PP)],
-    })
+    return Plan.model_validate(
+        {
+            "format": "kareus-plan/1",
+            "method": method,
+            "framework": "deepspeed",
+            "gpu": "a100-sxm4-40gb",
+            "parallel": dict(
+                tp=1,
+                cp=1,
+                pp=PP,
+                vp=1,
+                dp=1,
+                micro_batch_size=ds_worker.MBS,
+                seq_length=1,
+                num_microbatches=m,
+                layers_per_stage=(2, 2),
+                nodes=1,
+                gpus_per_node=2,
+                schedule="deepspeed-train",
+            ),
+            "predicted": {"iteration_time_s": time_s, "iteration_energy_j": energy_j},
+            "stages": [
+                {
+                    "pp_rank": r,
+                    "instructions": [
+                        {"kind": k, "microbatch": mb, "sm_clock_mhz": clocks(r, i)}
+                        for i, (k, mb, _) in enumerate(order[r])
+                    ],
+                }
+                for r in range(PP)
+            ],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +89,35 @@ def runs(tmp_path_factory):
     scenarios = [
         {"name": "reference", "mode": "reference"},
         {"name": "megatron-00", "mode": "measure", "log": str(logs / "megatron-00" / MEASUREMENT_FILE)},
-        {"name": "perseus-00", "mode": "plan", "plan": str(d / "perseus-00.json"),
-         "log": str(logs / "perseus-00" / MEASUREMENT_FILE), "controller": "thread"},
-        {"name": "kareus-00", "mode": "plan", "plan": str(d / "kareus-00.json"),
-         "log": str(logs / "kareus-00" / MEASUREMENT_FILE), "controller": "process"},
+        {
+            "name": "perseus-00",
+            "mode": "plan",
+            "plan": str(d / "perseus-00.json"),
+            "log": str(logs / "perseus-00" / MEASUREMENT_FILE),
+            "controller": "thread",
+        },
+        {
+            "name": "kareus-00",
+            "mode": "plan",
+            "plan": str(d / "kareus-00.json"),
+            "log": str(logs / "kareus-00" / MEASUREMENT_FILE),
+            "controller": "process",
+        },
         {"name": "mismatch", "mode": "plan", "plan": str(d / "mismatch.json"), "controller": "thread"},
-        {"name": "dualpipev", "mode": "plan", "plan": str(d / "kareus-00.json"), "controller": "thread",
-         "dualpipev": True},
+        {
+            "name": "dualpipev",
+            "mode": "plan",
+            "plan": str(d / "kareus-00.json"),
+            "controller": "thread",
+            "dualpipev": True,
+        },
     ]
     for sc in scenarios[1:4]:  # what `kareus launch` writes beside each run's log
         method = sc["name"].split("-")[0]
-        write_json_atomic(logs / sc["name"] / MANIFEST_FILE,
-                          {"format": RUN_FORMAT, "method": method, "point": 0, "plan": sc.get("plan")})
+        write_json_atomic(
+            logs / sc["name"] / MANIFEST_FILE,
+            {"format": RUN_FORMAT, "method": method, "point": 0, "plan": sc.get("plan")},
+        )
     spawn(ds_worker.worker, 2, str(d), scenarios)  # restores os.environ (the workers' setup changes it)
     results = dict(enumerate(read_ranks(d, "r{rank}.json", 2)))
     for r in range(2):
@@ -108,7 +148,7 @@ def test_microbatches_are_counted_per_step(runs):
         ev = results[rank]["kareus-00"]["events"]
         planned = [(i.kind, i.microbatch) for i in plans["kareus-00"].stages[rank].instructions]
         for step in range(ds_worker.STEPS):
-            mine = ev[step * 2 * M:(step + 1) * 2 * M]
+            mine = ev[step * 2 * M : (step + 1) * 2 * M]
             assert [e[0] for e in mine] == [step] * 2 * M
             assert [(e[2], e[3]) for e in mine] == planned
             assert [e[1] for e in mine] == list(range(2 * M))
@@ -208,9 +248,13 @@ def test_plan_mismatches_lists_every_problem():
     live = deepspeed_patch.LiveEngine(stages=3, stage_id=0, micro_batches=8, micro_batch_size=4, dp=2)
     problems = deepspeed_patch.plan_mismatches(plan, live, (1410, 1395), "a100-sxm4-80gb")
     assert [p.split(":")[0] for p in problems] == [
-        "pipeline stages", "micro-batches per step (gradient_accumulation_steps)",
-        "micro-batch size (train_micro_batch_size_per_gpu)", "data parallel size", "GPU",
-        "SM clocks 1417 MHz are not lockable on this GPU"]
+        "pipeline stages",
+        "micro-batches per step (gradient_accumulation_steps)",
+        "micro-batch size (train_micro_batch_size_per_gpu)",
+        "data parallel size",
+        "GPU",
+        "SM clocks 1417 MHz are not lockable on this GPU",
+    ]
     megatron_plan = plan.model_copy(update={"framework": "megatron"})
     live_ok = deepspeed_patch.LiveEngine(stages=2, stage_id=1, micro_batches=M, micro_batch_size=2, dp=1)
     assert deepspeed_patch.plan_mismatches(megatron_plan, live_ok)[0].startswith("framework: plan megatron")

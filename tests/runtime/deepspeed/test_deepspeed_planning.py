@@ -19,8 +19,30 @@ from kareus_megatron.search import options as opt
 from kareus_megatron.search.schedules import SCHEDULE_NANOBATCHES, overlap_blocker
 from kareus_megatron.vocab import SCHEDULES
 
-JOB = ["--model", "qwen3-1.7b", "--tp", "4", "--pp", "2", "--dp", "1", "--mbs", "4", "--seq", "2048",
-       "--microbatches", "4", "--nodes", "1", "--gpus-per-node", "8", "--points", "3", "--freqs", "1410,1200,1005"]
+JOB = [
+    "--model",
+    "qwen3-1.7b",
+    "--tp",
+    "4",
+    "--pp",
+    "2",
+    "--dp",
+    "1",
+    "--mbs",
+    "4",
+    "--seq",
+    "2048",
+    "--microbatches",
+    "4",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "8",
+    "--points",
+    "3",
+    "--freqs",
+    "1410,1200,1005",
+]
 
 
 def test_every_schedule_says_which_nanobatches_it_runs():
@@ -70,8 +92,9 @@ def test_nanobatch_perseus_for_deepspeed_is_one_line_exit_2(tmp_path, capsys):
     from kareus_megatron.cli import main as cli_main
 
     out = tmp_path / "p"
-    code = cli_main.main(["plan", "--framework", "deepspeed", "--methods", "nanobatch_perseus", *JOB,
-                          "--out", str(out)])
+    code = cli_main.main(
+        ["plan", "--framework", "deepspeed", "--methods", "nanobatch_perseus", *JOB, "--out", str(out)]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and not out.exists()
     assert "nanobatch_perseus" in err and "no nanobatch overlap engine" in err

@@ -33,8 +33,13 @@ def knobs_for(i: int, names: tuple[str, ...], sp: bool = False) -> dict[str, dic
     from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 
     slots = cp_sp_engine_slots() if sp else cp_engine_slots()
-    return {p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
-                "launch_slot": slots[p][i % len(slots[p])]} for k, p in enumerate(names)}
+    return {
+        p: {
+            "comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+            "launch_slot": slots[p][i % len(slots[p])],
+        }
+        for k, p in enumerate(names)
+    }
 
 
 def _setup(rank: int, world: int, port: int, tp: int) -> Any:
@@ -83,29 +88,54 @@ def _models(recompute: bool, tp: int, solo: Any, llama: bool = False, sp: bool =
 
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    extra: dict[str, Any] = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                             if recompute else {})
+    extra: dict[str, Any] = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    )
     spec_kw: dict[str, Any] = {}
     model_kw: dict[str, Any] = {}
     if llama:  # SwiGLU, RMSNorm, RoPE, GQA, no biases
         import torch.nn.functional as F
 
-        extra.update(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", num_query_groups=2,
-                     add_bias_linear=False, bias_activation_fusion=False)
+        extra.update(
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            num_query_groups=2,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+        )
         spec_kw = dict(normalization="RMSNorm")
         model_kw = dict(position_embedding_type="rope")
-    common = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-                  hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-                  pipeline_dtype=torch.float32, **extra)
+    common = dict(
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
     cp = ps.get_context_parallel_world_size()
     pgc = ProcessGroupCollection.use_mpu_process_groups()
     pgc.cp = solo  # the reference runs the whole sequence on every rank
     torch.manual_seed(1234)
-    ref = GPTModel(TransformerConfig(**common), get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB,
-                   max_sequence_length=SEQ, pg_collection=pgc, **model_kw)
-    part = GPTModel(TransformerConfig(context_parallel_size=cp, sequence_parallel=sp, **common),
-                    get_partitioned_gpt_layer_spec(**spec_kw),
-                    vocab_size=VOCAB, max_sequence_length=SEQ, **model_kw)
+    ref = GPTModel(
+        TransformerConfig(**common),
+        get_gpt_layer_local_spec(**spec_kw),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pg_collection=pgc,
+        **model_kw,
+    )
+    part = GPTModel(
+        TransformerConfig(context_parallel_size=cp, sequence_parallel=sp, **common),
+        get_partitioned_gpt_layer_spec(**spec_kw),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        **model_kw,
+    )
     part.load_state_dict(ref.state_dict())
     return ref, part
 
@@ -123,8 +153,9 @@ def _cp_batch(batch, with_mask: bool = True):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     tokens, pos, mask = batch
-    out = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": pos,
-                                     "attention_mask": mask if with_mask else None})
+    out = get_batch_on_this_cp_rank(
+        {"tokens": tokens, "position_ids": pos, "attention_mask": mask if with_mask else None}
+    )
     return out["tokens"], out["position_ids"], out["attention_mask"]
 
 
@@ -149,7 +180,7 @@ def _sum_cp(grads: dict[str, torch.Tensor], scale: float = 1.0, model: Any = Non
     parallelism's partial norm and row-bias grads) over the TP group."""
     from megatron.core import parallel_state as ps
 
-    for k, p in (model.named_parameters() if model is not None else ()):
+    for k, p in model.named_parameters() if model is not None else ():
         if getattr(p, "sequence_parallel", False) and k in grads:
             dist.all_reduce(grads[k], group=ps.get_tensor_model_parallel_group())
     for g in grads.values():
@@ -182,12 +213,18 @@ def _fwd_bwd(model, batch, cp_layout: bool, with_mask: bool = True, before_fwd=N
 def _compare(ref_out, part_out) -> dict[str, Any]:
     (l0, g0), (l1, g1) = ref_out, part_out
     grads = {k: _rel_diff(g1[k], g0[k]) for k in g0}
-    return {"out": _rel_diff(l1, l0), "grads": max(grads.values()), "n_grads": len(grads),
-            "grad_norm": float(sum(float(g.norm()) for g in g0.values())), "worst_grad": max(grads, key=grads.get)}
+    return {
+        "out": _rel_diff(l1, l0),
+        "grads": max(grads.values()),
+        "n_grads": len(grads),
+        "grad_norm": float(sum(float(g.norm()) for g in g0.values())),
+        "worst_grad": max(grads, key=grads.get),
+    }
 
 
-def _layer_case(ref, part, n: int, i: int, with_mask: bool, names: tuple[tuple[str, ...], tuple[str, ...]],
-                sp: bool = False) -> dict[str, Any]:
+def _layer_case(
+    ref, part, n: int, i: int, with_mask: bool, names: tuple[tuple[str, ...], tuple[str, ...]], sp: bool = False
+) -> dict[str, Any]:
     """One layer scenario: `n` nanobatches, forward knobs at slot i and backward ones at slot i + 1 of the
     partitions `names` (forward, backward); the comparison, the trace and the knobs."""
     from kareus_megatron.plan.schema import Instruction
@@ -203,7 +240,10 @@ def _layer_case(ref, part, n: int, i: int, with_mask: bool, names: tuple[tuple[s
     batch = _batch(i)
     base = _fwd_bwd(ref, batch, cp_layout=False)
     got = _fwd_bwd(
-        part, batch, cp_layout=True, with_mask=with_mask,
+        part,
+        batch,
+        cp_layout=True,
+        with_mask=with_mask,
         before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
         before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
     )
@@ -221,7 +261,7 @@ def _layer_scenarios(res: dict[str, Any], tp: int, solo: Any, short: bool) -> No
         ref, part = _models(recompute, tp, solo, llama=llama)
         for n in (1, 2):
             for i in range(1 if n == 1 else (2 if short else n_slots)):
-                for with_mask in ((True,) if i else (True, False)):
+                for with_mask in (True,) if i else (True, False):
                     name = f"layer.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}.m{int(with_mask)}"
                     res[name] = _layer_case(ref, part, n, i, with_mask, (CP_FWD, CP_BWD))
     if short:
@@ -257,7 +297,7 @@ def _sp_scenarios(res: dict[str, Any], tp: int, solo: Any) -> None:
         ref, part = _models(recompute, tp, solo, llama=llama, sp=True)
         for n in (1, 2):
             for i in range(1 if n == 1 else (n_slots if llama else 1)):
-                for with_mask in ((True,) if i or n == 2 else (True, False)):
+                for with_mask in (True,) if i or n == 2 else (True, False):
                     name = f"layer_sp.{'llama.' if llama else ''}rc{int(recompute)}.nb{n}.s{i}.m{int(with_mask)}"
                     res[name] = _layer_case(ref, part, n, i, with_mask, (CPSP_FWD, CPSP_BWD), sp=True)
 
@@ -268,15 +308,43 @@ def _plan(m: int, recompute: bool, tp: int, cp: int, sp: bool = False):
     instrs = []
     for kind, mb in _order(1, 0, m):
         names = (CPSP_FWD if sp else CP_FWD) if kind == "forward" else (CPSP_BWD if sp else CP_BWD)
-        instrs.append(Instruction(kind=kind, microbatch=mb, sm_clock_mhz=1410, nanobatches=2,
-                                  partitions=knobs_for(mb + (2 if kind == "backward" else 0), names, sp)))
+        instrs.append(
+            Instruction(
+                kind=kind,
+                microbatch=mb,
+                sm_clock_mhz=1410,
+                nanobatches=2,
+                partitions=knobs_for(mb + (2 if kind == "backward" else 0), names, sp),
+            )
+        )
     return Plan(
-        format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
-        model=ModelShape(name="tiny", num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
-        parallel=ParallelLayout(tp=tp, cp=cp, pp=1, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
-                                num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(2,), nodes=1, gpus_per_node=tp * cp, sequence_parallel=sp),
+        format="kareus-plan/1",
+        method="kareus",
+        gpu="a100-sxm4-40gb",
+        model=ModelShape(
+            name="tiny",
+            num_layers=2,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_query_groups=HEADS,
+            ffn_hidden_size=4 * HIDDEN,
+            vocab_size=VOCAB,
+        ),
+        parallel=ParallelLayout(
+            tp=tp,
+            cp=cp,
+            pp=1,
+            vp=1,
+            dp=1,
+            micro_batch_size=MBS,
+            seq_length=SEQ,
+            num_microbatches=m,
+            recompute="full" if recompute else "none",
+            layers_per_stage=(2,),
+            nodes=1,
+            gpus_per_node=tp * cp,
+            sequence_parallel=sp,
+        ),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
         stages=(StagePlan(pp_rank=0, instructions=tuple(instrs)),),
     )
@@ -301,9 +369,14 @@ def _train(model, m: int, iters: int, cp_layout: bool):
             return out, lambda o: (o.float().mean() / div, {"loss": o.float().mean().detach()})
 
         opt.zero_grad(set_to_none=True)
-        out = get_forward_backward_func()(forward_step_func=step, data_iterator=batches, model=model,
-                                          num_microbatches=m, seq_length=SEQ,  # megatron divides by CP itself
-                                          micro_batch_size=MBS)
+        out = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=batches,
+            model=model,
+            num_microbatches=m,
+            seq_length=SEQ,  # megatron divides by CP itself
+            micro_batch_size=MBS,
+        )
         grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
         step_losses = torch.tensor([float(d["loss"]) for d in out])
         if cp_layout:  # equal token counts per rank: the mean over CP ranks is the whole sequence's mean
@@ -316,8 +389,9 @@ def _train(model, m: int, iters: int, cp_layout: bool):
     return losses, grads
 
 
-def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recomputes=(False, True),
-                    sp: bool = False) -> None:
+def _training_steps(
+    res: dict[str, Any], tp: int, solo: Any, m: int = 2, recomputes=(False, True), sp: bool = False
+) -> None:
     from megatron.core import parallel_state as ps
 
     from kareus_megatron.runtime.frameworks import megatron_patch
@@ -338,8 +412,12 @@ def _training_steps(res: dict[str, Any], tp: int, solo: Any, m: int = 2, recompu
             set_engine(None)
         diffs = {k: _rel_diff(got_grads[k], base_grads[k]) for k in base_grads}
         res[f"{'sp.' if sp else ''}train.rc{int(recompute)}"] = {
-            "losses_ref": base, "losses_part": got, "events": engine.tracer.events, "grads": max(diffs.values()),
-            "n_grads": len(diffs), "instructions_seen": engine.state.instructions_seen,
+            "losses_ref": base,
+            "losses_part": got,
+            "events": engine.tracer.events,
+            "grads": max(diffs.values()),
+            "n_grads": len(diffs),
+            "instructions_seen": engine.state.instructions_seen,
         }
 
 

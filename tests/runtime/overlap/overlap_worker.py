@@ -22,8 +22,10 @@ SLOT_SCENARIOS = 5  # max slots per partition: scenario i uses slot i mod len(sl
 def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Plan knobs with every partition at slot i (mod its slot count) and a distinct comm SM count."""
     return {
-        p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
-            "launch_slot": TP_PARTITION_SLOTS[p][i % len(TP_PARTITION_SLOTS[p])]}
+        p: {
+            "comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+            "launch_slot": TP_PARTITION_SLOTS[p][i % len(TP_PARTITION_SLOTS[p])],
+        }
         for k, p in enumerate(names)
     }
 
@@ -51,30 +53,50 @@ def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = Fal
 
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    extra = dict(recompute_granularity="full", recompute_method="uniform",
-                 recompute_num_layers=recompute_num_layers) if recompute else {}
+    extra = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+        if recompute
+        else {}
+    )
     spec_kw: dict[str, Any] = {}
     model_kw: dict[str, Any] = {}
     if llama:  # SwiGLU, RMSNorm, RoPE, GQA, QK-norm, no biases (Llama/Qwen3-like)
         import torch.nn.functional as F
 
-        extra.update(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", num_query_groups=2,
-                     qk_layernorm=True, add_bias_linear=False, bias_activation_fusion=False)
+        extra.update(
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            num_query_groups=2,
+            qk_layernorm=True,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+        )
         spec_kw = dict(normalization="RMSNorm", qk_layernorm=True)
         model_kw = dict(position_embedding_type="rope")
     cfg = TransformerConfig(
-        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
-        pipeline_model_parallel_size=pp, deallocate_pipeline_outputs=pp > 1, **extra,
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        deallocate_pipeline_outputs=pp > 1,
+        **extra,
     )
     from megatron.core import parallel_state as ps
 
     stage = dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     torch.manual_seed(1234)
-    ref = GPTModel(cfg, get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ,
-                   **stage, **model_kw)
-    part = GPTModel(cfg, get_partitioned_gpt_layer_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ,
-                    **stage, **model_kw)
+    ref = GPTModel(
+        cfg, get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ, **stage, **model_kw
+    )
+    part = GPTModel(
+        cfg, get_partitioned_gpt_layer_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ, **stage, **model_kw
+    )
     part.load_state_dict(ref.state_dict())
     return ref, part
 
@@ -149,9 +171,12 @@ def planned_step(ref, part, batch, mb: int, fk: dict, bk: dict, nanobatches: int
 
     Prefetched.check = recorded
     try:
-        got = _fwd_bwd(part, batch,
-                       before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                       before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)))
+        got = _fwd_bwd(
+            part,
+            batch,
+            before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+            before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
+        )
     finally:
         Prefetched.check = check
     engine.uninstall_listener()
@@ -170,8 +195,13 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
                 fk = knobs_for(i, fwd_names) if n == 2 else {}
                 bk = knobs_for(i + 1, bwd_names) if n == 2 else {}  # recompute gets other slots than forward
                 cmp, engine = planned_step(ref, part, _batch(i), i, fk, bk, n)
-                res[name] = {**cmp, "events": engine.tracer.events,
-                             "knobs": {"0": fk, "1": bk}, "nanobatches": n, "recompute": recompute}
+                res[name] = {
+                    **cmp,
+                    "events": engine.tracer.events,
+                    "knobs": {"0": fk, "1": bk},
+                    "nanobatches": n,
+                    "recompute": recompute,
+                }
 
 
 def _cross_layer_scenarios(res: dict[str, Any]) -> None:
@@ -190,9 +220,15 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
             fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
             batch = _batch(20 + i)
             cmp, engine = planned_step(ref, part, batch, i, fk, bk, 2, cross_layer=True)
-            res[name] = {**cmp, "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
-                         "nanobatches": 2, "recompute": recompute, "group": group,
-                         "carry_left": engine.carry is not None}
+            res[name] = {
+                **cmp,
+                "events": engine.tracer.events,
+                "knobs": {"0": fk, "1": bk},
+                "nanobatches": 2,
+                "recompute": recompute,
+                "group": group,
+                "carry_left": engine.carry is not None,
+            }
         if (recompute, group) == (False, 3):  # negative control: the carried half never written into the output
             from kareus_megatron.runtime.overlap import cross_layer
 
@@ -248,10 +284,17 @@ def _refusals(res: dict[str, Any]) -> None:
     from kareus_megatron.errors import InfeasibleConfigError
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    base = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-                tensor_model_parallel_size=2)
-    for tag, extra in (("selective", dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])),
-                       ("selective_core_attn", dict(recompute_granularity="selective"))):  # SP runs: test_overlap_sp.py
+    base = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=2,
+    )
+    for tag, extra in (
+        ("selective", dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])),
+        ("selective_core_attn", dict(recompute_granularity="selective")),
+    ):  # SP runs: test_overlap_sp.py
         try:
             build_module(get_partitioned_gpt_layer_spec(), config=TransformerConfig(**base, **extra), layer_number=1)
             res[f"refuse.{tag}"] = None
@@ -272,9 +315,9 @@ def _ddp_scenarios(res: dict[str, Any]) -> None:
         out = []
         for model in _models(recompute):
             cfg = model.config
-            ddp = DistributedDataParallel(cfg,
-                                          DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10_000),
-                                          model)
+            ddp = DistributedDataParallel(
+                cfg, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10_000), model
+            )
             cfg.no_sync_func, cfg.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
             ddp.zero_grad_buffer()
             batches = iter([_batch(50 + k) for k in range(m)])
@@ -284,14 +327,22 @@ def _ddp_scenarios(res: dict[str, Any]) -> None:
                 o = mdl(tokens, pos, mask, labels=tokens)
                 return o, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
-            losses = get_forward_backward_func()(forward_step_func=step, data_iterator=batches, model=ddp,
-                                                 num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-            out.append(({k: p.main_grad.clone() for k, p in model.named_parameters()},
-                        [float(d["loss"]) for d in losses]))
+            losses = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=batches,
+                model=ddp,
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+            )
+            out.append(
+                ({k: p.main_grad.clone() for k, p in model.named_parameters()}, [float(d["loss"]) for d in losses])
+            )
             cfg.no_sync_func = cfg.finalize_model_grads_func = None
         (g0, l0), (g1, l1) = out
         res[f"ddp.rc{int(recompute)}"] = {
-            "losses": [l0, l1], "grads": max(_rel_diff(g1[k], g0[k]) for k in g0),
+            "losses": [l0, l1],
+            "grads": max(_rel_diff(g1[k], g0[k]) for k in g0),
             "grad_norm": float(sum(float(g.norm()) for g in g0.values())),
         }
     set_engine(None)
@@ -334,18 +385,46 @@ def _plan(m: int, recompute: bool, pp: int = 1, num_layers: int = 2, cross_layer
         instrs = []
         for kind, mb in _order(pp, r, m):
             names = ("fwd_attn", "fwd_mlp") if kind == "forward" else ("fwd_attn", "fwd_mlp", "bwd_mlp", "bwd_attn")
-            instrs.append(Instruction(kind=kind, microbatch=mb, sm_clock_mhz=1410, nanobatches=2,
-                                      partitions=knobs_for(mb + r + (2 if kind == "backward" else 0), names)))
+            instrs.append(
+                Instruction(
+                    kind=kind,
+                    microbatch=mb,
+                    sm_clock_mhz=1410,
+                    nanobatches=2,
+                    partitions=knobs_for(mb + r + (2 if kind == "backward" else 0), names),
+                )
+            )
         stages.append(StagePlan(pp_rank=r, instructions=tuple(instrs)))
     return Plan(
-        format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
-        model=ModelShape(name="tiny", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
-        parallel=ParallelLayout(tp=2, cp=1, pp=pp, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
-                                num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(num_layers // pp,) * pp, nodes=1, gpus_per_node=2 * pp),
+        format="kareus-plan/1",
+        method="kareus",
+        gpu="a100-sxm4-40gb",
+        model=ModelShape(
+            name="tiny",
+            num_layers=num_layers,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_query_groups=HEADS,
+            ffn_hidden_size=4 * HIDDEN,
+            vocab_size=VOCAB,
+        ),
+        parallel=ParallelLayout(
+            tp=2,
+            cp=1,
+            pp=pp,
+            vp=1,
+            dp=1,
+            micro_batch_size=MBS,
+            seq_length=SEQ,
+            num_microbatches=m,
+            recompute="full" if recompute else "none",
+            layers_per_stage=(num_layers // pp,) * pp,
+            nodes=1,
+            gpus_per_node=2 * pp,
+        ),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
-        stages=tuple(stages), cross_layer=True if cross_layer else None,
+        stages=tuple(stages),
+        cross_layer=True if cross_layer else None,
     )
 
 
@@ -364,16 +443,23 @@ def _train(model, m: int, iters: int) -> tuple[list[list[float]], dict[str, torc
             return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
         opt.zero_grad(set_to_none=True)
-        out = get_forward_backward_func()(forward_step_func=step, data_iterator=batches, model=model,
-                                          num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        out = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=batches,
+            model=model,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
         grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         losses.append([float(d["loss"]) for d in out])
     return losses, grads
 
 
-def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, recomputes=(False, True),
-                    cross_layer: bool = False) -> None:
+def _training_steps(
+    res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, recomputes=(False, True), cross_layer: bool = False
+) -> None:
     """Real megatron-core schedule + runtime patch + plan: losses and grads vs the standard layer (`cross_layer`:
     a cross-layer plan on 3 layers, 2 per stage with PP, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
@@ -407,13 +493,19 @@ def _training_steps(res: dict[str, Any], outdir: str, pp: int = 1, m: int = 2, r
         tag = f"train.{'cross.' if cross_layer else ''}pp{pp}.rc{int(recompute)}"
         engine.dump_trace(os.path.join(outdir, f"{tag}.trace.rank{dist.get_rank()}.json"), scenario=tag)
         res[tag] = {
-            "losses_ref": base, "losses_part": got, "events": engine.tracer.events, "pp_rank": rank,
-            "grads": max(diffs.values()), "n_grads": len(diffs),
+            "losses_ref": base,
+            "losses_part": got,
+            "events": engine.tracer.events,
+            "pp_rank": rank,
+            "grads": max(diffs.values()),
+            "n_grads": len(diffs),
             "grad_keys_equal": sorted(base_grads) == sorted(got_grads),
-            "plan_knobs": [{k: v.model_dump() for k, v in i.partitions.items()}
-                           for i in plan.stages[rank].instructions],
+            "plan_knobs": [
+                {k: v.model_dump() for k, v in i.partitions.items()} for i in plan.stages[rank].instructions
+            ],
             "instructions_seen": engine.state.instructions_seen,
-            "standard_model_refused": refused, "partitioned_layers": partitioned,
+            "standard_model_refused": refused,
+            "partitioned_layers": partitioned,
             "linked": sum(bool(getattr(mod, "feeds_next", False)) for mod in part.modules()),
         }
 
@@ -446,8 +538,14 @@ def _runtime_install(res: dict[str, Any]) -> None:
         refused = str(e)
     finally:
         kareus.uninstall()
-    res["runtime_install"] = {"losses_ref": base, "losses_part": got, "instructions_seen": seen,
-                              "listening": listening, "released": released, "refused": refused}
+    res["runtime_install"] = {
+        "losses_ref": base,
+        "losses_part": got,
+        "instructions_seen": seen,
+        "listening": listening,
+        "released": released,
+        "refused": refused,
+    }
 
 
 def worker(rank: int, world: int, port: int, outdir: str) -> None:
@@ -484,37 +582,69 @@ def _interleaved(res: dict[str, Any]) -> None:
     )
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                 virtual_pipeline_model_parallel_size=2)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
     cfg = TransformerConfig(
-        num_layers=4, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-        virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=False,
+        num_layers=4,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        batch_p2p_comm=False,
     )
 
     def chunks(spec):
         torch.manual_seed(99)
-        return [GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, vp_stage=c,
-                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c)) for c in range(2)]
+        return [
+            GPTModel(
+                cfg,
+                spec,
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                vp_stage=c,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c),
+            )
+            for c in range(2)
+        ]
 
     m, out = 4, []
     knobs = {p: Knobs(4, TP_PARTITION_SLOTS[p][-1]) for p in TP_PARTITION_SLOTS}
     engine = setup_overlap(trace=True, settings=LayerSettings(nanobatches=2, knobs=knobs))
     for model in (chunks(get_gpt_layer_local_spec()), chunks(get_partitioned_gpt_layer_spec())):
+
         def step(data_iter, mdl):
             tokens, pos, mask = next(data_iter)
             o = mdl(tokens, pos, mask, labels=tokens)
             return o, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
         losses = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=[iter([_batch(200 + k) for k in range(m)]) for _ in range(2)],
-            model=model, num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
-        out.append(([float(d["loss"]) for d in losses],
-                    {f"{c}.{k}": p.grad.clone() for c, ch in enumerate(model) for k, p in ch.named_parameters()}))
+            forward_step_func=step,
+            data_iterator=[iter([_batch(200 + k) for k in range(m)]) for _ in range(2)],
+            model=model,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
+        out.append(
+            (
+                [float(d["loss"]) for d in losses],
+                {f"{c}.{k}": p.grad.clone() for c, ch in enumerate(model) for k, p in ch.named_parameters()},
+            )
+        )
     (l0, g0), (l1, g1) = out
-    res["train.vp2"] = {"losses": [l0, l1], "grads": max(_rel_diff(g1[k], g0[k]) for k in g0), "n_grads": len(g0),
-                        "events": engine.tracer.events}
+    res["train.vp2"] = {
+        "losses": [l0, l1],
+        "grads": max(_rel_diff(g1[k], g0[k]) for k in g0),
+        "n_grads": len(g0),
+        "events": engine.tracer.events,
+    }
     set_engine(None)
 
 

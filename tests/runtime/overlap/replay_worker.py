@@ -38,9 +38,19 @@ def planner_model() -> Any:
     """The workload ModelSpec of the tiny GPT the workers build (megatron-core defaults: GELU, LayerNorm)."""
     from kareus_megatron.workload.models import ModelSpec
 
-    return ModelSpec(name="tiny-gpt", num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                     num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB, activation="gelu",
-                     norm="layernorm", position="learned", bias_linear=True)
+    return ModelSpec(
+        name="tiny-gpt",
+        num_layers=2,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=HEADS,
+        ffn_hidden_size=4 * HIDDEN,
+        vocab_size=VOCAB,
+        activation="gelu",
+        norm="layernorm",
+        position="learned",
+        bias_linear=True,
+    )
 
 
 def planner_layout(name: str, recompute: str) -> Any:
@@ -48,8 +58,16 @@ def planner_layout(name: str, recompute: str) -> Any:
     from kareus_megatron.workload.parallel import make_parallel
 
     lay = layout_of(name)
-    return make_parallel(planner_model(), tp=lay["tp"], cp=lay["cp"], sequence_parallel=lay["sp"],
-                         micro_batch_size=MBS, seq_length=SEQ, recompute=recompute, precision="fp32")
+    return make_parallel(
+        planner_model(),
+        tp=lay["tp"],
+        cp=lay["cp"],
+        sequence_parallel=lay["sp"],
+        micro_batch_size=MBS,
+        seq_length=SEQ,
+        recompute=recompute,
+        precision="fp32",
+    )
 
 
 def _knobs(name: str, recompute: str, kind: str, i: int) -> dict[str, dict[str, Any]]:
@@ -64,8 +82,10 @@ def _knobs(name: str, recompute: str, kind: str, i: int) -> dict[str, dict[str, 
     if kind == "backward" and recompute == "full":  # the recompute pass runs the forward partitions
         names = [p for p in slots if p.startswith("fwd_")] + names
     assert len(names) <= MAX_COMM_SM_VALUES  # distinct counts within the instruction, within the budget per group
-    return {p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES, "launch_slot": slots[p][i % len(slots[p])]}
-            for k, p in enumerate(names)}
+    return {
+        p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES, "launch_slot": slots[p][i % len(slots[p])]}
+        for k, p in enumerate(names)
+    }
 
 
 def _plan(name: str, recompute: str, order: list[tuple[str, int, int]], i: int) -> Any:
@@ -74,18 +94,44 @@ def _plan(name: str, recompute: str, order: list[tuple[str, int, int]], i: int) 
 
     lay = layout_of(name)
     instrs = tuple(
-        Instruction(kind=kind, microbatch=mb, sm_clock_mhz=1410, nanobatches=nb,
-                    partitions=_knobs(name, recompute, kind, i + k) if nb > 1 else {})
+        Instruction(
+            kind=kind,
+            microbatch=mb,
+            sm_clock_mhz=1410,
+            nanobatches=nb,
+            partitions=_knobs(name, recompute, kind, i + k) if nb > 1 else {},
+        )
         for k, (kind, mb, nb) in enumerate(order)
     )
     return Plan(
-        format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb", cross_layer=lay["cross_layer"],
-        model=ModelShape(name="tiny", num_layers=lay["layers"], hidden_size=HIDDEN, num_attention_heads=HEADS,
-                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
-        parallel=ParallelLayout(tp=lay["tp"], cp=lay["cp"], pp=1, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
-                                num_microbatches=len(order) // 2, recompute=recompute,
-                                layers_per_stage=(lay["layers"],), nodes=1, gpus_per_node=lay["tp"] * lay["cp"],
-                                sequence_parallel=lay["sp"]),
+        format="kareus-plan/1",
+        method="kareus",
+        gpu="a100-sxm4-40gb",
+        cross_layer=lay["cross_layer"],
+        model=ModelShape(
+            name="tiny",
+            num_layers=lay["layers"],
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_query_groups=HEADS,
+            ffn_hidden_size=4 * HIDDEN,
+            vocab_size=VOCAB,
+        ),
+        parallel=ParallelLayout(
+            tp=lay["tp"],
+            cp=lay["cp"],
+            pp=1,
+            vp=1,
+            dp=1,
+            micro_batch_size=MBS,
+            seq_length=SEQ,
+            num_microbatches=len(order) // 2,
+            recompute=recompute,
+            layers_per_stage=(lay["layers"],),
+            nodes=1,
+            gpus_per_node=lay["tp"] * lay["cp"],
+            sequence_parallel=lay["sp"],
+        ),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
         stages=(StagePlan(pp_rank=0, instructions=instrs),),
     )
@@ -106,9 +152,17 @@ def _models(name: str, recompute: str, solo: Any):
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=lay["layers"])
     elif recompute == "selective":
         extra = dict(recompute_granularity="selective")
-    common = dict(num_layers=lay["layers"], hidden_size=HIDDEN, num_attention_heads=HEADS,
-                  use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                  tensor_model_parallel_size=lay["tp"], pipeline_dtype=torch.float32, **extra)
+    common = dict(
+        num_layers=lay["layers"],
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=lay["tp"],
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
     ref_kw: dict[str, Any] = {}
     if lay["cp"] > 1:
         pgc = ProcessGroupCollection.use_mpu_process_groups()
@@ -118,8 +172,12 @@ def _models(name: str, recompute: str, solo: Any):
         ref_cfg = TransformerConfig(sequence_parallel=lay["sp"], **common)
     torch.manual_seed(1234)
     ref = GPTModel(ref_cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ, **ref_kw)
-    part = GPTModel(TransformerConfig(context_parallel_size=lay["cp"], sequence_parallel=lay["sp"], **common),
-                    get_partitioned_gpt_layer_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
+    part = GPTModel(
+        TransformerConfig(context_parallel_size=lay["cp"], sequence_parallel=lay["sp"], **common),
+        get_partitioned_gpt_layer_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
     part.load_state_dict(ref.state_dict())
     if lay["cross_layer"]:
         from kareus_megatron.runtime.overlap.layer import link_layers
@@ -139,14 +197,22 @@ def _case(name: str, recompute: str, pair: tuple[int, int], i: int, ref: Any, pa
     batch = _batch(40 + i)
     base = _fwd_bwd(ref, batch, cp_layout=False)
     try:
-        got = _fwd_bwd(part, batch, cp_layout=layout_of(name)["cp"] > 1,
-                       before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
-                       before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)))
+        got = _fwd_bwd(
+            part,
+            batch,
+            cp_layout=layout_of(name)["cp"] > 1,
+            before_fwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 0, 0, fwd)),
+            before_bwd=lambda: hooks.notify_instruction(hooks.InstructionEvent(0, 1, 0, bwd)),
+        )
     finally:
         set_engine(None)
     events = engine.tracer.events
-    return {**_compare(base, got), "collectives": traced_collectives(events),
-            "violations": overlap_violations(events), "carry_left": engine.carry is not None}
+    return {
+        **_compare(base, got),
+        "collectives": traced_collectives(events),
+        "violations": overlap_violations(events),
+        "carry_left": engine.carry is not None,
+    }
 
 
 TRAIN_PAIRS = ((2, 1), (1, 2))  # microbatch 0 runs a 2-nanobatch forward and a 1-nanobatch backward, 1 the reverse
@@ -176,14 +242,20 @@ def _training(name: str, recompute: str, solo: Any) -> dict[str, Any]:
     from overlap_worker import _rel_diff
 
     events = engine.tracer.events
-    return {"losses_ref": base, "losses_part": got, "order": order,
-            "grads": max(_rel_diff(got_grads[k], base_grads[k]) for k in base_grads),
-            "collectives": traced_collectives(events), "violations": overlap_violations(events),
-            "instructions_seen": engine.state.instructions_seen}
+    return {
+        "losses_ref": base,
+        "losses_part": got,
+        "order": order,
+        "grads": max(_rel_diff(got_grads[k], base_grads[k]) for k in base_grads),
+        "collectives": traced_collectives(events),
+        "violations": overlap_violations(events),
+        "instructions_seen": engine.state.instructions_seen,
+    }
 
 
-def worker(rank: int, world: int, port: int, outdir: str, tp: int, layouts: tuple[str, ...],
-           train: tuple[str, ...] = ()) -> None:
+def worker(
+    rank: int, world: int, port: int, outdir: str, tp: int, layouts: tuple[str, ...], train: tuple[str, ...] = ()
+) -> None:
     """CP = world / tp; every scenario of `layouts` (module docstring), and training steps for the layouts `train`."""
     solo = _setup(rank, world, port, tp)
     if tp == 1:  # the CP spawn runs without torch's private coalescing manager: the engine's fallback (steps.py)

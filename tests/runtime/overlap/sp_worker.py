@@ -39,8 +39,10 @@ SLOT_SCENARIOS = max(len(s) for s in SP_PARTITION_SLOTS.values())  # scenario i:
 def knobs_for(i: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Plan knobs with every SP partition at slot i (mod its slot count) and a distinct comm SM count."""
     return {
-        p: {"comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
-            "launch_slot": SP_PARTITION_SLOTS[p][i % len(SP_PARTITION_SLOTS[p])]}
+        p: {
+            "comm_sms": 2 + (k + i) % MAX_COMM_SM_VALUES,  # within the comm-SM budget across a plan
+            "launch_slot": SP_PARTITION_SLOTS[p][i % len(SP_PARTITION_SLOTS[p])],
+        }
         for k, p in enumerate(names)
     }
 
@@ -75,28 +77,48 @@ def _models(recompute: bool, num_layers: int = 2, pp: int = 1, llama: bool = Fal
 
     from kareus_megatron.runtime.overlap import get_partitioned_gpt_layer_spec
 
-    extra: dict[str, Any] = (dict(recompute_granularity="full", recompute_method="uniform",
-                                  recompute_num_layers=recompute_num_layers) if recompute else {})
+    extra: dict[str, Any] = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+        if recompute
+        else {}
+    )
     spec_kw: dict[str, Any] = {}
     model_kw: dict[str, Any] = {}
     if llama:  # SwiGLU, RMSNorm, RoPE, GQA, no biases
         import torch.nn.functional as F
 
-        extra.update(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", num_query_groups=2,
-                     add_bias_linear=False, bias_activation_fusion=False)
+        extra.update(
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            num_query_groups=2,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+        )
         spec_kw = dict(normalization="RMSNorm")
         model_kw = dict(position_embedding_type="rope")
     cfg = TransformerConfig(
-        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2, sequence_parallel=True,
-        pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp, deallocate_pipeline_outputs=pp > 1, **extra,
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp,
+        deallocate_pipeline_outputs=pp > 1,
+        **extra,
     )
     stage = dict(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     torch.manual_seed(1234)
-    ref = GPTModel(cfg, get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ,
-                   **stage, **model_kw)
-    part = GPTModel(cfg, get_partitioned_gpt_layer_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ,
-                    **stage, **model_kw)
+    ref = GPTModel(
+        cfg, get_gpt_layer_local_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ, **stage, **model_kw
+    )
+    part = GPTModel(
+        cfg, get_partitioned_gpt_layer_spec(**spec_kw), vocab_size=VOCAB, max_sequence_length=SEQ, **stage, **model_kw
+    )
     part.load_state_dict(ref.state_dict())
     return ref, part
 
@@ -114,8 +136,13 @@ def _layer_scenarios(res: dict[str, Any]) -> None:
                 fk = knobs_for(i, fwd_names) if n == 2 else {}
                 bk = knobs_for(i + 1, bwd_names) if n == 2 else {}  # recompute gets other slots than forward
                 cmp, engine = planned_step(ref, part, _batch(i), i, fk, bk, n)
-                res[name] = {**cmp, "events": engine.tracer.events,
-                             "knobs": {"0": fk, "1": bk}, "nanobatches": n, "recompute": recompute}
+                res[name] = {
+                    **cmp,
+                    "events": engine.tracer.events,
+                    "knobs": {"0": fk, "1": bk},
+                    "nanobatches": n,
+                    "recompute": recompute,
+                }
     # negative control: an engine whose reduce-scatter does nothing must not match
     from kareus_megatron.runtime.overlap import LayerSettings
 
@@ -150,8 +177,12 @@ def _cross_layer_scenarios(res: dict[str, Any]) -> None:
             fk, bk = knobs_for(i, fwd_names), knobs_for(i + 1, bwd_names)
             cmp, engine = planned_step(ref, part, _batch(30 + i), i, fk, bk, 2, cross_layer=True)
             res[f"cross.rc{int(recompute)}.s{i}"] = {
-                **cmp, "events": engine.tracer.events, "knobs": {"0": fk, "1": bk},
-                "recompute": recompute, "carry_left": engine.carry is not None}
+                **cmp,
+                "events": engine.tracer.events,
+                "knobs": {"0": fk, "1": bk},
+                "recompute": recompute,
+                "carry_left": engine.carry is not None,
+            }
 
 
 def _plan(m: int, recompute: bool, pp: int = 1, num_layers: int = 2, cross_layer: bool = False):
@@ -162,24 +193,53 @@ def _plan(m: int, recompute: bool, pp: int = 1, num_layers: int = 2, cross_layer
         instrs = []
         for kind, mb in _order(pp, r, m):
             names = SP_FORWARD_PARTITIONS if kind == "forward" else (*SP_FORWARD_PARTITIONS, *SP_BACKWARD_PARTITIONS)
-            instrs.append(Instruction(kind=kind, microbatch=mb, sm_clock_mhz=1410, nanobatches=2,
-                                      partitions=knobs_for(mb + r + (2 if kind == "backward" else 0), names)))
+            instrs.append(
+                Instruction(
+                    kind=kind,
+                    microbatch=mb,
+                    sm_clock_mhz=1410,
+                    nanobatches=2,
+                    partitions=knobs_for(mb + r + (2 if kind == "backward" else 0), names),
+                )
+            )
         stages.append(StagePlan(pp_rank=r, instructions=tuple(instrs)))
     return Plan(
-        format="kareus-plan/1", method="kareus", gpu="a100-sxm4-40gb",
-        model=ModelShape(name="tiny", num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                         num_query_groups=HEADS, ffn_hidden_size=4 * HIDDEN, vocab_size=VOCAB),
-        parallel=ParallelLayout(tp=2, cp=1, pp=pp, vp=1, dp=1, micro_batch_size=MBS, seq_length=SEQ,
-                                num_microbatches=m, recompute="full" if recompute else "none",
-                                layers_per_stage=(num_layers // pp,) * pp, nodes=1, gpus_per_node=2 * pp,
-                                sequence_parallel=True),
+        format="kareus-plan/1",
+        method="kareus",
+        gpu="a100-sxm4-40gb",
+        model=ModelShape(
+            name="tiny",
+            num_layers=num_layers,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            num_query_groups=HEADS,
+            ffn_hidden_size=4 * HIDDEN,
+            vocab_size=VOCAB,
+        ),
+        parallel=ParallelLayout(
+            tp=2,
+            cp=1,
+            pp=pp,
+            vp=1,
+            dp=1,
+            micro_batch_size=MBS,
+            seq_length=SEQ,
+            num_microbatches=m,
+            recompute="full" if recompute else "none",
+            layers_per_stage=(num_layers // pp,) * pp,
+            nodes=1,
+            gpus_per_node=2 * pp,
+            sequence_parallel=True,
+        ),
         predicted=Predicted(iteration_time_s=0.1, iteration_energy_j=10.0),
-        stages=tuple(stages), cross_layer=True if cross_layer else None,
+        stages=tuple(stages),
+        cross_layer=True if cross_layer else None,
     )
 
 
-def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(False, True),
-                    cross_layer: bool = False) -> None:
+def _training_steps(
+    res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(False, True), cross_layer: bool = False
+) -> None:
     """Real megatron-core schedule + runtime patch + SP plan: losses and grads vs the standard SP layer
     (`cross_layer`: a cross-layer plan on 3 layers, recompute in one group of 3)."""
     from megatron.core import parallel_state as ps
@@ -204,8 +264,12 @@ def _training_steps(res: dict[str, Any], pp: int = 1, m: int = 2, recomputes=(Fa
             set_engine(None)
         diffs = {k: _rel_diff(got_grads[k], base_grads[k]) for k in base_grads}
         res[f"train.{'cross.' if cross_layer else ''}pp{pp}.rc{int(recompute)}"] = {
-            "losses_ref": base, "losses_part": got, "events": engine.tracer.events,
-            "pp_rank": ps.get_pipeline_model_parallel_rank(), "grads": max(diffs.values()), "n_grads": len(diffs),
+            "losses_ref": base,
+            "losses_part": got,
+            "events": engine.tracer.events,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "grads": max(diffs.values()),
+            "n_grads": len(diffs),
             "grad_keys_equal": sorted(base_grads) == sorted(got_grads),
             "instructions_seen": engine.state.instructions_seen,
         }
@@ -222,8 +286,9 @@ def _ddp(res: dict[str, Any]) -> None:
     m, out = 2, []
     for model in _models(False):
         cfg = model.config
-        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10_000),
-                                      model)
+        ddp = DistributedDataParallel(
+            cfg, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=10_000), model
+        )
         cfg.no_sync_func, cfg.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
         ddp.zero_grad_buffer()
         batches = iter([_batch(50 + k) for k in range(m)])
@@ -233,8 +298,14 @@ def _ddp(res: dict[str, Any]) -> None:
             o = mdl(tokens, pos, mask, labels=tokens)
             return o, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
-        losses = get_forward_backward_func()(forward_step_func=step, data_iterator=batches, model=ddp,
-                                             num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS)
+        losses = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=batches,
+            model=ddp,
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+        )
         grads = {k: p.main_grad.clone() for k, p in model.named_parameters()}
         sp_names = sorted(k for k, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
         # the SP params' grads are equal on both TP ranks once finalize_model_grads has all-reduced them
@@ -243,8 +314,12 @@ def _ddp(res: dict[str, Any]) -> None:
         out.append((grads, [float(d["loss"]) for d in losses], sp_names, _rel_diff(other[1], other[0])))
         cfg.no_sync_func = cfg.finalize_model_grads_func = None
     (g0, l0, sp0, _), (g1, l1, sp1, tp_diff) = out
-    res["ddp"] = {"losses": [l0, l1], "grads": max(_rel_diff(g1[k], g0[k]) for k in g0), "sp_params": [sp0, sp1],
-                  "sp_grad_tp_diff": tp_diff}
+    res["ddp"] = {
+        "losses": [l0, l1],
+        "grads": max(_rel_diff(g1[k], g0[k]) for k in g0),
+        "sp_params": [sp0, sp1],
+        "sp_grad_tp_diff": tp_diff,
+    }
     set_engine(None)
 
 

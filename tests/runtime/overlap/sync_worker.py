@@ -26,21 +26,39 @@ HIDDEN, HEADS, SEQ, MBS = 32, 4, 16, 4
 MASKS = ("none", "1x1", "bx1")
 
 
-def _config(tp: int, recompute: bool, layers: int = 2, sp: bool = False, cp: int = 1, llama: bool = False,
-            group: int = 1) -> Any:
+def _config(
+    tp: int, recompute: bool, layers: int = 2, sp: bool = False, cp: int = 1, llama: bool = False, group: int = 1
+) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    extra: dict[str, Any] = dict(recompute_granularity="full", recompute_method="uniform",
-                                 recompute_num_layers=group) if recompute else {}
+    extra: dict[str, Any] = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=group) if recompute else {}
+    )
     if llama:
         import torch.nn.functional as F
 
-        extra.update(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", num_query_groups=2,
-                     qk_layernorm=True, add_bias_linear=False, bias_activation_fusion=False)
-    return TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                             tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp,
-                             pipeline_dtype=torch.float32, **extra)
+        extra.update(
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            num_query_groups=2,
+            qk_layernorm=True,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+        )
+    return TransformerConfig(
+        num_layers=layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        pipeline_dtype=torch.float32,
+        **extra,
+    )
 
 
 def _masks(cp: int) -> dict[str, torch.Tensor | None]:
@@ -51,8 +69,10 @@ def _masks(cp: int) -> dict[str, torch.Tensor | None]:
     if cp > 1:
         from megatron.core.utils import get_batch_on_this_cp_rank
 
-        out = {k: None if m is None else get_batch_on_this_cp_rank({"attention_mask": m})["attention_mask"]
-               for k, m in out.items()}
+        out = {
+            k: None if m is None else get_batch_on_this_cp_rank({"attention_mask": m})["attention_mask"]
+            for k, m in out.items()
+        }
     return out
 
 
@@ -63,9 +83,21 @@ def _rope(cfg: Any) -> torch.Tensor:
     return RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0)(SEQ)
 
 
-def _cases(res: list[dict[str, Any]], layout: str, slots: dict[str, tuple[str, ...]], *, tp: int, sp: bool = False,
-           cp: int = 1, llama: bool = False, recomputes: tuple[bool, ...] = (False, True), nanobatches=(1, 2),
-           layers: int = 2, cross: bool = False, group: int = 1) -> None:
+def _cases(
+    res: list[dict[str, Any]],
+    layout: str,
+    slots: dict[str, tuple[str, ...]],
+    *,
+    tp: int,
+    sp: bool = False,
+    cp: int = 1,
+    llama: bool = False,
+    recomputes: tuple[bool, ...] = (False, True),
+    nanobatches=(1, 2),
+    layers: int = 2,
+    cross: bool = False,
+    group: int = 1,
+) -> None:
     from kareus_megatron.runtime.selfcheck.syncs import block_syncs, instructions, partitioned_block
 
     spec_kw = dict(normalization="RMSNorm", qk_layernorm=True) if llama else {}
@@ -115,8 +147,9 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     _cases(res, "sp", SP_PARTITION_SLOTS, tp=2, sp=True)
     _cases(res, "cross", TP_PARTITION_SLOTS, tp=2, layers=3, cross=True, nanobatches=(2,), recomputes=(False,))
     _cases(res, "cross", TP_PARTITION_SLOTS, tp=2, layers=3, cross=True, nanobatches=(2,), recomputes=(True,), group=3)
-    _cases(res, "cross.sp", SP_PARTITION_SLOTS, tp=2, sp=True, layers=3, cross=True, nanobatches=(2,),
-           recomputes=(False,))
+    _cases(
+        res, "cross.sp", SP_PARTITION_SLOTS, tp=2, sp=True, layers=3, cross=True, nanobatches=(2,), recomputes=(False,)
+    )
     _init(1, 2)
     _cases(res, "cp", cp_engine_slots(), tp=1, cp=2)
     _cases(res, "cp", cp_engine_slots(), tp=1, cp=2, llama=True, recomputes=(False,), nanobatches=(2,))

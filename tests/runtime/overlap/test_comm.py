@@ -16,8 +16,17 @@ from kareus_megatron.runtime.overlap import comm, comm_groups
 from kareus_megatron.vocab import MAX_COMM_SM_VALUES
 
 
-@pytest.mark.parametrize(("backend", "nccl"), [("nccl", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", True),
-                                               ("gloo", False), ("cpu:gloo", False), ("mpi", False)])
+@pytest.mark.parametrize(
+    ("backend", "nccl"),
+    [
+        ("nccl", True),
+        ("cpu:gloo,cuda:nccl", True),
+        ("cuda:nccl", True),
+        ("gloo", False),
+        ("cpu:gloo", False),
+        ("mpi", False),
+    ],
+)
 def test_mixed_backend_groups_count_as_nccl(backend, nccl):
     assert comm.is_nccl_backend(backend) is nccl
 
@@ -28,16 +37,19 @@ def test_cta_overrides_are_found():
     assert comm.nccl_cta_overrides({}) == {}
 
 
-@pytest.mark.parametrize(("env", "keep", "dropped"), [
-    ({}, [4, 8, 12], ""),
-    ({"NCCL_MAX_NCHANNELS": "32"}, [4, 8, 12], ""),  # a cap above every planned count overrides nothing
-    ({"NCCL_MAX_NCHANNELS": "8"}, [4, 8], "12"),
-    ({"NCCL_MIN_NCHANNELS": "6"}, [8, 12], "4"),
-    ({"NCCL_MIN_NCHANNELS": "5", "NCCL_MAX_NCHANNELS": "10"}, [8], "4, 12"),
-    ({"NCCL_MAX_CTAS": "32"}, [], "override every"),  # replaces the config's max_ctas on every communicator
-    ({"NCCL_MIN_CTAS": "1"}, [], "override every"),
-    ({"NCCL_MAX_NCHANNELS": "lots"}, [], "override every"),
-])
+@pytest.mark.parametrize(
+    ("env", "keep", "dropped"),
+    [
+        ({}, [4, 8, 12], ""),
+        ({"NCCL_MAX_NCHANNELS": "32"}, [4, 8, 12], ""),  # a cap above every planned count overrides nothing
+        ({"NCCL_MAX_NCHANNELS": "8"}, [4, 8], "12"),
+        ({"NCCL_MIN_NCHANNELS": "6"}, [8, 12], "4"),
+        ({"NCCL_MIN_NCHANNELS": "5", "NCCL_MAX_NCHANNELS": "10"}, [8], "4, 12"),
+        ({"NCCL_MAX_CTAS": "32"}, [], "override every"),  # replaces the config's max_ctas on every communicator
+        ({"NCCL_MIN_CTAS": "1"}, [], "override every"),
+        ({"NCCL_MAX_NCHANNELS": "lots"}, [], "override every"),
+    ],
+)
 def test_nccl_environment_drops_only_the_counts_it_rules_out(env, keep, dropped):
     got, why = comm_groups.usable_sm_counts([12, 4, 8, 4], env)
     assert got == keep
@@ -91,8 +103,9 @@ def fake_dist(monkeypatch):
     def make(backend: str = "cpu:gloo,cuda:nccl", bound: bool = False) -> FakeDist:
         fake = FakeDist(backend, bound)
         monkeypatch.setattr(comm_groups, "dist", fake)
-        monkeypatch.setattr(comm_groups, "nccl_options",
-                            lambda sms=None, share=False, max_ctas=None: ("opts", sms or max_ctas, share))
+        monkeypatch.setattr(
+            comm_groups, "nccl_options", lambda sms=None, share=False, max_ctas=None: ("opts", sms or max_ctas, share)
+        )
         monkeypatch.setattr(comm_groups, "can_share", lambda: bound)  # torch's own check reads the real module
         return fake
 
@@ -104,12 +117,18 @@ def test_groups_are_built_for_a_mixed_group_and_warmed_up(fake_dist):
     built = comm.build_sm_group_set([8, 4, 8], group="tp")
     assert sorted(built.groups) == [4, 8] and built.parent is None
     # every rank creates every TP group of each count, in the same order; SM-limited options, no sharing
-    assert [c[1:] for c in fake.calls] == [((0, 1), "nccl", ("opts", 4, False)), ((2, 3), "nccl", ("opts", 4, False)),
-                                           ((0, 1), "nccl", ("opts", 8, False)), ((2, 3), "nccl", ("opts", 8, False))]
+    assert [c[1:] for c in fake.calls] == [
+        ((0, 1), "nccl", ("opts", 4, False)),
+        ((2, 3), "nccl", ("opts", 4, False)),
+        ((0, 1), "nccl", ("opts", 8, False)),
+        ((2, 3), "nccl", ("opts", 8, False)),
+    ]
     # one 1-element all-reduce per own group at build time, not inside the layer's first iteration
     assert fake.reduced == [(built.groups[4], 1), (built.groups[8], 1)]
-    assert [(i.comm_sms, i.kind, i.shared, i.memory_bytes) for i in built.infos] == [(4, "tp", False, None),
-                                                                                     (8, "tp", False, None)]
+    assert [(i.comm_sms, i.kind, i.shared, i.memory_bytes) for i in built.infos] == [
+        (4, "tp", False, None),
+        (8, "tp", False, None),
+    ]
     assert all(i.init_s >= 0 for i in built.infos) and built.infos[0].to_dict()["comm_sms"] == 4
 
 
@@ -118,13 +137,20 @@ def test_children_split_from_one_shared_parent_where_torch_can_split(fake_dist):
     built = comm.build_sm_group_set([6, 2], group="tp", kind="cp")
     # one parent per group with split_share (CTAs capped at the largest child's), created by every rank;
     # children split from this rank's parent only
-    assert fake.calls[:2] == [("new_group", (0, 1), "nccl", ("opts", 6, True)),
-                              ("new_group", (2, 3), "nccl", ("opts", 6, True))]
-    assert fake.calls[2:] == [("split_group", (0, 1), ((0, 1),), ("opts", 2, False)),
-                              ("split_group", (0, 1), ((0, 1),), ("opts", 6, False))]
+    assert fake.calls[:2] == [
+        ("new_group", (0, 1), "nccl", ("opts", 6, True)),
+        ("new_group", (2, 3), "nccl", ("opts", 6, True)),
+    ]
+    assert fake.calls[2:] == [
+        ("split_group", (0, 1), ((0, 1),), ("opts", 2, False)),
+        ("split_group", (0, 1), ((0, 1),), ("opts", 6, False)),
+    ]
     assert built.parent.ranks == (0, 1) and [g.via for g in built.groups.values()] == ["split", "split"]
-    assert [(i.comm_sms, i.shared, i.kind) for i in built.infos] == [(None, True, "cp"), (2, True, "cp"),
-                                                                     (6, True, "cp")]
+    assert [(i.comm_sms, i.shared, i.kind) for i in built.infos] == [
+        (None, True, "cp"),
+        (2, True, "cp"),
+        (6, True, "cp"),
+    ]
     assert [g for g, _ in fake.reduced] == [built.parent, built.groups[2], built.groups[6]]  # parent created first
 
 
@@ -134,7 +160,8 @@ def test_over_the_budget_is_refused_before_anything_is_built(fake_dist):
         comm.build_sm_group_set(range(1, MAX_COMM_SM_VALUES + 2), group="tp")
     assert "\n" not in str(e.value) and fake.calls == [] and fake.reduced == []
     assert sorted(comm.build_sm_group_set(range(1, MAX_COMM_SM_VALUES + 1), group="tp").groups) == list(
-        range(1, MAX_COMM_SM_VALUES + 1))
+        range(1, MAX_COMM_SM_VALUES + 1)
+    )
 
 
 def test_nccl_cta_variables_refuse_the_groups_with_one_warning(fake_dist, monkeypatch):

@@ -22,16 +22,19 @@ def _plan(n_tp: int, n_cp: int = 0):
             parts["bwd_mlp"] = {"comm_sms": tp_left.pop(), "launch_slot": TP_PARTITION_SLOTS["bwd_mlp"][0]}
         if cp_left:
             parts["bwd_cp_kv"] = {"comm_sms": cp_left.pop(), "launch_slot": CP_PARTITION_SLOTS["bwd_cp_kv"][0]}
-        instrs += [{"kind": "forward", "microbatch": mb, "sm_clock_mhz": 1410, "nanobatches": 1},
-                   {"kind": "backward", "microbatch": mb, "sm_clock_mhz": 1200, "nanobatches": 2, "partitions": parts}]
+        instrs += [
+            {"kind": "forward", "microbatch": mb, "sm_clock_mhz": 1410, "nanobatches": 1},
+            {"kind": "backward", "microbatch": mb, "sm_clock_mhz": 1200, "nanobatches": 2, "partitions": parts},
+        ]
         mb += 1
     d["stages"][0]["instructions"] = instrs
     d["parallel"]["num_microbatches"] = mb
     return plan_from_dict(d)
 
 
-@pytest.mark.parametrize(("n_tp", "n_cp", "kind"),
-                         [(MAX_COMM_SM_VALUES + 1, 0, "TP"), (2, MAX_COMM_SM_VALUES + 1, "CP")])
+@pytest.mark.parametrize(
+    ("n_tp", "n_cp", "kind"), [(MAX_COMM_SM_VALUES + 1, 0, "TP"), (2, MAX_COMM_SM_VALUES + 1, "CP")]
+)
 def test_a_plan_over_the_budget_is_refused_in_one_line(n_tp, n_cp, kind):
     plan = _plan(n_tp, n_cp)
     assert len(comm_sms_values(plan, cp=kind == "CP")) == MAX_COMM_SM_VALUES + 1

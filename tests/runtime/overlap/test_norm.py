@@ -20,8 +20,13 @@ from kareus_megatron.runtime.overlap.norm import SPTorchNorm, sp_capable_norms  
 
 
 def _cfg(**kw):
-    base = dict(normalization="LayerNorm", sequence_parallel=False, layernorm_zero_centered_gamma=False,
-                persist_layer_norm=False, memory_efficient_layer_norm=False)
+    base = dict(
+        normalization="LayerNorm",
+        sequence_parallel=False,
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        memory_efficient_layer_norm=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -45,8 +50,10 @@ def test_parameters_marked_only_with_sequence_parallelism() -> None:
     assert [p.sequence_parallel for p in norm.parameters()] == [False, False]
 
 
-@pytest.mark.parametrize(("kw", "word"), [({"layernorm_zero_centered_gamma": True}, "zero_centered_gamma"),
-                                          ({"normalization": "L2Norm"}, "L2Norm")])
+@pytest.mark.parametrize(
+    ("kw", "word"),
+    [({"layernorm_zero_centered_gamma": True}, "zero_centered_gamma"), ({"normalization": "L2Norm"}, "L2Norm")],
+)
 def test_refuses_what_torch_norms_cannot_do_in_one_line(kw: dict, word: str) -> None:
     with pytest.raises(InfeasibleConfigError, match=word) as e:
         SPTorchNorm(config=_cfg(**kw), hidden_size=4)
@@ -55,14 +62,21 @@ def test_refuses_what_torch_norms_cannot_do_in_one_line(kw: dict, word: str) -> 
 
 def _norms(spec) -> dict[str, object]:
     attn = spec.submodules.self_attention.submodules
-    return {"input": spec.submodules.input_layernorm, "pre_mlp": spec.submodules.pre_mlp_layernorm,
-            "q": attn.q_layernorm, "k": attn.k_layernorm}
+    return {
+        "input": spec.submodules.input_layernorm,
+        "pre_mlp": spec.submodules.pre_mlp_layernorm,
+        "q": attn.q_layernorm,
+        "k": attn.k_layernorm,
+    }
 
 
 def test_kareus_specs_swap_only_megatrons_torch_norm() -> None:
     assert _norms(get_gpt_layer_local_spec())["input"] is WrappedTorchNorm  # this machine: no Apex, no TE
-    for spec in (get_partitioned_gpt_layer_spec(), get_sdpa_gpt_layer_spec(),
-                 get_partitioned_gpt_layer_spec(normalization="RMSNorm")):
+    for spec in (
+        get_partitioned_gpt_layer_spec(),
+        get_sdpa_gpt_layer_spec(),
+        get_partitioned_gpt_layer_spec(normalization="RMSNorm"),
+    ):
         n = _norms(spec)
         assert n["input"] is SPTorchNorm and n["pre_mlp"] is SPTorchNorm
         assert n["q"] is not SPTorchNorm  # IdentityOp without qk_layernorm: left alone

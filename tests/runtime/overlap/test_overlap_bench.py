@@ -105,14 +105,17 @@ def test_dry_run_cp_covers_the_cp_partitions(bench, tmp_path):
     assert doc["attention_op"] == {}  # megatron's DotProductAttention does not run CP
 
 
-@pytest.mark.parametrize("bad", [
-    ["--cp", "2", "--core-attention", "local"],  # CP runs on SDPA
-    ["--sp", "--cp", "2"],  # the dry run's 2 processes at CP=2 leave TP=1
-    ["--cp", "3"],  # does not divide the world size
-    ["--cp", "2", "--partitions", "fwd_attn"],  # no collective at TP=1
-    ["--sp", "--partitions", "fwd_attn,fwd_sp_mlp"],  # a TP partition on the SP layout
-    ["--partitions", "fwd_sp_mlp"],  # an SP partition on the TP layout
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--cp", "2", "--core-attention", "local"],  # CP runs on SDPA
+        ["--sp", "--cp", "2"],  # the dry run's 2 processes at CP=2 leave TP=1
+        ["--cp", "3"],  # does not divide the world size
+        ["--cp", "2", "--partitions", "fwd_attn"],  # no collective at TP=1
+        ["--sp", "--partitions", "fwd_attn,fwd_sp_mlp"],  # a TP partition on the SP layout
+        ["--partitions", "fwd_sp_mlp"],  # an SP partition on the TP layout
+    ],
+)
 def test_layout_misfits_are_refused_in_one_line(bench, capsys, bad):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--dry-run", *bad])
@@ -129,13 +132,27 @@ def test_fit_recovers_a_perturbed_overlap_model(bench):
     from kareus_megatron.workload.parallel import make_parallel
 
     gpu = gpu_spec("a100-sxm4-40gb")
-    args = bench.parse_args(["--dry-run", "--model", "qwen3-1.7b", "--seq", "4096", "--mbs", "8", "--sms", "6,18",
-                             "--partitions", "fwd_mlp"])
+    args = bench.parse_args(
+        [
+            "--dry-run",
+            "--model",
+            "qwen3-1.7b",
+            "--seq",
+            "4096",
+            "--mbs",
+            "8",
+            "--sms",
+            "6,18",
+            "--partitions",
+            "fwd_mlp",
+        ]
+    )
     model = bench.model_spec(args)
     par = make_parallel(model, tp=8, micro_batch_size=8, seq_length=4096, gpus_per_node=8)
     rows = bench.knob_rows(args, gpu)
-    truth = KernelModel.from_params(gpu, dataclasses.replace(KernelParams(), nvlink_efficiency=0.55,
-                                                             comm_sm_bytes_per_cycle=9.0, time_scale=1.2))
+    truth = KernelModel.from_params(
+        gpu, dataclasses.replace(KernelParams(), nvlink_efficiency=0.55, comm_sm_bytes_per_cycle=9.0, time_scale=1.2)
+    )
     t, e = bench.predict_rows(rows, truth, model, par, 1410)
     for r, ti, ei in zip(rows, t, e):
         r["measured_time_s"], r["measured_energy_j"] = float(ti), float(ei)
@@ -187,8 +204,23 @@ def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys):
     if str(ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmarks"))
     cpu_bench = importlib.import_module("overlap_cpu")
-    args = ["--cross-layer", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "16", "--mbs", "2",
-            "--reps", "1", "--delay-ms", "1"]
+    args = [
+        "--cross-layer",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq",
+        "16",
+        "--mbs",
+        "2",
+        "--reps",
+        "1",
+        "--delay-ms",
+        "1",
+    ]
     assert cpu_bench.main(args) == 0
     out = capsys.readouterr().out
     assert "2 partitioned layers (TransformerBlock)" in out and "2 nb + cross-layer" in out
@@ -228,14 +260,24 @@ def test_one_process_measures_the_references_and_predicts_at_the_measured_clock(
 
     out = tmp_path / "single.json"
     driver = SINGLE_DRIVER.format(bench=str(ROOT / "benchmarks"), out=str(out))
-    r = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+    r = subprocess.run(
+        [sys.executable, "-c", driver],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert doc["tp"] == 1 and doc["partitions"] == {} and doc["notes"] and "2 or more GPUs" in r.stdout
     assert [(x["phase"], x["nanobatches"], x["partition"]) for x in rows] == [
-        ("forward", 1, None), ("forward", 2, None), ("backward", 1, None), ("backward", 2, None)]
+        ("forward", 1, None),
+        ("forward", 2, None),
+        ("backward", 1, None),
+        ("backward", 2, None),
+    ]
     assert doc["clock_mhz"] is None and doc["clock_source"] == "measured" and doc["measured_clock_mhz"] == 1200
     assert all(x["clock_mhz"] == 1200 for x in rows)
     args = bench.parse_args(["--dry-run", "--procs", "1"])

@@ -34,8 +34,9 @@ from kareus_megatron.vocab import CP_PARTITION_SLOTS
 def _attend(q, k, v, mask, is_causal, dropout_p):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                            scale=1 / math.sqrt(q.shape[-1]))
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=is_causal, scale=1 / math.sqrt(q.shape[-1])
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -67,7 +68,7 @@ def test_cp_attend_equals_full_causal_attention_rows_and_grads(cp, with_mask):
         dk += to_sequence_order(dkg, cp, 2)  # the reduce-scatter's sum, in sequence order
     torch.testing.assert_close(dk, gk)
     with pytest.raises(InfeasibleConfigError, match="K/V of all"):
-        cp_attend(_attend, q[:, :, :2 * c], k[:, :, :2 * c], v[:, :, :2 * c], None, cp, 0, 0.0)
+        cp_attend(_attend, q[:, :, : 2 * c], k[:, :, : 2 * c], v[:, :, : 2 * c], None, cp, 0, 0.0)
 
 
 def test_the_reordering_index_is_built_on_the_device_once_without_host_data():
@@ -239,10 +240,12 @@ def test_cp_sp_engine_slots_match_the_planners_cut():
     model = model_spec("llama3.2-3b")
     for sp, engine in ((True, cp_sp_engine_slots()), (False, cp_engine_slots())):
         par = ParallelConfig(tp=2, cp=2, sequence_parallel=sp, micro_batch_size=2, seq_length=4096)
-        segments = [seg for phase in ("forward", "backward") for seg in split_segments(phase, layer_ops(model, par,
-                                                                                                        phase, 2))]
-        planned = {seg.partition: tuple(seg.compute[k].name for k in seg.slot_positions) for seg in segments
-                   if seg.partition}
+        segments = [
+            seg for phase in ("forward", "backward") for seg in split_segments(phase, layer_ops(model, par, phase, 2))
+        ]
+        planned = {
+            seg.partition: tuple(seg.compute[k].name for k in seg.slot_positions) for seg in segments if seg.partition
+        }
         assert planned == engine, sp
 
 
@@ -262,12 +265,20 @@ def test_validate_accepts_cp_and_cp_sp_plans_and_refuses_mismatched_layouts(tmp_
     with pytest.raises(PlanError, match="'fwd_cp_kv' is not run .*cp=1, with sequence"):
         validate_plan_for_layer(cp_sp, cp=1)
     st = cp_sp.stages[0]
-    bad = st.instructions[0].model_copy(update={"partitions": {
-        **st.instructions[0].partitions, "fwd_cp_kv": st.instructions[0].partitions["fwd_cp_kv"].model_copy(
-            update={"launch_slot": "input_norm"})}})
+    bad = st.instructions[0].model_copy(
+        update={
+            "partitions": {
+                **st.instructions[0].partitions,
+                "fwd_cp_kv": st.instructions[0]
+                .partitions["fwd_cp_kv"]
+                .model_copy(update={"launch_slot": "input_norm"}),
+            }
+        }
+    )
     wrong_slot = cp_sp.model_copy(update={"stages": (st.model_copy(update={"instructions": (bad,)}),)})
-    with pytest.raises(PlanError, match="fwd_cp_kv launch_slot 'input_norm' is not an op of its segment; use one of "
-                                        "qkv, rope"):
+    with pytest.raises(
+        PlanError, match="fwd_cp_kv launch_slot 'input_norm' is not an op of its segment; use one of qkv, rope"
+    ):
         validate_plan_for_layer(wrong_slot)
     planned = _kareus_plan(tmp_path, "--cp", "2", "--sp", "--pp", "1", "--points", "2", "--methods", "kareus")
     assert any(i.nanobatches == 2 for st in planned.stages for i in st.instructions)

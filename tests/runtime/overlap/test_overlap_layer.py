@@ -123,8 +123,9 @@ def _check_training(r, recompute: bool, instructions: int) -> None:
     for e in issues:
         assert e["slot"] == r["plan_knobs"][e["instr"]][e["partition"]]["launch_slot"]
         assert e["comm_sms"] == r["plan_knobs"][e["instr"]][e["partition"]]["comm_sms"]
-    assert {e["phase"] for e in issues} == ({"forward", "recompute", "backward"} if recompute
-                                            else {"forward", "backward"})
+    assert {e["phase"] for e in issues} == (
+        {"forward", "recompute", "backward"} if recompute else {"forward", "backward"}
+    )
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -255,10 +256,14 @@ def test_cross_layer_backward_runs_the_next_layers_first_unit_beside_the_last_al
             ev = r["events"]
             for layer in (3, 2):
                 issue = next(e for e in _issues(ev, "backward") if e["coll"] == f"L{layer}.bwd.attn.nb1")
-                wait = next(e for e in ev if e["kind"] == "wait" and e["coll"] == issue["coll"]
-                            and e["phase"] == "backward")
-                beside = [(e["op"], e["nb"]) for e in ev if issue["seq"] < e["seq"] < wait["seq"]
-                          and e["kind"] == "op" and e["layer"] == layer - 1]
+                wait = next(
+                    e for e in ev if e["kind"] == "wait" and e["coll"] == issue["coll"] and e["phase"] == "backward"
+                )
+                beside = [
+                    (e["op"], e["nb"])
+                    for e in ev
+                    if issue["seq"] < e["seq"] < wait["seq"] and e["kind"] == "op" and e["layer"] == layer - 1
+                ]
                 if r["group"] == 3:  # the lower layer's nanobatch-0 mlp unit runs before this layer's last wait
                     assert beside == [("fc2", 0), ("activation", 0), ("fc1", 0)], (name, layer, beside)
                 else:
@@ -287,8 +292,11 @@ def test_cross_layer_training_losses_equal_through_the_schedule_and_patch(ranks,
         r = rk[f"train.cross.pp1.rc{int(recompute)}"]
         _check_training(r, recompute, instructions=4)
         assert r["linked"] == 2  # check_model_for_plan linked the 3 layers for the cross-layer plan
-        carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
-                   and e["layer"] == _coll_layer(e) + 1]
+        carried = [
+            e
+            for e in r["events"]
+            if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1") and e["layer"] == _coll_layer(e) + 1
+        ]
         assert carried and {e["partition"] for e in carried} == {"fwd_attn"}
 
 
@@ -299,6 +307,9 @@ def test_cross_layer_tp2_pp2_1f1b_training_equal(pp_ranks):
         _check_training(r, recompute=False, instructions=8)
         assert r["linked"] == 1
         first = 1 + 2 * r["pp_rank"]  # megatron's global layer numbers of this stage: first, first + 1
-        carried = [e for e in r["events"] if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1")
-                   and e["layer"] != _coll_layer(e)]
+        carried = [
+            e
+            for e in r["events"]
+            if e["kind"] == "issue" and e["coll"].endswith("fwd.mlp.nb1") and e["layer"] != _coll_layer(e)
+        ]
         assert carried and {(_coll_layer(e), e["layer"]) for e in carried} == {(first, first + 1)}

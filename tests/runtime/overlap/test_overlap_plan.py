@@ -22,13 +22,31 @@ from kareus_megatron.vocab import CP_PARTITION_SLOTS, TP_PARTITION_SLOTS
 def plan_dict(partitions: dict, *, mbs: int = 2, nanobatches: int = 2, cp: int = 1) -> dict:
     instrs = [
         {"kind": "forward", "microbatch": 0, "sm_clock_mhz": 1410, "nanobatches": 1},
-        {"kind": "backward", "microbatch": 0, "sm_clock_mhz": 1200, "nanobatches": nanobatches,
-         "partitions": partitions if nanobatches > 1 else {}},
+        {
+            "kind": "backward",
+            "microbatch": 0,
+            "sm_clock_mhz": 1200,
+            "nanobatches": nanobatches,
+            "partitions": partitions if nanobatches > 1 else {},
+        },
     ]
     return {
-        "format": "kareus-plan/1", "method": "kareus", "gpu": "a100-sxm4-40gb",
-        "parallel": {"tp": 2, "cp": cp, "pp": 1, "vp": 1, "dp": 1, "micro_batch_size": mbs, "seq_length": 16,
-                     "num_microbatches": 1, "layers_per_stage": [2], "nodes": 1, "gpus_per_node": 2 * cp},
+        "format": "kareus-plan/1",
+        "method": "kareus",
+        "gpu": "a100-sxm4-40gb",
+        "parallel": {
+            "tp": 2,
+            "cp": cp,
+            "pp": 1,
+            "vp": 1,
+            "dp": 1,
+            "micro_batch_size": mbs,
+            "seq_length": 16,
+            "num_microbatches": 1,
+            "layers_per_stage": [2],
+            "nodes": 1,
+            "gpus_per_node": 2 * cp,
+        },
         "predicted": {"iteration_time_s": 1.0, "iteration_energy_j": 1.0},
         "stages": [{"pp_rank": 0, "instructions": instrs}],
     }
@@ -49,8 +67,11 @@ def test_good_plan_passes_and_lists_sm_counts():
         (dict(partitions={"bwd_mlp": {"comm_sms": 108, "launch_slot": "fc1"}}), 108, "comm_sms=108"),
         (dict(partitions={"bwd_mlp": {"comm_sms": 200, "launch_slot": "fc1"}}), 132, "1..131"),
         (dict(partitions=GOOD, mbs=3), 108, "does not divide micro-batch size 3"),
-        (dict(partitions={"bwd_cp_kv": {"comm_sms": 4, "launch_slot": CP_PARTITION_SLOTS["bwd_cp_kv"][0]}}), 108,
-         "bwd_cp_kv"),
+        (
+            dict(partitions={"bwd_cp_kv": {"comm_sms": 4, "launch_slot": CP_PARTITION_SLOTS["bwd_cp_kv"][0]}}),
+            108,
+            "bwd_cp_kv",
+        ),
         (dict(partitions=GOOD, cp=2), 108, "use one of attention, proj"),  # CP cuts the attn segment
     ],
 )
@@ -104,8 +125,11 @@ _ALL_OPS = sorted({o for s in TP_PARTITION_SLOTS.values() for o in s} | {"rope",
 
 @settings(max_examples=60, deadline=None)
 @given(
-    part=st.sampled_from(_PARTS), slot=st.sampled_from(_ALL_OPS), sms=st.integers(1, 200),
-    mbs=st.integers(1, 9), sm_count=st.sampled_from([84, 108, 132]),
+    part=st.sampled_from(_PARTS),
+    slot=st.sampled_from(_ALL_OPS),
+    sms=st.integers(1, 200),
+    mbs=st.integers(1, 9),
+    sm_count=st.sampled_from([84, 108, 132]),
 )
 def test_validation_matches_an_independent_oracle(part, slot, sms, mbs, sm_count):
     ok = part in TP_PARTITION_SLOTS and slot in TP_PARTITION_SLOTS[part] and sms < sm_count and mbs % 2 == 0

@@ -122,14 +122,29 @@ def test_sp_plans_load_and_mismatched_partitions_are_refused():
     plan = sp_worker._plan(2, recompute=True)
     validate_plan_for_layer(plan)  # 2-nanobatch SP plans run
     s = settings_from_instruction(plan.stages[0].instructions[-1])
-    assert set(s.knobs) == set(SP_PARTITION_SLOTS) and s.knobs_for("bwd_sp_attn").launch_slot in ("proj", "attention",
-                                                                                                     "rope", "qkv")
+    assert set(s.knobs) == set(SP_PARTITION_SLOTS) and s.knobs_for("bwd_sp_attn").launch_slot in (
+        "proj",
+        "attention",
+        "rope",
+        "qkv",
+    )
     with pytest.raises(PlanError, match="without sequence parallelism"):
         validate_plan_for_layer(plan, sequence_parallel=False)  # SP partitions on a non-SP layer
-    bad = plan.model_copy(update={"stages": tuple(
-        st.model_copy(update={"instructions": tuple(
-            i.model_copy(update={"partitions": {"fwd_attn": next(iter(i.partitions.values()))}})
-            for i in st.instructions)}) for st in plan.stages)})
+    bad = plan.model_copy(
+        update={
+            "stages": tuple(
+                st.model_copy(
+                    update={
+                        "instructions": tuple(
+                            i.model_copy(update={"partitions": {"fwd_attn": next(iter(i.partitions.values()))}})
+                            for i in st.instructions
+                        )
+                    }
+                )
+                for st in plan.stages
+            )
+        }
+    )
     with pytest.raises(PlanError, match=r"with sequence parallelism\); supported: fwd_sp_attn_norm.*with --sp"):
         validate_plan_for_layer(bad)
 
@@ -168,15 +183,23 @@ def test_sp_cross_layer_outputs_grads_and_trace(ranks):
             for phase in ("forward", "recompute") if r["recompute"] else ("forward",):
                 knobs = r["knobs"]["0" if phase == "forward" else "1"]
                 for layer in (1, 2):
-                    e = next(e for e in ev if e["kind"] == "issue" and e["phase"] == phase
-                             and e["coll"] == f"L{layer}.fwd.mlp.nb1")
+                    e = next(
+                        e
+                        for e in ev
+                        if e["kind"] == "issue" and e["phase"] == phase and e["coll"] == f"L{layer}.fwd.mlp.nb1"
+                    )
                     assert e["layer"] == layer + 1 and e["partition"] == "fwd_sp_attn_norm", (name, e)
                     assert e["slot"] == knobs["fwd_sp_attn_norm"]["launch_slot"]
             for layer in (1, 2):  # the leading all-gathers of layers 1 and 2, inside the next layer's backward
-                upper_wait = next(e for e in ev if e["kind"] == "wait" and e["phase"] == "backward"
-                                  and e["coll"] == f"L{layer + 1}.bwd.attn.nb1")
-                g0, g1 = (next(e for e in ev if e["kind"] == "issue" and e["coll"] == f"L{layer}.bwd.out.nb{k}")
-                          for k in (0, 1))
+                upper_wait = next(
+                    e
+                    for e in ev
+                    if e["kind"] == "wait" and e["phase"] == "backward" and e["coll"] == f"L{layer + 1}.bwd.attn.nb1"
+                )
+                g0, g1 = (
+                    next(e for e in ev if e["kind"] == "issue" and e["coll"] == f"L{layer}.bwd.out.nb{k}")
+                    for k in (0, 1)
+                )
                 assert g0["seq"] < upper_wait["seq"] and g0["partition"] == "", (name, g0)
                 assert g1["seq"] > upper_wait["seq"] and g1["partition"] == "bwd_sp_mlp", (name, g1)
                 assert g1["slot"] == r["knobs"]["1"]["bwd_sp_mlp"]["launch_slot"]
@@ -189,5 +212,4 @@ def test_sp_cross_layer_training_through_schedule_and_patch_equal(ranks):
         for rc in (0, 1):
             r = rk[f"train.cross.pp1.rc{rc}"]
             _check_training(r, instructions=4)
-            assert any(e["kind"] == "issue" and e["coll"] == "L1.fwd.mlp.nb1" and e["layer"] == 2
-                       for e in r["events"])
+            assert any(e["kind"] == "issue" and e["coll"] == "L1.fwd.mlp.nb1" and e["layer"] == 2 for e in r["events"])

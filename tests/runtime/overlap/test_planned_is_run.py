@@ -43,15 +43,20 @@ def planned(name: str, recompute: str, pair: tuple[int, int], rank: int) -> list
     par = planner_layout(name, recompute)
     out = []
     for kind, nb in zip(("forward", "backward"), pair):
-        out += [c.key() for c in instruction_collectives(planner_model(), par, kind, nb, layers=lay["layers"],
-                                                         cross_layer=lay["cross_layer"], rank=rank)]
+        out += [
+            c.key()
+            for c in instruction_collectives(
+                planner_model(), par, kind, nb, layers=lay["layers"], cross_layer=lay["cross_layer"], rank=rank
+            )
+        ]
     return _per_phase(out)
 
 
 def traced(records: list[dict]) -> list[tuple]:
     """The engine's traced collectives as the planner's tuples (megatron layer numbers start at 1)."""
-    return _per_phase([(r["phase"], r["layer"] - 1, r["collective"], r["bytes"], tuple(r["ranks"]), r["partner"])
-                       for r in records])
+    return _per_phase(
+        [(r["phase"], r["layer"] - 1, r["collective"], r["bytes"], tuple(r["ranks"]), r["partner"]) for r in records]
+    )
 
 
 def _per_phase(rows: list[tuple]) -> list[tuple]:
@@ -101,8 +106,9 @@ def test_mixed_pairs_run_whole_collectives_where_planned(ranks):
                 bwd = [r for r in rows if r["phase"] == "backward"]
                 assert bwd and all(r["partner"] == "exposed" for r in bwd), key
                 per_layer = len(bwd) // (3 if name.startswith("cross") else 2)
-                assert per_layer == {"tp": 2, "cross": 2, "sp": 4, "cross_sp": 4, "cp": 1, "tpcp": 3,
-                                     "tpcpsp": 5}[name], (key, per_layer)
+                assert (
+                    per_layer == {"tp": 2, "cross": 2, "sp": 4, "cross_sp": 4, "cp": 1, "tpcp": 3, "tpcpsp": 5}[name]
+                ), (key, per_layer)
             if pair_s == "f1b2":
                 fwd = [r for r in rows if r["phase"] == "forward"]
                 assert fwd and all(r["partner"] == "exposed" for r in fwd), key
@@ -128,7 +134,7 @@ def test_mixed_pairs_train_through_the_schedule_and_patch_as_planned(ranks):
                 rows = [c for c in r["collectives"] if c["instr"] == index]
                 want = _per_phase([c.key() for c in _planned_instruction(name, recompute, kind, nb, rk["rank"])])
                 assert len(rows) == 2 * len(want)  # 2 iterations
-                assert traced(rows[:len(want)]) == want and traced(rows[len(want):]) == want, (key, index)
+                assert traced(rows[: len(want)]) == want and traced(rows[len(want) :]) == want, (key, index)
 
 
 def _planned_instruction(name: str, recompute: str, kind: str, nb: int, rank: int) -> list:
@@ -137,8 +143,15 @@ def _planned_instruction(name: str, recompute: str, kind: str, nb: int, rank: in
     from kareus_megatron.search.collective_list import instruction_collectives
 
     lay = layout_of(name)
-    return instruction_collectives(planner_model(), planner_layout(name, recompute), kind, nb, layers=lay["layers"],
-                                   cross_layer=lay["cross_layer"], rank=rank)
+    return instruction_collectives(
+        planner_model(),
+        planner_layout(name, recompute),
+        kind,
+        nb,
+        layers=lay["layers"],
+        cross_layer=lay["cross_layer"],
+        rank=rank,
+    )
 
 
 def _first_difference(want: list[tuple], got: list[tuple]) -> str:
