@@ -77,7 +77,7 @@ ITERATIONS ?= 6
 # the simulated GPU's time scale: each instruction takes TIME_SCALE × its predicted GPU time (2-core machine: the
 # CPU's own work needs ≥ 250 for the default job; more for larger PARALLEL layouts if the report warns of floors)
 TIME_SCALE ?= 500
-# iterations `kareus report` skips as warm-up (report/runlog.py DEFAULT_SKIP_ITERATIONS; a test keeps them equal)
+# iterations `kareus report` skips as warm-up (report/summary.py DEFAULT_SKIP_ITERATIONS; a test keeps them equal)
 REPORT_WARMUP := 2
 OUT ?= try-out
 PARALLEL ?= --pp 2

@@ -47,7 +47,8 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.frameworks import deepspeed_patch
-from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession, SessionSlot
+from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession
+from kareus_megatron.runtime.session_slot import SessionSlot
 
 CONFIG_KEYS = ("plan", "log", "log_mode", "on_error", "point", "method")
 

@@ -139,7 +139,7 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
         "milliseconds",
         "15",
         "The simulated NVML call latency of a clock change.",
-        "hardware/device/sim.py",
+        "hardware/device/sim_model.py",
     ),
     EnvVar(
         "KAREUS_SIMULATED_NO_PERMISSION",

@@ -20,8 +20,9 @@ from typing import Any
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.schema import Plan
-from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
-from kareus_megatron.runtime.session import MEGATRON_SESSIONS, Controller, OnError, RuntimeSession
+from kareus_megatron.runtime.frameworks.megatron_lm_hook import megatron_lm_hook
+from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession
+from kareus_megatron.runtime.session_slot import MEGATRON_SESSIONS
 
 # megatron_lm_hook: the native patches' hook
 __all__ = ["current_session", "install", "megatron_lm_hook", "transformer_layer_spec", "uninstall"]

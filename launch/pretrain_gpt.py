@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.runtime.frameworks.entry import (
-    choose_megatron_layer,
     debug_requested,
     help_requested,
     kareus_parser,
@@ -36,6 +35,7 @@ from kareus_megatron.runtime.frameworks.entry import (
     start_session,
 )
 from kareus_megatron.runtime.frameworks.layer_choice import megatron_layer_flags
+from kareus_megatron.runtime.frameworks.megatron_lm_hook import choose_megatron_layer
 
 PROG = "pretrain_gpt.py (kareus)"
 

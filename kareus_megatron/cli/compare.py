@@ -3,9 +3,9 @@
 LOG_DIR holds one sub-directory per run, NAME-NN/ (as `kareus launch` writes them), each with ``measurement/`` (the
 runtime's per-rank logs, merged: time s = max over ranks, energy J = all GPUs) and optionally ``run.json`` (method,
 plan). A run's point is its median iteration time and mean energy (total over total) after ``--skip-iterations``
-warm-up iterations (default 2), read and summarised by report/runlog.py exactly as `kareus report` does. The output,
-under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in kareus plan's layout (kareus-frontier/1,
-reductions by the same formulas, plan/frontier.py) and ``frontier.png``."""
+warm-up iterations (default 2), read by report/runlog.py and summarised by report/summary.py exactly as `kareus
+report` does. The output, under ``--out`` (default LOG_DIR/compare), is ``frontier.json`` in kareus plan's layout
+(kareus-frontier/1, reductions by the same formulas, plan/frontier.py) and ``frontier.png``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, STATISTICS_TEXT, log_notes
+from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS, STATISTICS_TEXT, log_notes
 
 # lazy (`kareus --help` imports every command module): report.measured and plan.io (~50 ms each), rich (~18 ms) and
 # plotting (matplotlib).

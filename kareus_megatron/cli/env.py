@@ -21,7 +21,7 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.versions import is_supported, supported_series
 
 # lazy (`kareus --help` imports every command module): the device layer (hardware.device and NVML, ~7 ms;
-# hardware.device.sim ~37 ms, for the simulated backend only).
+# hardware.device.sim_model, for the simulated backend only).
 
 MAX_GPU_INDEX = 1024  # GPU indices accepted: 0 .. MAX_GPU_INDEX - 1
 HELP = "show the GPU driver, NVML, supported SM clocks, clock permissions and framework versions"
@@ -79,7 +79,7 @@ def environment(gpu_index: int = 0, check_permission: bool = False, try_lock: bo
         "nvml": nvml_report(gpu_index, check_permission, try_lock=try_lock),
     }
     if backend == "simulated":
-        from kareus_megatron.hardware.device.sim import latency_from_env
+        from kareus_megatron.hardware.device.sim_model import latency_from_env
 
         report["simulated"] = {
             "gpu": kareus_settings().gpu or "(the plan's GPU)",

@@ -25,7 +25,7 @@ from typing import Any
 
 from kareus_megatron.cli.parsing import OneLineParser
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS
+from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS
 from kareus_megatron.vocab import METHODS
 
 # lazy (`kareus --help` imports every command module): jobs.commands and jobs.orchestrate (~58 ms).

@@ -12,23 +12,20 @@ left half-written; bad input leaves DIR untouched.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
-from kareus_megatron.errors import ConfigError, PlanError
+from kareus_megatron.errors import ConfigError
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
-from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.search.schedules import overlap_blocker
 from kareus_megatron.vocab import (
     BAND_DRAWS,
     FRAMEWORK_MEGATRON,
     FRAMEWORKS,
     KAREUS,
-    MEGATRON,
     METHODS,
     NANOBATCH_PERSEUS,
     schedule_for,
@@ -287,102 +284,14 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
     return result, doc, built
 
 
-def _timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any], built: list[Any]) -> Any:
-    by_name = {b.name: b for b in built}
-    if args.timeline is not None:
-        if args.timeline not in by_name:
-            have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
-            raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
-        return by_name[args.timeline]
-    from kareus_megatron.plan.objective import ISO_TIME, parse_objective, select_point
-    from kareus_megatron.plan.points import frontier_point, iso_time_index, reference_time_s
-
-    method = KAREUS if KAREUS in result.methods else list(result.methods)[-1]
-    pts = doc["methods"][method]["points"]  # the iso-time point by default, as --kareus-point's default picks it
-    ref = reference_time_s(doc, pts)
-    if args.objective is None and not args.robust:  # none as fast as Megatron: the fastest, as --kareus-point
-        return by_name[f"{method}-{iso_time_index(pts, ref):02d}"]
-    objective = parse_objective(args.objective or ISO_TIME, flag="--objective")
-    points = [frontier_point(method, i, args.out, p) for i, p in enumerate(pts)]
-    if args.robust and objective.kind == ISO_TIME:  # the reference's band: Megatron's plan moves with the parameters
-        ref = float(doc["methods"][MEGATRON]["points"][0]["time_s_band"][1])
-    chosen = select_point(points, objective, reference_time_s=ref, robust=args.robust)
-    return by_name[f"{method}-{chosen.index:02d}"]
-
-
-def _write(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
-    """Write every output into a temporary directory next to `out`, then swap it into place."""
-    from kareus_megatron.cli.plan_summary import quantity
-    from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
-    from kareus_megatron.plotting.frontier import method_label, save_frontier_png
-    from kareus_megatron.plotting.timeline import Bar, save_timeline_png, trace_events
-
-    with replace_directory(out) as tmp:
-        write_json_atomic(tmp / "frontier.json", doc)
-        for b in built:
-            save_plan(b.plan, tmp / b.relpath)
-        cfg = doc["config"]
-        title = (
-            f"{cfg['model']} on {cfg['nodes']}×{cfg['gpus_per_node']} {cfg['gpu']}, TP={cfg['tp']} "
-            f"CP={cfg['cp']} PP={cfg['pp']}, MBS={cfg['micro_batch_size']}, seq {cfg['seq_length']},\n"
-            f"{cfg['num_microbatches']} microbatches (model predictions)"
-        )
-        curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
-        save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
-        opts = result.methods[chosen.method].options
-        bars = []
-        for ti in chosen.timeline:
-            kind, mb, chunk = ti.key
-            o = opts[(ti.rank, chunk, kind)]
-            bars.append(
-                Bar(
-                    rank=ti.rank,
-                    start_s=ti.start_s,
-                    end_s=ti.end_s,
-                    clock_mhz=int(o.clock_mhz[ti.option]),
-                    kind=kind,
-                    microbatch=mb,
-                    chunk=chunk,
-                    nanobatches=int(o.nanobatches[ti.option]),
-                )
-            )
-        write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
-        from kareus_megatron.plotting.power import save_power_png
-
-        save_power_png(tmp / "power.png", power_curves(result, built, chosen), title=title)
-        p = chosen.plan.predicted
-        save_timeline_png(
-            tmp / "timeline.png",
-            bars,
-            title=f"{chosen.name} ({method_label(chosen.method)}): {quantity(p.iteration_time_s, time_unit)}, "
-            f"{quantity(p.iteration_energy_j, energy_unit)} per iteration; hatched = 2 nanobatches",
-        )
-
-
-def power_curves(result: Any, built: list[Any], chosen: Any) -> dict[str, tuple[Any, Any]]:
-    """Two iterations of the job's predicted power (t s, W) of Megatron's fastest plan and the chosen plan."""
-    import numpy as np
-
-    from kareus_megatron.search.plan_power import timeline_parts, waveform_w
-
-    picks = [b for b in built if b.method == MEGATRON and b.frontier_index == 0][:1]
-    picks += [b for b in built if b is chosen and b.method != MEGATRON]
-    out = {}
-    for b in picks:
-        t_s = b.plan.predicted.iteration_time_s
-        a, blocked, step = timeline_parts(b.timeline, result.par.pp, t_s, result.gpus_per_stage)
-        p = np.tile(waveform_w(a, blocked, result.p_blocked_w, b.plan.power_floor_w), 2)
-        out[b.name] = ((np.arange(p.size) + 0.5) * step, p)
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Plan, write the outputs atomically and print the summary table; 0 on success."""
+    from kareus_megatron.cli.plan_output import previous_output, timeline_choice, write_outputs
     from kareus_megatron.cli.plan_summary import print_summary
 
     t0 = time.perf_counter()
     result, doc, built = _plan(args)
-    chosen = _timeline_choice(args, result, doc, built)
+    chosen = timeline_choice(args, result, doc, built)
     out = Path(args.out).resolve()
     if args.max_time is not None:
         for name, mf in result.methods.items():
@@ -391,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
                     f"note: {name} has no plan within --max-time {args.max_time:g} s; its fastest plan "
                     f"({mf.time_s[0]:.4g} s) is kept for reference."
                 )
-    previous = _previous_output(out)
-    _write(out, doc, built, result, chosen)
+    previous = previous_output(out)
+    write_outputs(out, doc, built, result, chosen)
     print_summary(
         doc,
         out,
@@ -411,16 +320,3 @@ def run(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     return 0
-
-
-def _previous_output(out: Path) -> str | None:
-    """What an existing kareus output in `out` planned (check_output_dir refused any other content); else None."""
-    frontier = out / "frontier.json"
-    if not frontier.is_file():
-        return None
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(frontier.stat().st_mtime))
-    try:
-        cfg = json.loads(frontier.read_text())["config"]
-        return f"{cfg['model']} on {cfg['nodes']} × {cfg['gpus_per_node']} {cfg['gpu']}, written {when}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"written {when}"

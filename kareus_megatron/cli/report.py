@@ -27,14 +27,8 @@ from pathlib import Path
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.files import check_writable_location
 from kareus_megatron.report.clock_changes import clock_changes
-from kareus_megatron.report.runlog import (
-    DEFAULT_SKIP_ITERATIONS,
-    ENERGY_STATISTIC,
-    STATISTICS_TEXT,
-    RunLog,
-    read_run_log,
-    summarize,
-)
+from kareus_megatron.report.runlog import RunLog, read_run_log
+from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS, ENERGY_STATISTIC, STATISTICS_TEXT, summarize
 
 # lazy (`kareus --help` imports every command module): report.against_plan (~146 ms), report.run_plan and report.power
 # (~54 ms each), report.auto (~2 ms) and plotting (matplotlib).

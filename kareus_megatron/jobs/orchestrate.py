@@ -26,7 +26,8 @@ from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_com
 from kareus_megatron.jobs.torchrun import run_summarised
 from kareus_megatron.plan.io import load_plan, write_json_atomic
 from kareus_megatron.plan.points import ALL, DEFAULT_POINT, FRONTIER_FILE, read_frontier, select_frontier_points
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, MANIFEST_FILE, MEASUREMENT_FILE
+from kareus_megatron.report.runlog import MANIFEST_FILE, MEASUREMENT_FILE
+from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, METHODS, NANOBATCH_PERSEUS
 
 RUN, COMPARISON = "run", "comparison"

@@ -1,4 +1,4 @@
-"""Measured against predicted: one run's summary (report/runlog.py) against the plan it ran (``kareus report``).
+"""Measured against predicted: one run's summary (report/summary.py) against the plan it ran (``kareus report``).
 
 Predicted per stage: cost/energy.py's iteration energy, the formula the planner's simulator uses. The
 stage's GPUs (tp * cp * dp of them) each spend sum(e_i) J on the stage's instructions and
@@ -6,7 +6,7 @@ p_blocked_w * (T - sum(t_i)) J blocked, with T the predicted iteration time (s),
 instruction's predicted time (s) and energy (J, one GPU), and p_blocked_w the blocked power (W, one GPU)
 the prediction used: the plan's ``p_blocked_w``, or for a plan written before plans recorded it, its GPU
 preset's. Measured per stage: energy summed over the stage's ranks, time the slowest of its ranks; every
-measured figure is the median of runlog.summarize. Per GPU (report/per_gpu.py): each rank's median energy,
+measured figure is the median of summary.summarize. Per GPU (report/per_gpu.py): each rank's median energy,
 its share of the job's, and its stage's predicted energy divided by the stage's GPUs.
 
 A simulated run under a truth (runtime/closed_loop/truth.py) whose ``time_scale`` S is recorded in the log
@@ -25,7 +25,7 @@ from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.report.per_gpu import GpuFigures, per_gpu
-from kareus_megatron.report.runlog import RunSummary, log_notes
+from kareus_megatron.report.summary import RunSummary, log_notes
 
 
 @dataclass

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.report.runlog import RunLog, check_skip
+from kareus_megatron.report.runlog import RunLog
+from kareus_megatron.report.summary import check_skip
 
 LATE_SHARE_LIMIT = 0.05  # more than this share of clock changes late or skipped: the run is flagged
 

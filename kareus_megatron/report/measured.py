@@ -3,7 +3,7 @@
 A *log directory* holds one run directory per run, NAME-NN/ (as ``kareus launch`` writes them), each with its run
 log directory (runlog.MEASUREMENT_FILE: rank-NNNNN.jsonl files) and optionally a manifest (runlog.MANIFEST_FILE:
 method, plan, predicted figures). A run's point is its median iteration time (s) and mean GPU energy (J, all GPUs;
-total over total) after the warm-up iterations (runlog.summarize, the same figures ``kareus report`` prints); a run
+total over total) after the warm-up iterations (summary.summarize, the same figures ``kareus report`` prints); a run
 directory from before rank logs holds one merged LEGACY_MEASUREMENT_FILE instead. The reductions are computed by
 plan/frontier.py's formulas, against the measured megatron and perseus runs."""
 
@@ -18,16 +18,18 @@ from typing import Any
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.frontier import frontier_document
 from kareus_megatron.report.runlog import (
-    DEFAULT_SKIP_ITERATIONS,
-    ENERGY_STATISTIC,
     LEGACY_MEASUREMENT_FILE,
     MANIFEST_FILE,
     MEASUREMENT_FILE,
     RUN_FORMAT,
+    read_run_log,
+)
+from kareus_megatron.report.summary import (
+    DEFAULT_SKIP_ITERATIONS,
+    ENERGY_STATISTIC,
     STATISTIC,
     RunSummary,
     check_skip,
-    read_run_log,
     summarize,
 )
 from kareus_megatron.vocab import METHODS, REFERENCE_METHODS

@@ -19,7 +19,7 @@ written, under ``RunLog.iterations[i]["ranks"]``. This module reads their option
   "t", ..., "rank"}``), in time order.
 
 Warm-up: windows start after the first ``skip_iterations`` iterations of the log (default
-runlog.DEFAULT_SKIP_ITERATIONS, as ``kareus report``), and after any tag change the first iteration is
+summary.DEFAULT_SKIP_ITERATIONS, as ``kareus report``), and after any tag change the first iteration is
 left out (a clock or plan switch lands inside it). Thermal drift is not corrected here: each window
 records its mean temperature, and guarding against drift is the closed loop's business.
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS, RunLog, check_skip
+from kareus_megatron.report.runlog import RunLog
+from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS, check_skip
 
 MIN_WINDOW_S = 1.0  # shortest energy window (s): about 10 updates of NVML's energy counter
 ITERATION_KEYS = frozenset(

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_megatron.report.runlog import RunSummary
+from kareus_megatron.report.summary import RunSummary
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

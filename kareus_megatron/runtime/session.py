@@ -9,19 +9,17 @@ run is only *measured*: no clock controller, the device is read on the training 
 CUDA device ``local_rank``, found in NVML by its UUID (hardware/device/cuda_map.py: torch's UUID, else
 CUDA_VISIBLE_DEVICES; MIG is refused). With KAREUS_GPU_READ_ONLY=1 the controller decides and records
 every planned clock but nothing on the GPU changes (the run log header: clock_control false, read_only
-true). ``SessionSlot`` holds the one session a framework API (kareus_megatron.megatron,
-kareus_megatron.deepspeed) has installed in this process.
+true). The session a framework API has installed in this process is held by runtime/session_slot.py.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
 import time
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Generic, Literal, Self, TypeVar
+from typing import Any, Literal, Self
 
 from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import ClockControlError, ConfigError
@@ -383,30 +381,3 @@ class RuntimeSession(SignalHandling):
         """An exception left the schedule: reset clocks now (the next iteration re-applies them)."""
         if self.client is not None:
             self.client.reset(timeout_s=2.0)
-
-
-S = TypeVar("S", bound=RuntimeSession)
-
-
-class SessionSlot(Generic[S]):
-    """The one session a framework API has installed in this process (install replaces, uninstall closes)."""
-
-    def __init__(self, session_class: type[S]) -> None:
-        self.session_class = session_class
-        self.session: S | None = None
-
-    def install(self, plan: Plan | None, *, log_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> S:
-        """Close the installed session (if any), then start and hold a new one for `plan`."""
-        self.uninstall()
-        self.session = self.session_class(plan, log_path=os.fspath(log_path) if log_path else None, **kwargs).start()
-        return self.session
-
-    def uninstall(self) -> None:
-        """Close the installed session (writes this rank's last iterations); no-op when none is installed."""
-        session, self.session = self.session, None
-        if session is not None:
-            session.close()
-
-
-MEGATRON_SESSIONS: SessionSlot[RuntimeSession] = SessionSlot(RuntimeSession)
-"""The megatron-core session of this process: installed by kareus_megatron.megatron and the entry points."""

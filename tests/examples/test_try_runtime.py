@@ -218,7 +218,7 @@ def test_cpu_shim_imports_without_torch() -> None:
 def test_try_runtime_refuses_too_few_iterations_before_training(tmp_path: Path) -> None:
     """ITERATIONS at or below the report's warm-up is refused in one line before planning or training (it used
     to train for 21 s and then fail in the report); the Makefile's warm-up is the report's."""
-    from kareus_megatron.report.runlog import DEFAULT_SKIP_ITERATIONS
+    from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS
 
     makefile = (ROOT / "Makefile").read_text()
     assert f"REPORT_WARMUP := {DEFAULT_SKIP_ITERATIONS}\n" in makefile

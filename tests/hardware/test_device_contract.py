@@ -10,9 +10,9 @@ import pytest
 from kareus_megatron.errors import ClockControlError, ConfigError, DeviceUnavailableError
 from kareus_megatron.hardware.device import GPUDevice, SimulationHooks, nearest_supported_mhz, open_gpu, simulation_of
 from kareus_megatron.hardware.device.nvml import nvml_available
-from kareus_megatron.hardware.device.sim import DEFAULT_COMPUTE_ACTIVITY as ACT_C
-from kareus_megatron.hardware.device.sim import DEFAULT_MEMORY_ACTIVITY as ACT_M
 from kareus_megatron.hardware.device.sim import SimulatedGPU
+from kareus_megatron.hardware.device.sim_model import DEFAULT_COMPUTE_ACTIVITY as ACT_C
+from kareus_megatron.hardware.device.sim_model import DEFAULT_MEMORY_ACTIVITY as ACT_M
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.hardware.power import power_w
 

@@ -1,6 +1,6 @@
 """The simulated GPU's busy activity is the planner's: the time-weighted mean activity of the default job.
 
-The simulated backend (hardware/device/sim.py) sits below the cost model, so it cannot ask the model
+The simulated backend (hardware/device/sim.py, sim_model.py) sits below the cost model, so it cannot ask the model
 per instruction; its default compute and memory activities are the cost model's time-weighted means
 over every op of the default job's forward and backward instructions (both stages, at the maximum SM
 clock). This test recomputes those means, so the constants follow the model when it changes.
@@ -12,7 +12,7 @@ import numpy as np
 
 from kareus_megatron.cli.workload_args import DEFAULT_JOB
 from kareus_megatron.cost.kernel import KernelModel
-from kareus_megatron.hardware.device import sim
+from kareus_megatron.hardware.device import sim_model
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.workload.models import model_spec
 from kareus_megatron.workload.parallel import make_parallel
@@ -52,5 +52,5 @@ def planner_mean_activities() -> tuple[float, float]:
 
 def test_simulated_activities_are_the_planners_means():
     compute, memory = planner_mean_activities()
-    assert abs(sim.DEFAULT_COMPUTE_ACTIVITY - compute) <= 0.02, compute
-    assert abs(sim.DEFAULT_MEMORY_ACTIVITY - memory) <= 0.02, memory
+    assert abs(sim_model.DEFAULT_COMPUTE_ACTIVITY - compute) <= 0.02, compute
+    assert abs(sim_model.DEFAULT_MEMORY_ACTIVITY - memory) <= 0.02, memory

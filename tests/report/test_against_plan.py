@@ -16,7 +16,8 @@ from kareus_megatron.cli import main as cli_main
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import load_plan, plan_sha256, save_plan
 from kareus_megatron.report.against_plan import blocked_power_w, compare, predicted_stage_energy_j
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 from kareus_megatron.runtime.measure.measurement import IterationMeter
 from kareus_megatron.runtime.measure.rank_files import open_rank_log
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from kareus_megatron.cli import main as cli_main
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.points import read_frontier
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 
 # run -> per-iteration (time_s, energy_j); iteration 0 is warm-up (skipped with --skip-iterations 1).
 RUNS = {

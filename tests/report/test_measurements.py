@@ -9,7 +9,8 @@ import pytest
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.measurements import energy_windows, instruction_samples, run_events
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 
 
 def _cols(times, clock=1410):

@@ -15,7 +15,8 @@ from kareus_megatron.cli import main as cli_main
 from kareus_megatron.plan.io import save_plan
 from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.per_gpu import per_gpu
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 
 # rank -> per-iteration energy (J); iterations 0, 1 are warm-up. Time: rank r takes 0.5 + 0.1 r s.
 ENERGY = {

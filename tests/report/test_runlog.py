@@ -1,6 +1,6 @@
-"""report/runlog.py, the one reader of run logs: `kareus report` and `kareus compare` give the same figures
-for the same log (median after 2 warm-up iterations by default), leave out a last line cut by a killed
-job the same way, and both refuse a log holding two runs."""
+"""report/runlog.py, the one reader of run logs, and report/summary.py, its one summary: `kareus report` and
+`kareus compare` give the same figures for the same log (median after 2 warm-up iterations by default), leave out a
+last line cut by a killed job the same way, and both refuse a log holding two runs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import save_plan
 from kareus_megatron.report.against_plan import compare
 from kareus_megatron.report.measured import collect_runs
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 
 # Two warm-up iterations, then 0.5, 0.75, 0.5 and a slow 4.0 s: median time 0.625 s (mean 1.4375 s); energy is
 # total over total, 12800 J / 4 = 3200 J (the median would be 1400 J).

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kareus_megatron.errors import KareusError
 from kareus_megatron.report.per_gpu import per_gpu
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**12), st.floats(allow_nan=True), st.text(max_size=8))
 _values = st.recursive(

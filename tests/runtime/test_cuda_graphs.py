@@ -19,7 +19,7 @@ from kareus_megatron import launch
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.io import save_plan
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv, cuda_graph_problem
-from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
+from kareus_megatron.runtime.frameworks.megatron_lm_hook import megatron_lm_hook
 from kareus_megatron.runtime.frameworks.megatron_patch import LiveRun, validate_plan
 
 ROOT = Path(__file__).resolve().parents[2]

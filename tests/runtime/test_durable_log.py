@@ -21,7 +21,8 @@ from _dist import free_port
 
 from kareus_megatron.cli.main import main
 from kareus_megatron.errors import ConfigError
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 from kareus_megatron.runtime.measure.measurement import IterationMeter
 from kareus_megatron.runtime.measure.rank_files import open_rank_log
 

@@ -17,7 +17,7 @@ import pytest
 
 from kareus_megatron.errors import PlanMismatchError
 from kareus_megatron.plan.io import save_plan
-from kareus_megatron.runtime.frameworks.entry import megatron_lm_hook
+from kareus_megatron.runtime.frameworks.megatron_lm_hook import megatron_lm_hook
 from kareus_megatron.versions import supported_series
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from kareus_megatron.errors import KareusError
 from kareus_megatron.plan.io import save_plan, write_json_atomic
 from kareus_megatron.report.against_plan import compare
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 from kareus_megatron.runtime.frameworks.entry import resolve_plan
 
 _DIR = Path(tempfile.mkdtemp(prefix="kareus-points-"))

@@ -16,7 +16,8 @@ from kareus_megatron.hardware.device.sim import SimulatedGPU
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.io import plan_sha256, save_plan
 from kareus_megatron.report.against_plan import compare
-from kareus_megatron.report.runlog import read_run_log, summarize
+from kareus_megatron.report.runlog import read_run_log
+from kareus_megatron.report.summary import summarize
 from kareus_megatron.runtime.clock.client import ClockClient
 from kareus_megatron.runtime.measure.measurement import IterationMeter
 from kareus_megatron.runtime.measure.rank_files import open_rank_log
@@ -70,7 +71,7 @@ def test_report_cli_prints_table_and_plot(tmp_path, capsys):
     cmp = compare(summarize(read_run_log(log)), plan)  # report/ (tests/report/ has its own tests)
     assert cmp.used == 3 and cmp.notes == [] and cmp.p_blocked_w == gpu_spec(plan.gpu).p_blocked_w
     assert cmp.rows[0].measured == pytest.approx(statistics.median(r["time_s"] for r in list(meter.records)[2:]))
-    used = list(meter.records)[2:]  # energy: total over total (report/runlog.py ENERGY_STATISTIC)
+    used = list(meter.records)[2:]  # energy: total over total (report/summary.py ENERGY_STATISTIC)
     assert cmp.rows[1].measured == pytest.approx(sum(r["energy_j"] for r in used) / len(used))
     assert cmp.rows[0].predicted == plan.predicted.iteration_time_s
 
@@ -151,7 +152,7 @@ def test_the_sink_is_fed_outside_the_meter_lock_and_never_from_a_signal_drain(tm
 def test_the_header_names_the_cuda_device_once_cuda_is_initialised(tmp_path, monkeypatch):
     import torch
 
-    from kareus_megatron.runtime.measure.measurement import cuda_device_identity
+    from kareus_megatron.runtime.process_env import cuda_device_identity
 
     assert cuda_device_identity() == {}  # CPU: never initialises CUDA
     props = type("Props", (), {"name": "NVIDIA H200", "uuid": "5a8b3c1d-0000-1111-2222-333344445555"})()

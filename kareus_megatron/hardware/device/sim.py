@@ -9,9 +9,9 @@ simulated truth's, runtime/closed_loop/truth.py) and the preset's blocked power 
 (``use_power_model`` swaps the preset's power fields for a truth's). Timestamps are ``time.monotonic()``
 seconds (one clock for every process on the machine). ``KAREUS_SIMULATED_NO_PERMISSION=1`` makes clock
 calls fail as NVML does without root. A read-only simulated GPU (``read_only=True``, KAREUS_GPU_READ_ONLY=1)
-records set/reset calls and keeps running at its default clock. Temperature (°C) follows the power drawn: a
-first-order model, ambient SIM_AMBIENT_C plus SIM_RISE_C at the board power limit, time constant
-SIM_THERMAL_TAU_S. Beyond the ``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
+records set/reset calls and keeps running at its default clock. Temperature (°C) follows the power drawn. The
+latency, the default activity and the temperature model are hardware/device/sim_model.py's. Beyond the
+``GPUDevice`` contract it implements ``SimulationHooks`` (hardware/device/base.py).
 """
 
 from __future__ import annotations
@@ -27,41 +27,20 @@ from typing import TYPE_CHECKING, Any
 from kareus_megatron.environment import KareusSettings, kareus_settings
 from kareus_megatron.errors import ClockControlError, DeviceUnavailableError
 from kareus_megatron.hardware.device.base import OwnedLocks, min_power_limit_w
+from kareus_megatron.hardware.device.sim_model import (
+    DEFAULT_COMPUTE_ACTIVITY,
+    DEFAULT_MEMORY_ACTIVITY,
+    lagged_temperature_c,
+    latency_from_env,
+    steady_temperature_c,
+)
 from kareus_megatron.hardware.power import power_w, sustained_clock_mhz
 from kareus_megatron.jsonl import JsonlAppender
 
 if TYPE_CHECKING:
     from kareus_megatron.hardware.gpus import GPUSpec
 
-DEFAULT_LATENCY_MS = 15.0
 _MODEL = math.nan  # a busy power override that is none: the power model's
-# Activity (fraction of peak) of a busy instruction when the caller gives none: the planner's cost model's
-# time-weighted mean over every op of the default job's forward and backward instructions at the maximum
-# clock (0.695 compute, 0.308 memory; tests/hardware/test_sim_activity.py recomputes them). The simulator
-# sits below the cost model, so it uses these means rather than each op's own activity.
-DEFAULT_COMPUTE_ACTIVITY = 0.69
-DEFAULT_MEMORY_ACTIVITY = 0.31
-# Simulated temperature: a plain first-order lag toward ambient + rise * power / power limit (typical
-# air-cooled data-center GPUs idle near 30-35 °C and sit near 70-80 °C at their limit).
-SIM_AMBIENT_C = 30.0
-SIM_RISE_C = 45.0
-SIM_THERMAL_TAU_S = 20.0
-
-
-def latency_from_env() -> float:
-    """Simulated NVML call latency (s) from KAREUS_SIMULATED_LATENCY_MS (default 15 ms)."""
-    raw = kareus_settings().simulated_latency_ms
-    if raw is None or raw == "":
-        return DEFAULT_LATENCY_MS / 1000.0
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:
-        raise DeviceUnavailableError(
-            f"KAREUS_SIMULATED_LATENCY_MS={raw!r} is not a non-negative number of milliseconds; e.g. 15"
-        )
-    return ms / 1000.0
 
 
 class SimulatedGPU(OwnedLocks):
@@ -104,7 +83,7 @@ class SimulatedGPU(OwnedLocks):
         self._power_limit_w = float(spec.power_limit_w)  # in force (W); the board limit at open
         self._capped = spec  # the preset with the power limit in force (the power model's clamp)
         self._limit_set = False  # whether this object changed the power limit (what reset_power_limit undoes)
-        self._temp_c = SIM_AMBIENT_C + SIM_RISE_C * float(spec.p_blocked_w) / float(spec.power_limit_w)
+        self._temp_c = steady_temperature_c(float(spec.p_blocked_w), float(spec.power_limit_w))
         self._temp_at = (self._t_last, 0.0)  # (time s, energy J) of the last temperature update
         self._open = True
         self.log_event("open", mhz=self._mhz, read_only=self._read_only)
@@ -313,8 +292,8 @@ class SimulatedGPU(OwnedLocks):
             dt = t_now - t0
             if dt > 0:
                 p_w = (energy - e0) / dt
-                target = SIM_AMBIENT_C + SIM_RISE_C * p_w / float(self.spec.power_limit_w)
-                self._temp_c = target + (self._temp_c - target) * math.exp(-dt / SIM_THERMAL_TAU_S)
+                target = steady_temperature_c(p_w, float(self.spec.power_limit_w))
+                self._temp_c = lagged_temperature_c(self._temp_c, target, dt)
                 self._temp_at = (t_now, energy)
             return self._temp_c
 

@@ -266,7 +266,7 @@ class AutoWorker(threading.Thread):
         from kareus_megatron.hardware.device import backend_from_env
 
         if backend_from_env(self.ctl.session.backend) == "simulated":  # plan for its own clock-call latency
-            from kareus_megatron.hardware.device.sim import latency_from_env
+            from kareus_megatron.hardware.device.sim_model import latency_from_env
 
             args += ["--clock-latency-ms", repr(latency_from_env() * 1000.0)]
         if max_time_s is not None:

@@ -56,7 +56,6 @@ the per-GPU view).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -67,7 +66,9 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
 from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
+from kareus_megatron.runtime.measure.marks import count_growth, finite, resolve, wait_for
 from kareus_megatron.runtime.measure.rank_files import remove_if_empty
+from kareus_megatron.runtime.process_env import cuda_device_identity
 
 RANK_LOG_FORMAT = "kareus-rank-log/1"
 RECENT_RECORDS = 1000  # lines kept in memory (IterationMeter.records); the file holds them all
@@ -98,39 +99,6 @@ EVENT_KEYS = frozenset({"kind", "event", "iteration", "t"})
 _TAG_TYPES = (str, int, float, bool)
 
 
-def _done(point: Any) -> bool:
-    return isinstance(point, float) or point.done
-
-
-def _wait(point: Any, deadline: float) -> bool:
-    """Whether `point` has resolved, waiting for it until `deadline` (time.monotonic(), s)."""
-    if _done(point):
-        return True
-    left = deadline - time.monotonic()
-    return left > 0 and bool(point.wait(left))
-
-
-def _resolve(point: Any, timeout_s: float = 0.0) -> tuple[float, float]:
-    """(time s, energy J) of a measurement point: a ticket (.wait/.t/.energy_j) or a bare time."""
-    if isinstance(point, float):
-        return point, math.nan
-    if point.wait(timeout_s) and point.t is not None:
-        return float(point.t), float(point.energy_j)
-    return math.nan, math.nan
-
-
-def _num(x: Any) -> float | None:
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        return None
-    return None if (math.isnan(x) or math.isinf(x)) else float(x)
-
-
-def _count(info0: dict[str, Any], info1: dict[str, Any], key: str) -> int | None:
-    """How much the controller's running count `key` grew between two mark answers (None: unknown)."""
-    a, b = info0.get(key), info1.get(key)
-    return b - a if isinstance(a, int) and isinstance(b, int) and b >= a else None
-
-
 class IterationSink(Protocol):
     """Another consumer of each iteration's figures (see the module doc); none of its methods may raise."""
 
@@ -139,28 +107,6 @@ class IterationSink(Protocol):
     def record(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def cuda_device_identity() -> dict[str, str]:
-    """``gpu_uuid`` and ``gpu_name`` of this process's current CUDA device, or {} when CUDA is not initialised.
-
-    Never initialises CUDA (that would make a context on device 0 of every rank); torch prints the UUID
-    without NVML's ``GPU-`` prefix, which is added so the header matches ``nvidia-smi -L``.
-    """
-    import sys
-
-    torch = sys.modules.get("torch")
-    try:
-        if torch is None or not torch.cuda.is_initialized():
-            return {}
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    except Exception:  # a CPU build, a broken driver: the header just lacks them
-        return {}
-    out = {"gpu_name": str(props.name)}
-    uuid = str(getattr(props, "uuid", "") or "")
-    if uuid:
-        out["gpu_uuid"] = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-    return out
 
 
 class IterationMeter:
@@ -318,7 +264,7 @@ class IterationMeter:
                 item = queue[0]
                 if isinstance(item, dict) and not self._staged and not self._stop.is_set():
                     break  # an event before validation waits: the header (with this rank's stage) comes first
-                if not isinstance(item, dict) and not (_wait(item[1], deadline) and _wait(item[2], deadline)):
+                if not isinstance(item, dict) and not (wait_for(item[1], deadline) and wait_for(item[2], deadline)):
                     break
                 record = self._write_item(queue.popleft())
                 if record is not None:
@@ -377,23 +323,23 @@ class IterationMeter:
     def _write(
         self, iteration: int, p0: Any, p1: Any, tags: dict[str, Any] | None = None, stamps: Any = None
     ) -> dict[str, Any]:
-        t0, e0 = _resolve(p0)
-        t1, e1 = _resolve(p1)
+        t0, e0 = resolve(p0)
+        t1, e1 = resolve(p1)
         info0, info1 = getattr(p0, "info", None) or {}, getattr(p1, "info", None) or {}
         clock = info1.get("sm_clock_mhz")
         record = {
             "kind": "iteration",
             "iteration": iteration,
-            "t_start": _num(t0),
-            "t_end": _num(t1),
-            "time_s": _num(t1 - t0),
-            "energy_j": _num(e1 - e0),
-            "temperature_c": _num(info1.get("temperature_c")),
+            "t_start": finite(t0),
+            "t_end": finite(t1),
+            "time_s": finite(t1 - t0),
+            "energy_j": finite(e1 - e0),
+            "temperature_c": finite(info1.get("temperature_c")),
             "sm_clock_mhz": clock if isinstance(clock, int) else None,
-            "clock_stale": _count(info0, info1, "stale"),
-            "clock_errors": _count(info0, info1, "errors"),
-            "clock_applied": _count(info0, info1, "applied"),
-            "clock_late": _count(info0, info1, "late"),
+            "clock_stale": count_growth(info0, info1, "stale"),
+            "clock_errors": count_growth(info0, info1, "errors"),
+            "clock_applied": count_growth(info0, info1, "applied"),
+            "clock_late": count_growth(info0, info1, "late"),
         }
         if isinstance(info1.get("power"), dict):  # the GPU's power samples over the iteration (clock/power_samples.py)
             record["power"] = info1["power"]

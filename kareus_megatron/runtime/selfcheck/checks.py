@@ -45,7 +45,7 @@ def _p95(xs: list[float]) -> float:
 def check_megatron_patch(torch: Any, sizes: Sizes, device: str, work: str) -> dict[str, Any]:
     """Train without, then with, the patch (read-only device, thread controller); compare."""
     from kareus_megatron.runtime.selfcheck.sync_count import CudaSyncCounter
-    from kareus_megatron.runtime.session import MEGATRON_SESSIONS
+    from kareus_megatron.runtime.session_slot import MEGATRON_SESSIONS
 
     cuda = device.startswith("cuda")
     counters = [CudaSyncCounter(torch) if cuda else None for _ in range(2)]

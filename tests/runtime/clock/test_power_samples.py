@@ -8,9 +8,9 @@ import time
 import pytest
 
 from kareus_megatron.hardware.device import simulation_of
-from kareus_megatron.hardware.device.sim import DEFAULT_COMPUTE_ACTIVITY as ACT_C
-from kareus_megatron.hardware.device.sim import DEFAULT_MEMORY_ACTIVITY as ACT_M
 from kareus_megatron.hardware.device.sim import SimulatedGPU
+from kareus_megatron.hardware.device.sim_model import DEFAULT_COMPUTE_ACTIVITY as ACT_C
+from kareus_megatron.hardware.device.sim_model import DEFAULT_MEMORY_ACTIVITY as ACT_M
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.hardware.power import power_w
 from kareus_megatron.runtime.clock.controller import ClockController

@@ -109,5 +109,5 @@ def test_plan_launch_compare(tmp_path, monkeypatch):
         its = read_run_log(logs / name / MEASUREMENT_FILE).iterations
         assert [x["iteration"] for x in its] == [0, 1, 2]
         (pt,) = doc["methods"][name.split("-")[0]]["points"]
-        assert pt["energy_j"] == statistics.median(x["energy_j"] for x in its[1:])  # report/runlog.py's statistic
+        assert pt["energy_j"] == statistics.median(x["energy_j"] for x in its[1:])  # report/summary.py's statistic
     assert "reductions (measured" in r.stdout and (logs / "compare" / "frontier.png").is_file()
