@@ -2,7 +2,8 @@
 patch's --kareus-workload (the drop-in takes the generic launcher's path, tests/runtime/test_auto_run.py). 2 gloo
 ranks, PP=2, the simulated GPU with a truth (KAREUS_SIMULATED_TRUTH) equal to the preset but for its time scale. The
 job profiles itself, calibrates, plans in a side process and every rank switches to the new plan at the same
-iteration; the plan then holds against its prediction (no re-plan)."""
+iteration; the plan then holds against its prediction (checked, no re-plan). A run on the idle 2-core machine:
+calibrated from iterations 0-16, switched at 22, checked over 23-30; ITERATIONS leaves room for a slower machine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mlm_runs import CONFIGS, GPU, child_env, megatron_losses, mlm_command, rank
 from kareus_megatron.report.measurements import run_events
 from kareus_megatron.report.runlog import read_run_log
 
-ITERATIONS = 75
+ITERATIONS = 40
 
 
 @pytest.mark.parametrize("tag,native", [("core_v0.19.0", True)], ids=["0.19.0-patched"])
@@ -41,4 +42,6 @@ def test_pretrain_gpt_closes_the_loop(tag, native, megatron_lm_tree, plan_dir, t
     assert all(len(v) == 1 for v in versions.values())  # no iteration where the ranks ran different plans
     (cal,) = [e for e in events if e["event"] == "calibrated"]
     assert cal["iterations"][1] - cal["iterations"][0] + 1 <= 20
+    (checked,) = [e for e in events if e["event"] == "checked"]  # the new plan, measured against its prediction
+    assert checked["plan_version"] == 1 and checked["iteration"] > switches[0]["iteration"]
     assert not [e for e in events if e["event"] in ("drift", "auto-failed", "objective-unmet")]
