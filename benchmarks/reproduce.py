@@ -9,6 +9,7 @@ Everything is a MODEL PREDICTION: it shows what to expect before booking GPUs; `
 same comparison on a real cluster and `kareus compare` renders the measured one with the same formulas.
 
 Run: make repro, or .venv/bin/python benchmarks/reproduce.py [--out DIR] [--points N] [--only 1,5,70b]
+[--band-samples N]
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ REDUCTIONS = {
 }
 
 
-def plan_one(cfg: PaperConfig, out: Path, points: int, calibration: str | None) -> dict:
+def plan_one(
+    cfg: PaperConfig, out: Path, points: int, calibration: str | None, band_samples: int | None = None
+) -> dict:
     """Run `kareus plan` for one configuration; return its frontier document."""
     argv = ["plan", *cfg.argv(), "--out", str(out), "--points", str(points)]
     argv += ["--no-memory-check"] if cfg.tag == "70b" else []  # emulated in the paper: needs > 40 GB per GPU
     if calibration:
         argv += ["--calibration", calibration]
+    if band_samples is not None:
+        argv += ["--band-samples", str(band_samples)]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = kareus(argv)
@@ -67,6 +72,13 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=6, help="plans written per method and configuration (default 6)")
     ap.add_argument("--only", default=None, help="comma-separated configuration tags (1..10, 70b)")
     ap.add_argument("--calibration", default=None, help="calibration JSON (default: GPU preset only)")
+    ap.add_argument(
+        "--band-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="kareus plan's --band-samples (default: its own; 0: no prediction bands, a faster run)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +90,7 @@ def main() -> None:
     docs: list[tuple[PaperConfig, dict]] = []
     for cfg in chosen:
         t = time.perf_counter()
-        doc = plan_one(cfg, out / f"config-{cfg.tag}", args.points, args.calibration)
+        doc = plan_one(cfg, out / f"config-{cfg.tag}", args.points, args.calibration, args.band_samples)
         docs.append((cfg, doc))
         print(
             f"  #{cfg.tag:<3} {cfg.model:<13} {cfg.layout:<11} MBS {cfg.mbs:<2} seq {cfg.seq:<5} "

@@ -57,9 +57,10 @@ NOT_APPLICABLE |= {("torchrun", c) for c in CLASSES}  # every argument is torchr
 
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
-    """A real `kareus plan` output (2 plans per method) to point report and launch at."""
+    """A real `kareus plan` output (2 plans per method) to point report and launch at; no prediction bands (none is
+    read here, and their 32 draws were most of the plan's time)."""
     out = tmp_path_factory.mktemp("plan") / "out"
-    assert main(["plan", "--out", str(out), "--points", "2"]) == 0
+    assert main(["plan", "--out", str(out), "--points", "2", "--band-samples", "0"]) == 0
     return out
 
 

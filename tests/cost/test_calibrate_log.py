@@ -44,17 +44,28 @@ def _truth_value(gpu: GPUSpec, name: str) -> float:
     return float(getattr(gpu, name) if hasattr(gpu, name) else getattr(KernelParams(), name))
 
 
+NO_BANDS = ["--band-samples", "0"]  # the plans' prediction bands: none is read here
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory) -> Path:
+    """megatron-00 of `kareus plan` of TINY, shared: the tests only read it (each writes its own log)."""
+    return make_plan(tmp_path_factory.mktemp("tiny-plan") / "plan", [*TINY, *NO_BANDS])
+
+
 @pytest.fixture(scope="module", params=["tiny", "big"])
 def case(request, tmp_path_factory):
-    """(plan dir, log dir, min window s, fitted calibration, fit wall time s) of one synthetic run."""
+    """(name, plan dir, fitted calibration, fit wall time s) of one synthetic run."""
     tmp = tmp_path_factory.mktemp(request.param)
-    flags, iters, window = (TINY, 40, 0.01) if request.param == "tiny" else (BIG, 4, 1.0)
-    plan = make_plan(tmp / "plan", flags)
+    if request.param == "tiny":
+        plan, iters, window = request.getfixturevalue("tiny_plan"), 40, 0.01
+    else:
+        plan, iters, window = make_plan(tmp / "plan", [*BIG, *NO_BANDS]), 4, 1.0
     log = write_log(tmp / "log", plan, truth_calibration(), iters_per_clock=iters)
     gpu, run = _run(log, plan, window)
     t0 = time.perf_counter()
     cal = fit_from_logs([run], gpu)
-    return request.param, tmp / "plan", cal, time.perf_counter() - t0
+    return request.param, plan.parents[1], cal, time.perf_counter() - t0
 
 
 def test_identified_parameters_are_recovered_within_5_percent(case):
@@ -106,9 +117,9 @@ def test_plans_predicted_under_the_fit_match_the_truth_within_3_percent(case):
     assert cols["time"]["after"]["rms_pct"] < 2 and cols["ratio"]["after"]["rms_pct"] < 2
 
 
-def test_the_truth_reproduces_a_noiseless_run_exactly(tmp_path):
+def test_the_truth_reproduces_a_noiseless_run_exactly(tiny_plan, tmp_path):
     """The batched prediction (one op_profile call per workload) is instruction_cost's, energy model included."""
-    plan = make_plan(tmp_path / "plan", TINY)
+    plan = tiny_plan
     log = write_log(tmp_path / "log", plan, truth_calibration(), iters_per_clock=3, noise=0.0)
     gpu, run = _run(log, plan, 0.001)
     d: FitData = prepare([run], gpu)
@@ -120,16 +131,16 @@ def test_the_truth_reproduces_a_noiseless_run_exactly(tmp_path):
     assert column_errors(KernelModel(gpu), d)["energy"]["max_pct"] > 5
 
 
-def test_one_clock_is_too_few_to_fit_time_ratios(tmp_path):
-    plan = make_plan(tmp_path / "plan", TINY)
+def test_one_clock_is_too_few_to_fit_time_ratios(tiny_plan, tmp_path):
+    plan = tiny_plan
     log = write_log(tmp_path / "log", plan, truth_calibration(), clocks=(1410,), iters_per_clock=20)
     gpu, run = _run(log, plan, 0.01)
     with pytest.raises(CalibrationError, match=r"too few SM clocks.*1410 MHz"):
         fit_from_logs([run], gpu)
 
 
-def test_a_sample_outside_the_plan_is_refused(tmp_path):
-    plan = make_plan(tmp_path / "plan", TINY)
+def test_a_sample_outside_the_plan_is_refused(tiny_plan, tmp_path):
+    plan = tiny_plan
     log = write_log(tmp_path / "log", plan, truth_calibration(), iters_per_clock=3)
     gpu, run = _run(log, plan, 0.001)
     bad = dataclasses.replace(run.samples[0], pp_rank=5)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -22,15 +24,39 @@ def bench():
     return importlib.import_module("fidelity")
 
 
-def test_quick_table_has_every_gpu_workload_and_mode(bench, tmp_path, capsys):
-    out = tmp_path / "fidelity.json"
-    assert bench.main(["--quick", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def quick(bench, tmp_path_factory):
+    """`fidelity.py --quick --json FILE`, run once for the table's test and the leave-one-GPU-out one: (exit status,
+    printed text, the JSON document, per transfer() call in row order the GPUs its inputs were fitted on)."""
+    fitted_gpus: dict[int, set[str]] = {}  # id of the fitted KernelParams -> GPUs of the profiles it saw
+    transferred: list[set[str]] = []  # per transfer() call (leave-one-GPU-out rows only), in row order
+    real_fit, real_transfer = bench.fit, bench.transfer
+
+    def fit(cases, *args, **kw):
+        out = real_fit(cases, *args, **kw)
+        fitted_gpus[id(out[1])] = {c.gpu for c in cases}
+        return out
+
+    def transfer(fitted):
+        transferred.append(set().union(*(fitted_gpus[id(p)] for p in fitted)))
+        return real_transfer(fitted)
+
+    out = tmp_path_factory.mktemp("fidelity") / "fidelity.json"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(bench, "fit", fit)
+        mp.setattr(bench, "transfer", transfer)
+        rc = bench.main(["--quick", "--json", str(out)])
+    return rc, printed.getvalue(), json.loads(out.read_text()) if out.exists() else None, transferred
+
+
+def test_quick_table_has_every_gpu_workload_and_mode(bench, quick):
+    rc, text, doc, _ = quick
+    assert rc == 0
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert table[0].startswith("| GPU | workload | mode |") and len(table) == 1 + 2 * 2 * 4, text
     assert all(line.rstrip().endswith(("| met |", "| missed |")) for line in table[1:]), text
     assert "targets: power MAPE <= 12% and energy-minimising clock within 60 MHz" in text
-    doc = json.loads(out.read_text())
     keys = {(r["gpu"], r["workload"], r["mode"]) for r in doc["rows"]}
     assert keys == {(g, w, m) for g in ("A100-SXM4-80GB", "A40") for w in ("GPT-3", "BLOOM") for m in bench.MODES}
     for r in doc["rows"]:
@@ -82,27 +108,14 @@ def test_perturbed_preset_misses_the_power_target(bench):
     assert all(not r.met and r.power_mape_pct > 12 for r in rows["perturbed"].values()), rows
 
 
-def test_leave_one_gpu_out_never_fits_on_the_held_out_gpu(bench, monkeypatch):
-    """Each leave-one-GPU-out row's kernel parameters come only from fits to the other GPU's profiles."""
-    fitted_gpus: dict[int, set[str]] = {}  # id of the fitted KernelParams -> GPUs of the profiles it saw
-    transferred: list[set[str]] = []  # per transfer() call, in row order: GPUs its inputs were fitted on
-    real_fit, real_transfer = bench.fit, bench.transfer
-
-    def fit(cases, *args, **kw):
-        out = real_fit(cases, *args, **kw)
-        fitted_gpus[id(out[1])] = {c.gpu for c in cases}
-        return out
-
-    def transfer(fitted):
-        transferred.append(set().union(*(fitted_gpus[id(p)] for p in fitted)))
-        return real_transfer(fitted)
-
-    monkeypatch.setattr(bench, "fit", fit)
-    monkeypatch.setattr(bench, "transfer", transfer)
-    rows, _ = bench.run(quick=True, modes=("leave-one-GPU-out",))
+def test_leave_one_gpu_out_never_fits_on_the_held_out_gpu(quick):
+    """Each leave-one-GPU-out row's kernel parameters come only from fits to the other GPU's profiles (the --quick run
+    of `quick`: transfer() makes the leave-one-GPU-out rows only, one call each, in row order)."""
+    _, _, doc, transferred = quick
+    rows = [r for r in doc["rows"] if r["mode"] == "leave-one-GPU-out"]
     assert len(rows) == len(transferred) == 4
     for row, gpus in zip(rows, transferred):
-        assert gpus == {row.fitted_on} and row.gpu not in gpus, (row, gpus)
+        assert gpus == {row["fitted_on"]} and row["gpu"] not in gpus, (row, gpus)
 
 
 def test_bad_paths_are_one_line_and_status_2(bench, tmp_path, capsys):

@@ -53,6 +53,8 @@ def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "none",
                 "--points",
                 "3",
+                "--band-samples",
+                "0",  # the runs read a plan's clocks or cap, no band
                 "--out",
                 str(out),
             ]
@@ -225,6 +227,8 @@ def test_a_killed_powercap_run_restores_every_power_limit(
                 "powercap",
                 "--points",
                 "3",
+                "--band-samples",
+                "0",  # the runs read a plan's clocks or cap, no band
                 "--out",
                 str(plan),
             ]

@@ -162,6 +162,8 @@ def _train(tmp_path: Path, read_only: bool, name: str) -> subprocess.CompletedPr
                 "none",
                 "--methods",
                 "perseus",
+                "--band-samples",
+                "0",  # the run reads perseus-00's clocks, no band
                 "--out",
                 str(plan_dir),
             ],

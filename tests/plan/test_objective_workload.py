@@ -44,6 +44,8 @@ JOB = [
     "--recompute",
     "none",
 ]
+# `kareus plan` of 4 points without prediction bands: no test here reads one, and the 32 draws were most of its time
+PLAN = [sys.executable, "-m", "kareus_megatron.cli.main", "plan", "--points", "4", "--band-samples", "0"]
 
 
 def _pt(i: int, t: float, e: float) -> FrontierPoint:
@@ -107,11 +109,7 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("plan") / "p"
-    subprocess.run(
-        [sys.executable, "-m", "kareus_megatron.cli.main", "plan", *JOB, "--points", "4", "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run([*PLAN, *JOB, "--out", str(out)], check=True, capture_output=True)
     return out
 
 
@@ -120,11 +118,7 @@ def test_cli_args_replan_the_same_job(planned: Path, tmp_path: Path) -> None:
     plan = load_plan(planned / "plans" / "kareus-01.json")
     args = plan_cli_args(plan, write_model_file(plan, tmp_path / "model.json"))
     again = tmp_path / "again"
-    subprocess.run(
-        [sys.executable, "-m", "kareus_megatron.cli.main", "plan", *args, "--points", "4", "--out", str(again)],
-        check=True,
-        capture_output=True,
-    )
+    subprocess.run([*PLAN, *args, "--out", str(again)], check=True, capture_output=True)
     for name in ("kareus-01", "megatron-00"):
         a = json.loads((planned / "plans" / f"{name}.json").read_text())
         b = json.loads((again / "plans" / f"{name}.json").read_text())

@@ -196,7 +196,7 @@ def test_a_kareus_solve_plan_can_be_reported(tmp_path, capsys):
 
 
 def test_kareus_plan_records_the_blocked_power_it_predicted_with(tmp_path):
-    assert cli_main.main(["plan", "--points", "2", "--out", str(tmp_path / "out")]) == 0
+    assert cli_main.main(["plan", "--points", "2", "--band-samples", "0", "--out", str(tmp_path / "out")]) == 0
     doc = json.loads((tmp_path / "out" / "frontier.json").read_text())
     files = sorted((tmp_path / "out" / "plans").glob("*.json"))
     assert files and {load_plan(f).p_blocked_w for f in files} == {doc["config"]["p_blocked_w"]}
