@@ -1,8 +1,9 @@
 """Shared pytest setup: the ``gpu`` marker (real NVIDIA GPU through NVML), skipped where NVML is absent, and the
-``xdist_group`` of every test for ``make test``'s two workers (``pytest -n 2 --dist loadgroup``): a file's tests stay
-on one worker (module fixtures that start real runs are built once), and all of ``tests/megatron_lm/`` shares one
-(its session fixtures extract and patch the Megatron-LM trees). Tests under END_TO_END (real multi-process runs of
-Megatron-LM, megatron-core, DeepSpeed and the try-outs, 5 s to 2 min each) carry the ``e2e`` marker: ``make
+``e2e`` marker. ``make test`` runs two workers with ``pytest -n 2 --dist loadfile``: a file's tests stay on one worker,
+so its module fixtures (real multi-process runs) are built once. (``--dist loadgroup`` with an ``xdist_group`` per
+file did not hold under pytest 9 with xdist 3.8: the group suffix xdist writes into the node id is no longer read, and
+tests of one file ran on both workers, each building the file's fixtures.) Tests under END_TO_END (real multi-process
+runs of Megatron-LM, megatron-core, DeepSpeed and the try-outs, 5 s to 2 min each) carry the ``e2e`` marker: ``make
 test-fast`` leaves them out (``-m "not e2e"``)."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: a real multi-process run (tests/conftest.py END_TO_END); test-fast skips")
 
 
-SHARED_SESSION_DIRS = ("megatron_lm",)  # test directories whose files share session fixtures: one worker each
 # The slowest files of the suite (measured with --durations: together about three quarters of its time).
 END_TO_END = (
     "tests/megatron_lm/",
@@ -35,13 +35,9 @@ END_TO_END = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         rel = item.path.relative_to(config.rootpath).as_posix()
-        parts = rel.split("/")
-        shared = len(parts) > 2 and parts[1] in SHARED_SESSION_DIRS
-        item.add_marker(pytest.mark.xdist_group("/".join(parts[:2]) if shared else rel))
         if rel.startswith(END_TO_END):
             item.add_marker(pytest.mark.e2e)
     _skip_gpu_tests_without_nvml(items)
