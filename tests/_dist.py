@@ -3,15 +3,21 @@
 A *worker* is a module-level function ``worker(rank, world, port, *args)``; ``spawn`` starts `world` of
 them on a free TCP port and waits for all; each writes its results as JSON that ``read_ranks`` loads.
 A worker that returns ends its process with ``exit_process`` (no interpreter finalisation).
+
+Starting a rank is most of what a small run costs: a fresh interpreter imports torch and megatron-core, about
+4 s of CPU per rank. ``spawn(..., preload=MEGATRON_CORE)`` (and ``start_ranks``, torch.multiprocessing.spawn's
+call) instead forks each rank from a fork server that imported those modules once per test process.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +51,31 @@ def _run_and_exit(rank: int, worker: Callable[..., Any], *args: Any) -> None:
     exit_process(0)
 
 
-def spawn(worker: Callable[..., Any], world: int, *args: Any, env: Mapping[str, str | None] | None = None) -> None:
+# What the overlap-engine workers import (tests/runtime/overlap/*_worker.py): torch, and megatron-core's GPT
+# model, schedules and DDP. Third-party modules only: the package and the workers are imported by each rank.
+MEGATRON_CORE = (
+    "torch",
+    "torch.distributed",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer.transformer_config",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.distributed",
+)
+
+
+def spawn(
+    worker: Callable[..., Any],
+    world: int,
+    *args: Any,
+    env: Mapping[str, str | None] | None = None,
+    preload: Sequence[str] = (),
+) -> None:
     """Run ``worker(rank, world, port, *args)`` in `world` spawned processes; raise if any fails.
 
-    `env` is set for the spawn (None: unset) and os.environ is restored afterwards.
+    `env` is set for the spawn (None: unset) and os.environ is restored afterwards. `preload` (modules): fork the
+    ranks from a fork server that imported them (``start_ranks``) instead of starting `world` fresh interpreters.
     """
     import torch.multiprocessing as mp
 
@@ -59,10 +86,72 @@ def spawn(worker: Callable[..., Any], world: int, *args: Any, env: Mapping[str, 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        mp.spawn(_run_and_exit, args=(worker, world, free_port(), *args), nprocs=world, join=True)
+        if preload:
+            start_ranks(worker, (world, free_port(), *args), world, preload=preload, exit_after=True)
+        else:
+            mp.spawn(_run_and_exit, args=(worker, world, free_port(), *args), nprocs=world, join=True)
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def start_ranks(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    nprocs: int = 1,
+    join: bool = True,
+    *,
+    preload: Sequence[str] = MEGATRON_CORE,
+    exit_after: bool = False,
+) -> None:
+    """torch.multiprocessing.spawn's ``fn(rank, *args)`` in `nprocs` processes (joined; raise if any fails), each
+    forked from multiprocessing's fork server: a process started once per test process (at the first call, with that
+    call's `preload`) that has imported `preload` and nothing else, so no state of this process or of an earlier rank.
+
+    A rank otherwise starts as spawn starts it: in this process's working directory and sys.path (multiprocessing's
+    preparation data), with os.environ set to this process's as it is now, then it imports `fn`'s module by name
+    (`fn` must be importable, as spawn needs). A forked rank inherits the server's stdout and stderr, not this
+    test's: each writes to a file copied to this process's stderr afterwards. `exit_after`: end each rank with
+    ``exit_process`` once `fn` returns.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    assert join, "start_ranks joins its ranks"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+    fd, log = tempfile.mkstemp(prefix="ranks-", suffix=".log")
+    os.close(fd)
+    try:
+        mp.start_processes(
+            _forked_rank,
+            args=(dict(os.environ), log, fn.__module__, fn.__qualname__, exit_after, *args),
+            nprocs=nprocs,
+            join=True,
+            start_method="forkserver",
+        )
+    finally:
+        output = Path(log).read_text(errors="replace")
+        os.unlink(log)
+        if output:
+            sys.stderr.write(output)
+
+
+def _forked_rank(
+    rank: int, environ: dict[str, str], log: str, module: str, name: str, exit_after: bool, *args: Any
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    fn(rank, *args)
+    if exit_after:
+        exit_process(0)
 
 
 def read_ranks(directory: str | os.PathLike[str], pattern: str, world: int) -> list[Any]:

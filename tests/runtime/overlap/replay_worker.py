@@ -254,27 +254,51 @@ def _training(name: str, recompute: str, solo: Any) -> dict[str, Any]:
 
 
 def worker(
-    rank: int, world: int, port: int, outdir: str, tp: int, layouts: tuple[str, ...], train: tuple[str, ...] = ()
+    rank: int, world: int, port: int, outdir: str, runs: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...]
 ) -> None:
-    """CP = world / tp; every scenario of `layouts` (module docstring), and training steps for the layouts `train`."""
-    solo = _setup(rank, world, port, tp)
-    if tp == 1:  # the CP spawn runs without torch's private coalescing manager: the engine's fallback (steps.py)
+    """Each (tp, layouts, train) of `runs` in turn, CP = world / tp (megatron's groups rebuilt between): every
+    scenario of `layouts` (module docstring), and training steps for the layouts `train`; ``tp{tp}.rank{rank}.json``
+    each."""
+    solo = _setup(rank, world, port, runs[0][0])
+    for k, (tp, layouts, train) in enumerate(runs):
+        if k:
+            from megatron.core import parallel_state as ps
+
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
+        res = _run(rank, tp, layouts, train, solo)
+        with open(os.path.join(outdir, f"tp{tp}.rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _run(rank: int, tp: int, layouts: tuple[str, ...], train: tuple[str, ...], solo: Any) -> dict[str, Any]:
+    """Every scenario of `layouts` on this rank, as a spawn of its own would run them: TP=1 without torch's
+    private coalescing manager (the engine's fallback, steps.py), megatron's norm patched for SP only where a layout
+    runs SP, scenario numbers (knob slots, batch seeds) from 0."""
+    from megatron.core.transformer import torch_norm
+
+    coalescing, norm_new = getattr(dist, "_coalescing_manager", None), torch_norm.WrappedTorchNorm.__new__
+    if tp == 1:
         del dist._coalescing_manager
     if any(layout_of(n)["sp"] for n in layouts):
         from sp_worker import sp_capable_torch_norm
 
         sp_capable_torch_norm()  # the GPT block's final norm is megatron's torch-norm fallback
-    res: dict[str, Any] = {"rank": rank}
-    i = 0
-    for name in layouts:
-        for recompute in RECOMPUTES:
-            ref, part = _models(name, recompute, solo)
-            for pair in PAIRS:
-                res[f"{name}.{recompute}.f{pair[0]}b{pair[1]}"] = _case(name, recompute, pair, i, ref, part)
-                i += 1
-    for name in train:  # through megatron's schedule and the runtime patch
-        for recompute in RECOMPUTES:
-            res[f"train:{name}.{recompute}"] = _training(name, recompute, solo)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+    try:
+        res: dict[str, Any] = {"rank": rank}
+        i = 0
+        for name in layouts:
+            for recompute in RECOMPUTES:
+                ref, part = _models(name, recompute, solo)
+                for pair in PAIRS:
+                    res[f"{name}.{recompute}.f{pair[0]}b{pair[1]}"] = _case(name, recompute, pair, i, ref, part)
+                    i += 1
+        for name in train:  # through megatron's schedule and the runtime patch
+            for recompute in RECOMPUTES:
+                res[f"train:{name}.{recompute}"] = _training(name, recompute, solo)
+    finally:
+        if coalescing is not None:
+            dist._coalescing_manager = coalescing
+        torch_norm.WrappedTorchNorm.__new__ = norm_new
+    return res

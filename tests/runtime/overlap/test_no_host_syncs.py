@@ -10,7 +10,7 @@ megatron gives a GPT layer, 1 and 2 nanobatches, recompute off and on. Every cas
 from __future__ import annotations
 
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def ranks(tmp_path_factory):
     import sync_worker
 
     out = tmp_path_factory.mktemp("syncs")
-    spawn(sync_worker.worker, 2, str(out), env={"KAREUS_OVERLAP_TRACE": None})
+    spawn(sync_worker.worker, 2, str(out), env={"KAREUS_OVERLAP_TRACE": None}, preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 2)
 
 

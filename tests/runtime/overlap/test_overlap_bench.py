@@ -25,7 +25,18 @@ def bench():
     return importlib.import_module("overlap_gpu")
 
 
-def test_dry_run_measures_predicts_and_writes_calibration(bench, tmp_path):
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """The benchmarks' torch.multiprocessing.spawn starts its ranks from a fork server that imported torch and
+    megatron-core once for this test process (_dist.start_ranks), not from fresh interpreters (about 4 s of CPU
+    each): the ranks still import the benchmark's worker by name and run it as spawned."""
+    import torch.multiprocessing as mp
+    from _dist import start_ranks
+
+    monkeypatch.setattr(mp, "spawn", start_ranks)
+
+
+def test_dry_run_measures_predicts_and_writes_calibration(bench, tmp_path, forked_ranks):
     from kareus_megatron.cost.calibration import load_calibration
 
     out, cal = tmp_path / "m.json", tmp_path / "cal.json"
@@ -68,7 +79,7 @@ def _slot_matters(rows: list[dict]) -> set[str]:
     return {p for p, t in by_part.items() if len(t) > 1}
 
 
-def test_dry_run_sp_covers_every_sp_partition(bench, tmp_path):
+def test_dry_run_sp_covers_every_sp_partition(bench, tmp_path, forked_ranks):
     """--sp (TP=2): the sequence-parallel layer; a row for every SP partition (first and last slot), and the
     prediction's layout is sequence-parallel (the slot changes it)."""
     from kareus_megatron.vocab import SP_BACKWARD_PARTITIONS, SP_FORWARD_PARTITIONS, SP_PARTITION_SLOTS
@@ -89,7 +100,7 @@ def test_dry_run_sp_covers_every_sp_partition(bench, tmp_path):
     assert set(doc["attention_op"]) == {"local_s", "sdpa_s"}
 
 
-def test_dry_run_cp_covers_the_cp_partitions(bench, tmp_path):
+def test_dry_run_cp_covers_the_cp_partitions(bench, tmp_path, forked_ranks):
     """--cp 2 (TP=1, CP=2): megatron's CP layout; a row for each CP K/V partition (with TP=1 the TP all-reduce
     partitions of cp_engine_slots have no collective), and the prediction's layout is CP (the slot changes it)."""
     from kareus_megatron.runtime.overlap.config import cp_engine_slots
@@ -177,7 +188,7 @@ def test_runtime_package_does_not_import_the_planner():
     subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, cwd=ROOT)
 
 
-def test_cpu_benchmark_cp_mode_traces_each_cp_collective_at_its_slot(capsys):
+def test_cpu_benchmark_cp_mode_traces_each_cp_collective_at_its_slot(capsys, forked_ranks):
     """benchmarks/overlap_cpu.py --cp, tiny layer: 2 gloo ranks at CP=2 run every delay model, and the traced
     2-nanobatch run issues the 4 CP collectives (K/V all-gather, dK/dV reduce-scatter, per nanobatch) at their
     planned slots. Timings are not asserted (a shared machine)."""
@@ -198,7 +209,7 @@ def test_cpu_benchmark_cp_mode_traces_each_cp_collective_at_its_slot(capsys):
     assert e.value.code == 2
 
 
-def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys):
+def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys, forked_ranks):
     """benchmarks/overlap_cpu.py --cross-layer, 2 tiny layers: the traced run issues layer 1's last all-reduce in
     layer 2's call at fwd_attn's slot, with no overlap violation. Timings are not asserted (a shared machine)."""
     if str(ROOT / "benchmarks") not in sys.path:

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.errors import InfeasibleConfigError, PlanError
 from kareus_megatron.runtime.overlap import overlap_violations
@@ -119,7 +119,7 @@ def ranks(tmp_path_factory):
     import cp_worker
 
     out = tmp_path_factory.mktemp("overlap_cp")
-    spawn(cp_worker.worker, 2, str(out))
+    spawn(cp_worker.worker, 2, str(out), preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 2)
 
 
@@ -128,7 +128,7 @@ def tp_ranks(tmp_path_factory):
     import cp_worker
 
     out = tmp_path_factory.mktemp("overlap_tp_cp")
-    spawn(cp_worker.worker, 4, str(out), 2)
+    spawn(cp_worker.worker, 4, str(out), 2, preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 4)
 
 

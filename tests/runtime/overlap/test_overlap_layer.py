@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.runtime.overlap import overlap_violations
 from kareus_megatron.vocab import TP_PARTITION_SLOTS
@@ -22,7 +22,7 @@ def ranks(tmp_path_factory):
     import overlap_worker
 
     out = tmp_path_factory.mktemp("overlap")
-    spawn(overlap_worker.worker, 2, str(out))
+    spawn(overlap_worker.worker, 2, str(out), preload=MEGATRON_CORE)
     ranks = read_ranks(out, "rank{rank}.json", 2)
     for r, rk in enumerate(ranks):
         rk["trace_files"] = {p.name: json.loads(p.read_text()) for p in out.glob(f"*.trace.rank{r}.json")}
@@ -176,7 +176,7 @@ def pp_ranks(tmp_path_factory):
     import overlap_worker
 
     out = tmp_path_factory.mktemp("overlap_pp")
-    spawn(overlap_worker.worker_pp, 4, str(out))
+    spawn(overlap_worker.worker_pp, 4, str(out), preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 4)
 
 

@@ -9,7 +9,7 @@ collective issued at its planned slot (trace.overlap_violations).
 from __future__ import annotations
 
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.runtime.overlap import overlap_violations
 from kareus_megatron.vocab import SP_PARTITION_SLOTS
@@ -20,7 +20,7 @@ def ranks(tmp_path_factory):
     import sp_worker
 
     out = tmp_path_factory.mktemp("overlap_sp")
-    spawn(sp_worker.worker, 2, str(out))
+    spawn(sp_worker.worker, 2, str(out), preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 2)
 
 
@@ -29,7 +29,7 @@ def pp_ranks(tmp_path_factory):
     import sp_worker
 
     out = tmp_path_factory.mktemp("overlap_sp_pp")
-    spawn(sp_worker.worker_pp, 4, str(out))
+    spawn(sp_worker.worker_pp, 4, str(out), preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 4)
 
 

@@ -2,20 +2,20 @@
 
 For every instruction kind the planner writes (layouts TP, TP+SP, CP, TP x CP, TP x CP + SP, cross-layer with and
 without SP; recompute none / full / selective; every forward/backward nanobatch pair, 1 and 2), replay_worker.py
-runs one microbatch of a real plan through the overlap engine on megatron-core (gloo, 2 or 4 processes) and
-traces it. search/collective_list.py gives, for the same instructions, the collectives the planner costs: op,
-bytes, group ranks, and partner (the partition whose compute runs beside it, "tail", or "exposed"). The two
-lists must be equal, element by element, in issue order (the recompute pass, which megatron runs layer by layer
-beside each layer's backward, compared per layer). Outputs and every gradient must also equal the standard
-model's, and every overlapped collective be issued at its planned launch slot.
+runs one microbatch of a real plan through the overlap engine on megatron-core (gloo, 2 or 4 processes: one spawn
+per world size) and traces it. search/collective_list.py gives, for the same instructions, the collectives the
+planner costs: op, bytes, group ranks, and partner (the partition whose compute runs beside it, "tail", or
+"exposed"). The two lists must be equal, element by element, in issue order (the recompute pass, which megatron runs
+layer by layer beside each layer's backward, compared per layer). Outputs and every gradient must also equal the
+standard model's, and every overlapped collective be issued at its planned launch slot.
 """
 
 from __future__ import annotations
 
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
-LAYOUT_SPAWNS = {  # (world, tp) -> layouts run by one spawn (their process groups)
+LAYOUTS = {  # (world, tp) -> layouts run with those process groups
     (2, 2): ("tp", "sp", "cross", "cross_sp"),
     (2, 1): ("cp",),
     (4, 2): ("tpcp", "tpcpsp"),
@@ -23,14 +23,28 @@ LAYOUT_SPAWNS = {  # (world, tp) -> layouts run by one spawn (their process grou
 TRAINED = {(2, 2): ("sp", "cross")}  # also trained through megatron's schedule and the runtime patch
 
 
-@pytest.fixture(scope="module", params=list(LAYOUT_SPAWNS), ids=lambda k: f"world{k[0]}-tp{k[1]}")
-def ranks(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """The ranks' results per (world, tp), from one spawn per world size (its first use starts it): the 2-rank spawn
+    runs the CP=2 layout, then rebuilds megatron's groups for the TP=2 ones (replay_worker.worker)."""
     import replay_worker
 
-    world, tp = request.param
-    out = tmp_path_factory.mktemp(f"replay_{world}_{tp}")
-    spawn(replay_worker.worker, world, str(out), tp, LAYOUT_SPAWNS[request.param], TRAINED.get(request.param, ()))
-    return read_ranks(out, "rank{rank}.json", world)
+    done: dict[tuple[int, int], list[dict]] = {}
+
+    def ranks_of(world: int, tp: int) -> list[dict]:
+        if (world, tp) not in done:
+            out = tmp_path_factory.mktemp(f"replay_{world}")
+            runs = tuple((t, lay, TRAINED.get((w, t), ())) for (w, t), lay in sorted(LAYOUTS.items()) if w == world)
+            spawn(replay_worker.worker, world, str(out), runs, preload=MEGATRON_CORE)
+            done.update({(world, t): read_ranks(out, f"tp{t}.rank{{rank}}.json", world) for t, *_ in runs})
+        return done[(world, tp)]
+
+    return ranks_of
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=lambda k: f"world{k[0]}-tp{k[1]}")
+def ranks(request, worlds):
+    return worlds(*request.param)
 
 
 def planned(name: str, recompute: str, pair: tuple[int, int], rank: int) -> list[tuple]:
