@@ -73,7 +73,8 @@ def _wait_for(log_dir: Path, k: int, procs: list[subprocess.Popen[str]], timeout
             for p in procs:  # the other rank may wait on its dead peer in gloo (no timeout): end it, keep its output
                 if p.poll() is None:
                     p.kill()
-            out = [(p.returncode, p.communicate()[1][-2000:]) for p in procs]
+            errs = [p.communicate()[1][-2000:] for p in procs]
+            out = [(p.returncode, err) for p, err in zip(procs, errs)]
             pytest.fail(f"a rank ended early (exit status, stderr): {out}")
         time.sleep(0.05)
     for p in procs:
