@@ -106,8 +106,13 @@ def test_a_signalled_run_keeps_its_completed_iterations(tmp_path, sig):
     log = read_run_log(log_dir)
     complete = [r for r in log.iterations if r["iteration"] not in log.partial]
     assert all(rc != 0 for rc, _ in results), results  # the signal still ends the run as it would
-    if sig == signal.SIGINT:
-        assert all("KeyboardInterrupt" in err for _, err in results), results  # not swallowed
+    if sig == signal.SIGINT:  # not swallowed: each rank that could take it ended with KeyboardInterrupt
+        assert any("KeyboardInterrupt" in err for _, err in results), results
+        for rc, err in results:
+            # A rank blocked in a gloo receive when the signal came never returns to Python once its peer has gone
+            # (seen in loaded suite runs: gloo's "Connection closed by peer", then no exit until _finish kills it).
+            blocked_on_dead_peer = rc == -signal.SIGKILL and "Connection closed by peer" in err
+            assert "KeyboardInterrupt" in err or blocked_on_dead_peer, (rc, err[-2000:])
     assert len(complete) >= max(k, n_before)
     assert [r["iteration"] for r in complete] == list(range(len(complete)))
     assert all(r["time_s"] > 0 and r["energy_j"] > 0 and len(r["stages"]) == 2 for r in complete)
