@@ -40,19 +40,18 @@ lint: $(VENV)/.test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once), files in
-# collection order (--no-loadscope-reorder; tests/conftest.py puts the slowest first): 11 m 58 s for 1,476 tests on a
-# clean clone of the 2-core machine (2026-12-06, before --no-loadscope-reorder); --durations=25 prints the slowest.
+# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 11 m 58 s for 1,476
+# tests on a clean clone of the 2-core machine (2026-12-06); --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
 PYTEST_WORKERS ?= 2
 test: lint docs
-	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-seed=0 --timeout=300 \
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 \
 		--durations=25 tests
 
 # The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
 test-fast: lint
-	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
 
 # The docs site into site/ (mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
 # reference pages are generated from the code (docs/gen_reference.py). Seconds. Browse: $(BIN)/mkdocs serve
