@@ -97,14 +97,14 @@ QUICK_QUANTUM_S, QUICK_WINDOW_S, QUICK_EXACT_WINDOW_S = 0.0002, 0.001, 0.001
 QUICK_CLOCK_LATENCY_MS = "0"
 
 
-def job_flags(pp: int) -> list[str]:
-    """`kareus plan` workload flags of the PP-stage llama3.2-3b job (module doc)."""
+def job_flags(pp: int, gpu: str = GPU) -> list[str]:
+    """`kareus plan` workload flags of the PP-stage llama3.2-3b job (module doc) on GPU preset `gpu`."""
     split = ["--first-stage-layers", "2", "--last-stage-layers", "2"] if pp == 8 else []
     return [
         "--model",
         "llama3.2-3b",
         "--gpu",
-        GPU,
+        gpu,
         "--tp",
         "1",
         "--pp",
@@ -134,8 +134,13 @@ def _kareus(*args: str) -> None:
         raise RuntimeError(f"kareus {' '.join(args[:1])} failed ({rc}): {out.getvalue()[-800:]}")
 
 
-def plan_iso_time(flags: list[str], calibration: Path | None, out: Path) -> tuple[Plan, Plan]:
-    """(kareus iso-time plan, max-clock plan) under `calibration` (None: the preset), as auto_worker.py plans."""
+def plan_iso_time(
+    flags: list[str], calibration: Path | None, out: Path, max_time_slack: float = 1e-9
+) -> tuple[Plan, Plan]:
+    """(kareus iso-time plan, max-clock plan) under `calibration` (None: the preset), as auto_worker.py plans.
+
+    `max_time_slack`: the bounded run writes plans up to the max-clock plan's time × (1 + it) (auto_worker.py:
+    vocab.ISO_REL_TOL); ObjectiveError when no plan is within ISO_REL_TOL of that time."""
     cal = [] if calibration is None else ["--calibration", str(calibration)]
     _kareus("plan", *flags, *cal, "--methods", KAREUS, "--points", "2", "--out", str(out))
     mega = select_frontier_points(out, "all", method=MEGATRON, allow_all=True)[0]
@@ -151,7 +156,7 @@ def plan_iso_time(flags: list[str], calibration: Path | None, out: Path) -> tupl
         "--out",
         str(bounded),
         "--max-time",
-        repr(mega.time_s * (1 + 1e-9)),
+        repr(mega.time_s * (1 + max_time_slack)),
     )
     points = select_frontier_points(bounded, "all", method=KAREUS, allow_all=True)
     best = select_point(points, Objective("iso-time"), reference_time_s=mega.time_s)
@@ -168,23 +173,34 @@ class Job:
     base_path: Path  # the max-clock plan made with the preset (what --kareus-workload gives)
     base: Plan
     truth: KernelModel
+    truth_cal: Calibration  # the truth as a calibration (what synthetic run logs are written under)
     truth_plan: Plan  # the kareus iso-time plan made offline with the truth
     max_plan: Plan  # every instruction at the maximum clock
     window_s: float  # shortest energy window of an exact-counter profile (s)
 
 
-def make_job(pp: int, flags: list[str], work: Path, window_s: float = EXACT_WINDOW_S) -> Job:
-    """Plan the job with the preset (its max-clock plan) and with the truth (its iso-time plan)."""
+def make_job(
+    pp: int,
+    flags: list[str],
+    work: Path,
+    window_s: float = EXACT_WINDOW_S,
+    truth: Calibration | None = None,
+    max_time_slack: float = 1e-9,
+) -> Job:
+    """Plan the job with the preset (its max-clock plan) and with the truth (its iso-time plan).
+
+    `truth`: the hidden truth (default synthetic_log.truth_calibration()); `max_time_slack` as plan_iso_time's."""
+    truth = truth or truth_calibration()
     work.mkdir(parents=True, exist_ok=True)
     _kareus("plan", *flags, "--methods", MEGATRON, "--points", "2", "--out", str(work / "preset"))
     base_path = select_frontier_points(work / "preset", "all", method=MEGATRON, allow_all=True)[0].plan_path
     base = load_plan(base_path)
     truth_file = work / "truth.json"
-    save_calibration(truth_calibration(), truth_file)
-    truth_plan, _ = plan_iso_time(flags, truth_file, work / "truth-plan")
+    save_calibration(truth, truth_file)
+    truth_plan, _ = plan_iso_time(flags, truth_file, work / "truth-plan", max_time_slack)
     gpu = plan_workload(base)[0]
     max_plan = uniform_plan(base, gpu.sm_clocks_mhz[0])
-    return Job(pp, flags, work, base_path, base, KernelModel(gpu, truth_calibration()), truth_plan, max_plan, window_s)
+    return Job(pp, flags, work, base_path, base, KernelModel(gpu, truth), truth, truth_plan, max_plan, window_s)
 
 
 def profile_schedule(job: Job, clocks: int, per_clock: int) -> list[int]:
@@ -206,7 +222,7 @@ def fit_profile(
     write_log(
         log_dir,
         job.base_path,
-        truth_calibration(),
+        job.truth_cal,
         clocks=order,
         iters_per_clock=per_clock,
         warmup=WARMUP_ITERATIONS,

@@ -18,7 +18,9 @@ Model of the data, for candidate parameters θ, through KernelModel.instruction_
 
 Residuals are divided by their column's nominal measurement error (NOISE, dimensionless); every free parameter
 adds a prior row (x − prior)/sigma: cost/calibrate.py's FreeParam, a weak Gaussian prior at the preset or
-default value (or at a given calibration's). Fitted with scipy's least_squares inside the bounds.
+default value (or at a given calibration's). Fitted with scipy's least_squares inside the bounds. The board limit
+(power_limit_w) is free too: where it binds at the top profile clocks (power flat, times that stop shrinking) the
+data pin it; where it never binds it stays at the preset's value.
 
 Identifiability: at the solution, the Gauss–Newton posterior covariance (JᵀJ)⁻¹ (J includes the prior rows),
 scaled by the data's reduced χ² where that exceeds 1. A parameter is *identified* when its posterior sd is
@@ -74,6 +76,7 @@ POWER_PARAMS = (
     "voltage_knee_mhz",
     "comm_compute_activity",
     "p_blocked_w",
+    "power_limit_w",
 )
 
 

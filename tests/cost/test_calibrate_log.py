@@ -53,6 +53,12 @@ def tiny_plan(tmp_path_factory) -> Path:
     return make_plan(tmp_path_factory.mktemp("tiny-plan") / "plan", [*TINY, *NO_BANDS])
 
 
+@pytest.fixture(scope="module")
+def big_plan(tmp_path_factory) -> Path:
+    """megatron-00 of `kareus plan` of BIG (llama3.2-3b, PP=4, a100-sxm4-40gb), shared like tiny_plan."""
+    return make_plan(tmp_path_factory.mktemp("big-plan") / "plan", [*BIG, *NO_BANDS])
+
+
 @pytest.fixture(scope="module", params=["tiny", "big"])
 def case(request, tmp_path_factory):
     """(name, plan dir, fitted calibration, fit wall time s) of one synthetic run."""
@@ -60,7 +66,7 @@ def case(request, tmp_path_factory):
     if request.param == "tiny":
         plan, iters, window = request.getfixturevalue("tiny_plan"), 40, 0.01
     else:
-        plan, iters, window = make_plan(tmp / "plan", [*BIG, *NO_BANDS]), 4, 1.0
+        plan, iters, window = request.getfixturevalue("big_plan"), 4, 1.0
     log = write_log(tmp / "log", plan, truth_calibration(), iters_per_clock=iters)
     gpu, run = _run(log, plan, window)
     t0 = time.perf_counter()
@@ -115,6 +121,20 @@ def test_plans_predicted_under_the_fit_match_the_truth_within_3_percent(case):
     cols = cal.fit["columns"]
     assert cols["energy"]["before"]["rms_pct"] > 10 and cols["energy"]["after"]["rms_pct"] < 3
     assert cols["time"]["after"]["rms_pct"] < 2 and cols["ratio"]["after"]["rms_pct"] < 2
+
+
+def test_a_board_limit_below_the_presets_is_identified(big_plan, tmp_path):
+    """Issue 24 item 6: a GPU whose board limit (340 W) is below its preset's (400 W) and binds at the top clocks
+    (power flat there, times that stop shrinking): the fit finds the limit, and the plan's predictions follow."""
+    truth = truth_calibration({**TRUTH_PARAMS, "power_limit_w": 340.0})
+    gpu, run = _run(write_log(tmp_path / "log", big_plan, truth, iters_per_clock=2), big_plan, 1.0)
+    cal = fit_from_logs([run], gpu)
+    limit = cal.fit["parameters"]["power_limit_w"]
+    assert limit["status"] == "identified", limit
+    assert limit["value"] == pytest.approx(340.0, rel=0.02)
+    (t_true, e_true), (t_fit, e_fit) = plan_prediction(big_plan, truth), plan_prediction(big_plan, cal)
+    assert t_fit == pytest.approx(t_true, rel=0.01)
+    assert e_fit == pytest.approx(e_true, rel=0.01)
 
 
 def test_the_truth_reproduces_a_noiseless_run_exactly(tiny_plan, tmp_path):
