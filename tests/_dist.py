@@ -6,7 +6,11 @@ A worker that returns ends its process with ``exit_process`` (no interpreter fin
 
 Starting a rank is most of what a small run costs: a fresh interpreter imports torch and megatron-core, about
 4 s of CPU per rank. ``spawn(..., preload=MEGATRON_CORE)`` (and ``start_ranks``, torch.multiprocessing.spawn's
-call) instead forks each rank from a fork server that imported those modules once per test process.
+call) instead forks each rank from a fork server that imported those modules once per test process. Every spawn
+of the suite uses it (the megatron-core workers, the overlap benchmarks, DeepSpeed's, which import DeepSpeed
+themselves), all with MEGATRON_CORE: the server keeps the first call's `preload`. The preloaded modules read
+their import-time environment once, in the server (torch's TORCHDYNAMO_DISABLE, say): a test that needs another
+one for them, or a process that has not imported them (what an import loads), starts a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ def _run_and_exit(rank: int, worker: Callable[..., Any], *args: Any) -> None:
     exit_process(0)
 
 
-# What the overlap-engine workers import (tests/runtime/overlap/*_worker.py): torch, and megatron-core's GPT
-# model, schedules and DDP. Third-party modules only: the package and the workers are imported by each rank.
+# What the megatron-core workers import (tests/runtime/overlap/*_worker.py, patch_worker.py, ...): torch, and
+# megatron-core's GPT model, schedules and DDP. Third-party modules only: the package and the workers are imported by
+# each rank.
 MEGATRON_CORE = (
     "torch",
     "torch.distributed",

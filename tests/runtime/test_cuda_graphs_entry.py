@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import plans
-from _dist import free_port, read_ranks, spawn
+from _dist import MEGATRON_CORE, free_port, read_ranks, spawn
 
 from kareus_megatron.plan.io import save_plan
 
@@ -134,7 +134,7 @@ def model_check_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_overlap_model_check_refuses_partitioned_layers_under_cuda_graphs(tmp_path):
-    spawn(model_check_worker, 1, str(tmp_path))
+    spawn(model_check_worker, 1, str(tmp_path), preload=MEGATRON_CORE)
     (res,) = read_ranks(tmp_path, "rank{rank}.json", 1)
     assert res["layers_without_graphs"] == 2
     assert res["refused"] and "--cuda-graph-impl transformer_engine" in res["refused"]

@@ -22,7 +22,7 @@ import time
 
 import plans
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 M, ITERATIONS = 4, 3
 
@@ -139,6 +139,7 @@ def ranks(request, tmp_path_factory):
             "KAREUS_GPU": None,
             "KAREUS_LOG_INSTRUCTIONS": None,
         },
+        preload=MEGATRON_CORE,
     )
     return request.param, read_ranks(out, "rank{rank}." + f"{int(request.param)}.json", 2)
 

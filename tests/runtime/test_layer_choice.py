@@ -6,11 +6,10 @@ End to end through Megatron-LM's pretrain_gpt.py: tests/megatron_lm/test_mlm_ove
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _dist import MEGATRON_CORE, spawn
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.points import load_point_plan
@@ -157,59 +156,81 @@ def test_drop_in_refuses_before_megatron_starts(plans, tmp_path, capsys):
     assert code == 2 and len(err) == 1 and "--num-experts" in err[0], err
 
 
-SPEC_PROBE = r"""
-import os, torch, torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo", rank=0, world_size=1)
-from kareus_megatron.runtime.frameworks import cpu_shim
-cpu_shim.apply()
-from megatron.core import parallel_state as ps
-ps.initialize_model_parallel()
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.spec_utils import import_module
-from megatron.core.transformer.transformer_block import TransformerBlock
-from kareus_megatron.runtime.overlap.layer import PartitionedTransformerLayer
-spec = import_module(("kareus_megatron.megatron_spec", "partitioned_layer_spec"))  # what --spec does
-cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                        normalization="RMSNorm", qk_layernorm=True, gated_linear_unit=True, add_bias_linear=False,
-                        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
-block = TransformerBlock(cfg, spec, post_layer_norm=False)
-layer = block.layers[0]
-attn = layer.self_attention
-print(len(block.layers), isinstance(layer, PartitionedTransformerLayer), type(layer.input_layernorm).__name__,
-      type(attn.q_layernorm).__name__, type(attn.core_attention).__name__, attn.linear_qkv.weight.shape[0],
-      layer.mlp.linear_fc1.weight.shape[0], layer.mlp.linear_fc1.bias is None)
-from pathlib import Path
-from kareus_megatron.plan.io import load_plan
-import kareus_megatron.megatron as kareus
-for name in ("TWO", "ONE"):  # the Python API's choice for code that builds GPTModel itself
-    print(kareus.transformer_layer_spec(cfg, plan=load_plan(Path(os.environ[name]))).module.__name__)
-"""
+def _spec_probe_worker(rank: int, world: int, port: int, out_dir: str, two: str, one: str) -> None:
+    """What Megatron-LM's --spec builds, and the Python API's choice; what it prints goes to rank0.txt."""
+    import contextlib
+    import io
+    import os
+
+    import torch.distributed as dist
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from kareus_megatron.runtime.frameworks import cpu_shim
+
+        cpu_shim.apply()
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel()
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.spec_utils import import_module
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        import kareus_megatron.megatron as kareus
+        from kareus_megatron.plan.io import load_plan
+        from kareus_megatron.runtime.overlap.layer import PartitionedTransformerLayer
+
+        spec = import_module(("kareus_megatron.megatron_spec", "partitioned_layer_spec"))  # what --spec does
+        cfg = TransformerConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=2,
+            normalization="RMSNorm",
+            qk_layernorm=True,
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            use_cpu_initialization=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        block = TransformerBlock(cfg, spec, post_layer_norm=False)
+        layer = block.layers[0]
+        attn = layer.self_attention
+        print(
+            len(block.layers),
+            isinstance(layer, PartitionedTransformerLayer),
+            type(layer.input_layernorm).__name__,
+            type(attn.q_layernorm).__name__,
+            type(attn.core_attention).__name__,
+            attn.linear_qkv.weight.shape[0],
+            layer.mlp.linear_fc1.weight.shape[0],
+            layer.mlp.linear_fc1.bias is None,
+        )
+        for path in (two, one):  # the Python API's choice for code that builds GPTModel itself
+            print(kareus.transformer_layer_spec(cfg, plan=load_plan(Path(path))).module.__name__)
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.txt").write_text(printed.getvalue())
 
 
 def test_the_spec_object_builds_the_partitioned_layer_from_the_config(plans, tmp_path):
     """Megatron's import_module reads the object; its layer follows the config: RMSNorm, QK-norm, GQA, SwiGLU,
-    no biases; the Python API chooses by the plan (a subprocess: it joins a 1-rank gloo group)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import os
-
-    from _dist import free_port
-
+    no biases; the Python API chooses by the plan (a process of its own: it joins a 1-rank gloo group)."""
     for name, plan in zip(("two", "one"), plans):
         (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
-    env = {
-        **os.environ,
-        "PORT": str(free_port()),
-        "PYTHONWARNINGS": "ignore",
-        "TORCHDYNAMO_DISABLE": "1",
-        "TWO": str(tmp_path / "two.json"),
-        "ONE": str(tmp_path / "one.json"),
-    }
-    r = subprocess.run([sys.executable, "-c", SPEC_PROBE], capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    spawn(
+        _spec_probe_worker,
+        1,
+        str(tmp_path),
+        str(tmp_path / "two.json"),
+        str(tmp_path / "one.json"),
+        preload=MEGATRON_CORE,
+    )
     # 2 layers; q: 4 heads x 8 + k, v: 2 groups x 8 each = 64 rows; fc1: 2 x 128 (SwiGLU)
-    out = r.stdout.splitlines()
-    assert out[0].split() == ["2", "True", "RMSNorm", "RMSNorm", "SDPAttention", "64", "256", "True"], r.stdout
+    out = (tmp_path / "rank0.txt").read_text().splitlines()
+    assert out[0].split() == ["2", "True", "RMSNorm", "RMSNorm", "SDPAttention", "64", "256", "True"], out
     assert out[1].startswith("kareus: model built with kareus's partitioned layer") and "2 nanobatches" in out[1]
     assert out[2] == "PartitionedTransformerLayer", out
     assert out[3].startswith("kareus: model built with megatron-core's local layer") and out[4] == "TransformerLayer"

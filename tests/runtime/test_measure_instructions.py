@@ -11,7 +11,7 @@ import time
 
 import plans
 import pytest
-from _dist import spawn
+from _dist import MEGATRON_CORE, spawn
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.report.measurements import ITERATION_KEYS, energy_windows, instruction_samples, run_events
@@ -60,6 +60,7 @@ def logs(tmp_path_factory):
             "KAREUS_GPU": None,
             "KAREUS_LOG_INSTRUCTIONS": None,
         },
+        preload=MEGATRON_CORE,
     )
     return {vp: read_run_log(out / f"vp{vp}") for vp in (1, 2)}
 

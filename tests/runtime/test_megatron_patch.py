@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import plans
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.errors import PlanMismatchError, UnsupportedVersionError
 from kareus_megatron.plan.megatron_model import live_architecture
@@ -29,6 +29,7 @@ def spawned(tmp_path_factory):
         2,
         str(out),
         env={"KAREUS_GPU_BACKEND": "simulated", "KAREUS_SIMULATED_LATENCY_MS": "15", "KAREUS_GPU": None},
+        preload=MEGATRON_CORE,
     )
     ranks = read_ranks(out, "rank{rank}.json", 2)
     return out, ranks

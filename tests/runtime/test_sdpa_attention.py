@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.vocab import TP_PARTITION_SLOTS
 
@@ -23,7 +23,7 @@ def ranks(tmp_path_factory):
     import sdpa_worker
 
     out = tmp_path_factory.mktemp("sdpa")
-    spawn(sdpa_worker.worker, 2, str(out))
+    spawn(sdpa_worker.worker, 2, str(out), preload=MEGATRON_CORE)
     return read_ranks(out, "rank{rank}.json", 2)
 
 

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import torch
-from _dist import read_ranks, spawn
+from _dist import MEGATRON_CORE, read_ranks, spawn
 
 from kareus_megatron.runtime.selfcheck.sync_count import SyncCount
 
@@ -154,7 +154,7 @@ def test_a_gpu_training_device_counts_only_copies_that_cross():
 def _probe_worker(rank: int, world: int, port: int, out: str, put_equal_back: bool) -> None:
     from kareus_megatron.runtime.frameworks import cpu_shim
 
-    cpu_shim.apply()  # before megatron loads (the probe applies it too)
+    cpu_shim.apply()  # (the probe applies it too; megatron-core itself was imported by the fork server)
     if put_equal_back:  # the review's finding: one torch.equal per layer call to spot the causal mask
         from kareus_megatron.runtime.overlap import attention
 
@@ -182,7 +182,7 @@ def probes(tmp_path_factory):
     out = {}
     for tag, broken in (("fixed", False), ("equal_back", True)):
         d = tmp_path_factory.mktemp(tag)
-        spawn(_probe_worker, 1, str(d), broken, env={"KAREUS_GPU_BACKEND": "simulated"})
+        spawn(_probe_worker, 1, str(d), broken, env={"KAREUS_GPU_BACKEND": "simulated"}, preload=MEGATRON_CORE)
         out[tag] = read_ranks(d, "rank{rank}.json", 1)[0]
     return out
 

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import ds_worker  # noqa: E402
-from _dist import read_ranks, spawn  # noqa: E402
+from _dist import MEGATRON_CORE, read_ranks, spawn  # noqa: E402
 
 from kareus_megatron.errors import ConfigError, UnsupportedVersionError  # noqa: E402
 from kareus_megatron.plan.io import save_plan, write_json_atomic  # noqa: E402
@@ -118,7 +118,9 @@ def runs(tmp_path_factory):
             logs / sc["name"] / MANIFEST_FILE,
             {"format": RUN_FORMAT, "method": method, "point": 0, "plan": sc.get("plan")},
         )
-    spawn(ds_worker.worker, 2, str(d), scenarios)  # restores os.environ (the workers' setup changes it)
+    # Ranks forked from the fork server (torch imported there once; megatron-core too, unused here: one server per test
+    # process, the other spawn users' preload); each imports DeepSpeed itself, after setting DS_ACCELERATOR.
+    spawn(ds_worker.worker, 2, str(d), scenarios, preload=MEGATRON_CORE)  # restores os.environ
     results = dict(enumerate(read_ranks(d, "r{rank}.json", 2)))
     for r in range(2):
         assert "crash" not in results[r], results[r]["crash"]

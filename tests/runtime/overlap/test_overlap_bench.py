@@ -246,43 +246,45 @@ def test_cpu_benchmark_cross_layer_mode_carries_each_last_allreduce(capsys, fork
         assert e.value.code == 2
 
 
+def _one_process_worker(rank: int, world: int, port: int, bench_dir: str, out: str, printed: str) -> None:
+    """The benchmark's single-GPU path (``--dry-run --procs 1``) in this rank, its spawn run in place so that the
+    device stand-in applies: the device runs at 1200 MHz without being locked. What it prints goes to `printed`."""
+    import contextlib
+
+    import torch.multiprocessing as mp
+
+    from kareus_megatron.hardware import device
+
+    sys.path.insert(0, bench_dir)
+    import overlap_gpu
+
+    mp.spawn = lambda fn, args, nprocs, join: fn(0, *args)
+    real = device.open_gpu
+
+    def running_at_1200(*a, **k):
+        gpu = real(*a, **k)
+        gpu.sm_clock_mhz = lambda: 1200
+        return gpu
+
+    device.open_gpu = running_at_1200
+    with open(printed, "w") as f, contextlib.redirect_stdout(f):
+        code = overlap_gpu.main(["--dry-run", "--procs", "1", "--out", out])
+    assert code == 0, code
+
+
 # One process (the single-GPU path) whose device runs at 1200 MHz without being locked (a power cap, heat):
 # the rows are predicted at the clock the device reports while they run, not at the preset's maximum.
-SINGLE_DRIVER = """
-import sys
-sys.path.insert(0, {bench!r})
-import overlap_gpu as bench
-import torch.multiprocessing as mp
-from kareus_megatron.hardware import device
-mp.spawn = lambda fn, args, nprocs, join: fn(0, *args)  # in this process: the device stand-in below applies
-real = device.open_gpu
-def running_at_1200(*a, **k):
-    gpu = real(*a, **k)
-    gpu.sm_clock_mhz = lambda: 1200
-    return gpu
-device.open_gpu = running_at_1200
-sys.exit(bench.main(["--dry-run", "--procs", "1", "--out", {out!r}]))
-"""
-
-
 def test_one_process_measures_the_references_and_predicts_at_the_measured_clock(bench, tmp_path):
+    from _dist import MEGATRON_CORE, spawn
+
     from kareus_megatron.cost.kernel import KernelModel
     from kareus_megatron.hardware.gpus import gpu_spec
 
-    out = tmp_path / "single.json"
-    driver = SINGLE_DRIVER.format(bench=str(ROOT / "benchmarks"), out=str(out))
-    r = subprocess.run(
-        [sys.executable, "-c", driver],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"},
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    out, printed = tmp_path / "single.json", tmp_path / "stdout.txt"
+    spawn(_one_process_worker, 1, str(ROOT / "benchmarks"), str(out), str(printed), preload=MEGATRON_CORE)
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert doc["tp"] == 1 and doc["partitions"] == {} and doc["notes"] and "2 or more GPUs" in r.stdout
+    assert doc["tp"] == 1 and doc["partitions"] == {} and doc["notes"] and "2 or more GPUs" in printed.read_text()
     assert [(x["phase"], x["nanobatches"], x["partition"]) for x in rows] == [
         ("forward", 1, None),
         ("forward", 2, None),
