@@ -2,8 +2,8 @@
 
 A *config* is one parallel layout of the tiny GPT (tiny-mlm.yaml) on 2 ranks: its ``kareus plan`` flags
 and the matching Megatron-LM flags. ``run_torchrun`` trains it under torchrun (2 gloo ranks, simulated
-GPUs) behind run_on_cpu.py; ``run_ranks`` starts the 2 ranks directly, to see each one's exit status
-and stderr.
+GPUs) behind run_on_cpu.py, ``run_kareus_torchrun`` under ``kareus torchrun``; ``run_ranks`` starts the 2 ranks
+directly, to see each one's exit status and stderr.
 """
 
 from __future__ import annotations
@@ -216,6 +216,31 @@ def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2
             f"torchrun ran past {RUN_TIMEOUT_S} s\n{rank_output(cwd, 0)}\n{rank_output(cwd, 1)}"
         ) from None
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def run_kareus_torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`kareus torchrun --standalone --nproc-per-node 2 ARGS` (each rank's output to cwd/torchrun-logs)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kareus_megatron.cli.main",
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(cwd / "torchrun-logs"),
+        "--redirects",
+        "3",
+        *args,
+    ]
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        p.terminate()  # torchrun stops its workers on SIGTERM
+        out, err = p.communicate(timeout=30)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def rank_output(cwd: Path, rank: int) -> str:

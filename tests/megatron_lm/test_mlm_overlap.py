@@ -8,14 +8,20 @@ and layout, shared by the session):
 exit 0, the same losses, the plan's clocks on every rank for every iteration, a complete run log, and an
 overlap trace (KAREUS_OVERLAP_TRACE) whose partnered collectives carry the plan's comm SMs and launch slot.
 Cases x releases x entry points: each layout (TP, TP+SP, CP, PP=2 x TP=2 on 4 ranks) once, on alternating releases
-and entry points, so that each release runs through both the drop-in and the native patch.
+and entry points, so that each release runs through both the drop-in and the native patch. The PP=2 x TP=2 run is the
+torchrun line `kareus launch comparison` writes for its kareus point, executed (the drop-in, named by the line), so that
+one launch shows that line runs and checks the point; its baseline is the same line without the kareus flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -35,6 +41,7 @@ from mlm_runs import (
     run_torchrun,
 )
 
+from kareus_megatron.cli.main import main
 from kareus_megatron.jobs.commands import model_args
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.report.runlog import read_run_log
@@ -44,19 +51,69 @@ NO_DROPOUT = ("--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "12
 TE = ("--transformer-impl", "transformer_engine")  # Megatron-LM's default; TE is not installed here
 # (tag, config, entry point): each layout once, the releases and the entry points alternating so that each release
 # runs through both entry points. One run keeps Megatron-LM's default --transformer-impl (docs/layer_choice.md:
-# local modules, said in the line).
+# local modules, said in the line); one runs the drop-in as `kareus launch comparison`'s torchrun line names it.
 CASES = [
     ("core_v0.16.1", "tp2-nb", "patched+te"),
     ("core_v0.19.0", "tp2sp-nb", "drop-in"),
     ("core_v0.19.0", "cp2-nb", "patched"),
-    ("core_v0.16.1", "pp2tp2-nb", "drop-in"),
+    ("core_v0.16.1", "pp2tp2-nb", "launch-line"),
 ]
+LAUNCH_LINE = "pp2tp2-nb"  # the layout whose run (and baseline) is `kareus launch comparison`'s line
+# What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
+# parser keeps the last value of a repeated flag.
+CPU_FLAGS = (
+    "--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --clip-grad 0"
+).split()
 TIMES: dict[str, float] = {}  # run wall times (s), printed at the end of the session (-s) for the README table
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchLine:
+    """The torchrun line `kareus launch comparison` writes for one point, split up."""
+
+    env: dict[str, str]  # its VAR=VALUE assignments before torchrun
+    nproc: int  # its --nproc-per-node
+    script_args: list[str]  # from pretrain_gpt.py on: the training script and its arguments
+
+
+def _launch_line(config, plans: Path, cwd: Path) -> LaunchLine:
+    """The line `kareus launch comparison --dry-run` prints for config's point, in cwd with the plan copied to
+    cwd/plan: it names the plan as the user gave it (plan/plans/NAME.json) and logs to cwd/runs/NAME/measurement."""
+    shutil.copytree(plans, cwd / "plan")
+    flags = ["--methods", "kareus", "--point", config.point, "--launcher", "torchrun", "--nodes", "1"]
+    flags += ["--gpus-per-node", str(config.world), "--train-iters", str(ITERS), "--log-dir", "runs", "--dry-run"]
+    out = io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out):
+        assert main(["launch", "comparison", "--plan-dir", "plan", *flags]) == 0
+    lines = [ln[2:] for ln in out.getvalue().splitlines() if ln.startswith("+ ") and "torchrun" in ln]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])
+    at = argv.index("torchrun")
+    script_at = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
+    nproc = int(argv[argv.index("--nproc-per-node", at) + 1])
+    return LaunchLine(dict(a.split("=", 1) for a in argv[:at] if "=" in a), nproc, argv[script_at:])
+
+
+def _without_kareus_flags(args: list[str]) -> list[str]:
+    """args less every --kareus-* flag and its value (the drop-in's flags take one value each)."""
+    kept: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a.startswith("--kareus-"):
+            skip = "=" not in a
+        else:
+            kept.append(a)
+    return kept
 
 
 def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
     """What a run of `config` is compared with: Megatron-LM's own pretrain_gpt.py with no kareus flags and the
     same model and run flags (with SP, megatron's local layer with SP-capable torch norms: mlm_stock_specs).
+    For LAUNCH_LINE: the line's own arguments without its kareus flags, with the CPU flags and NO_DROPOUT, as its run.
 
     Megatron-LM's local attention refuses context parallelism (only TE's runs it), so a CP=2 layout is compared
     with the same CP=2 job at a 1-nanobatch point (perseus-00) on kareus's partitioned layer, named with
@@ -71,6 +128,10 @@ def _baseline_command(tree: Path, config, plans: Path, cwd: Path) -> list[str]:
             cwd / "run",
             extra=(*NO_DROPOUT, "--spec", "kareus_megatron.megatron_spec", "partitioned_layer_spec"),
         )
+    if config.name == LAUNCH_LINE:
+        line = _launch_line(config, plans, cwd)
+        args = _without_kareus_flags(line.script_args[1:])
+        return [str(WRAPPER), str(tree), str(tree / "pretrain_gpt.py"), *args, *CPU_FLAGS, *NO_DROPOUT]
     plan, _ = load_point_plan(str(plans), config.point)
     spec = ("--spec", "mlm_stock_specs", "local_sp_block_spec") if "--sequence-parallel" in config.mlm_flags else ()
     return [
@@ -140,7 +201,16 @@ def test_two_nanobatch_point_runs_without_spec(
     tree = megatron_lm_tree(tag, patched=native)
     traces = tmp_path / "traces"
     env = _env(KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"), KAREUS_OVERLAP_TRACE=str(traces))
-    cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT + (TE if te else ()))
+    if path == "launch-line":  # the line's script and arguments unchanged, plus the CPU flags and NO_DROPOUT
+        assert config_name == LAUNCH_LINE
+        line = _launch_line(config, plans, tmp_path)
+        assert line.nproc == config.world, line
+        env.update(MEGATRON_LM_DIR=str(tree), **line.env)
+        cmd = [str(WRAPPER), str(tree), *line.script_args, *CPU_FLAGS, *NO_DROPOUT]
+        run_log = tmp_path / "runs" / config.point / "measurement"
+    else:
+        cmd = mlm_command(tree, native, config, plans, tmp_path / "run", extra=NO_DROPOUT + (TE if te else ()))
+        run_log = tmp_path / "run"
     assert "--spec" not in cmd
     t0 = time.perf_counter()
     r = run_torchrun(cmd, tmp_path, env, nproc=config.world)
@@ -157,7 +227,7 @@ def test_two_nanobatch_point_runs_without_spec(
     got = _clock_sequences(tmp_path / "clocks.jsonl", config.world)
     for rank in range(config.world):
         assert got[rank] == plan.clock_sequence(rank // ranks_per_stage) * ITERS, f"rank {rank}"
-    run = read_run_log(tmp_path / "run")
+    run = read_run_log(run_log)
     assert run.header["world"] == config.world and not run.partial and not run.truncated
     assert [x["iteration"] for x in run.iterations] == list(range(ITERS))
     for x in run.iterations:
@@ -173,74 +243,6 @@ def test_two_nanobatch_point_runs_without_spec(
         for e in partnered:
             knobs = plan.stages[pp_rank].instructions[e["instr"]].partitions[e["partition"]]
             assert (e["comm_sms"], e["slot"]) == (knobs.comm_sms, knobs.launch_slot), (rank, e)
-
-
-# What the CPU needs on top of a command `kareus launch` writes for a GPU cluster (README.md here); Megatron-LM's
-# parser keeps the last value of a repeated flag.
-CPU_FLAGS = (
-    "--transformer-impl local --distributed-backend gloo --no-gradient-accumulation-fusion "
-    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
-    "--no-persist-layer-norm --clip-grad 0"
-).split()
-
-
-def test_launch_comparison_command_for_a_kareus_point_runs(megatron_lm_tree, plan_dir, tmp_path, capsys, monkeypatch):
-    """The torchrun line `kareus launch comparison` writes for a 2-nanobatch kareus point, executed: its
-    script and arguments unchanged behind run_on_cpu.py, plus the CPU flags (gloo, no fusions)."""
-    import shlex
-    import shutil
-
-    from kareus_megatron.cli.main import main
-
-    config = CONFIGS["tp2-nb"]
-    shutil.copytree(plan_dir("tp2-nb"), tmp_path / "plan")
-    monkeypatch.chdir(tmp_path)  # the command names the plan as the user gave it: plan/plans/NAME.json
-    capsys.readouterr()
-    assert (
-        main(
-            [
-                "launch",
-                "comparison",
-                "--plan-dir",
-                "plan",
-                "--methods",
-                "kareus",
-                "--point",
-                config.point,
-                "--launcher",
-                "torchrun",
-                "--nodes",
-                "1",
-                "--gpus-per-node",
-                "2",
-                "--train-iters",
-                str(ITERS),
-                "--log-dir",
-                "runs",
-                "--dry-run",
-            ]
-        )
-        == 0
-    )
-    lines = [ln[2:] for ln in capsys.readouterr().out.splitlines() if ln.startswith("+ ") and "torchrun" in ln]
-    assert len(lines) == 1, lines
-    argv = shlex.split(lines[0])
-    env_assign = [a for a in argv[: argv.index("torchrun")] if "=" in a]
-    script_at = next(k for k, a in enumerate(argv) if a.endswith("pretrain_gpt.py"))
-    tree = megatron_lm_tree("core_v0.16.1")
-    env = _env(
-        MEGATRON_LM_DIR=str(tree),
-        KAREUS_SIMULATED_LOG=str(tmp_path / "clocks.jsonl"),
-        **dict(a.split("=", 1) for a in env_assign),
-    )
-    t0 = time.perf_counter()
-    r = run_torchrun([str(WRAPPER), str(tree), *argv[script_at:], *CPU_FLAGS], tmp_path, env)
-    TIMES["core_v0.16.1 kareus launch comparison command"] = time.perf_counter() - t0
-    assert r.returncode == 0, f"{r.stderr[-3000:]}\n{rank_output(tmp_path, 0)}"
-    assert "kareus: model built with kareus's partitioned layer" in _stdout(tmp_path, 0)
-    assert len(megatron_losses(tmp_path)) == ITERS
-    run = read_run_log(tmp_path / "runs" / config.point / "measurement")
-    assert [x["iteration"] for x in run.iterations] == list(range(ITERS)) and not run.partial
 
 
 def test_print_times():
