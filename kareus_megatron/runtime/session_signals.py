@@ -11,6 +11,10 @@ import signal
 import threading
 from typing import Any
 
+# How long (s) the handler waits for its work thread: the reset's 0.2, the drain's 0.5 and the thread
+# controller's close's 1.0, with room to spare. Past it the signal is chained anyway.
+SETTLE_WAIT_S = 2.5
+
 
 class SignalHandling:
     """Signal handlers of a session; the session provides ``meter``, ``client`` and ``controller``."""
@@ -36,18 +40,33 @@ class SignalHandling:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         """SIGTERM/SIGINT: reset clocks, write the resolved iterations (up to 0.5 s for the newest), then
-        chain to what was installed before (SIGINT: KeyboardInterrupt; SIGTERM: the process ends)."""
-        if self.client is not None:
-            self.client.reset(timeout_s=0.2)  # first: the GPU must not stay locked however the rest goes
-        if self.meter is not None:
-            self.meter.drain(wait_s=0.5, to_sink=False)  # never into a writer the signal may have interrupted
+        chain to what was installed before (SIGINT: KeyboardInterrupt; SIGTERM: the process ends).
+
+        The work runs on its own thread, waited for at most ``SETTLE_WAIT_S``: the signal interrupts the main
+        thread at any point, possibly holding a lock the reset or the drain needs (the transport's send lock,
+        the marks' condition), which a handler on that thread would wait for forever. Chained past that wait,
+        the interrupted code unwinds, releases the lock and the work thread finishes (SIGINT), or the process
+        ends and the side controller resets the clocks when its pipe closes (SIGTERM)."""
         previous = self._old_handlers.get(signum, signal.SIG_DFL)
+        ends = not callable(previous) and previous != signal.SIG_IGN
+        work = threading.Thread(target=self._settle, args=(ends,), name="kareus-signal", daemon=True)
+        work.start()
+        work.join(SETTLE_WAIT_S)
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
             return
         if previous == signal.SIG_IGN:
             return
         signal.signal(signum, signal.SIG_DFL)  # the default action: end the process as the signal does
-        if self.client is not None and self.controller == "thread":  # no side process outlives this one:
-            self.client.close(timeout_s=1.0)  # its final reset restores a powercap plan's limit (W) now
         os.kill(os.getpid(), signum)
+
+    def _settle(self, ends: bool) -> None:
+        """The signal's work (its own thread): reset clocks, write the resolved iterations; when the signal
+        ends the process and the controller is a thread of it, close the controller too (its final reset
+        restores a powercap plan's limit, W) since nothing outlives the process to do it."""
+        if self.client is not None:
+            self.client.reset(timeout_s=0.2)  # first: the GPU must not stay locked however the rest goes
+        if self.meter is not None:
+            self.meter.drain(wait_s=0.5, to_sink=False)  # never into a writer the signal may have interrupted
+        if ends and self.client is not None and self.controller == "thread":
+            self.client.close(timeout_s=1.0)

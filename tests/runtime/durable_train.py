@@ -10,7 +10,9 @@ logging to LOG_DIR, then ends as END says: ``uninstall`` (kareus.uninstall(), th
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 import plans
@@ -25,6 +27,7 @@ M = 4
 def main() -> None:
     log_dir, iterations, end = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     mode = sys.argv[4] if len(sys.argv) > 4 else "new"
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps the stacks of a rank that hangs
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     tiny_gpt.setup(rank, world, int(os.environ["MASTER_PORT"]))
     tiny_gpt.init_parallel(2, None)

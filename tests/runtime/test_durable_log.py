@@ -88,6 +88,8 @@ def _finish(procs: list[subprocess.Popen[str]], timeout_s: float = 20.0) -> list
         try:
             _, err = p.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)  # durable_train.py: every thread's stack to stderr, for the failure
+            time.sleep(1.0)
             p.kill()
             _, err = p.communicate()
         out.append((p.returncode, err))
@@ -114,9 +116,10 @@ def test_a_signalled_run_keeps_its_completed_iterations(tmp_path, sig):
         assert len(log.partial) <= 2, log.partial
     if sig == signal.SIGINT:  # not swallowed: each rank ended with KeyboardInterrupt
         if stuck and not any("KeyboardInterrupt" in err for _, err in results):
-            # Known, not yet explained: in loaded suite runs (5 of 8 this stop) both ranks sometimes stay in gloo
-            # after SIGINT until _finish kills them; the iterations completed before the signal are kept (above).
-            pytest.xfail(f"SIGINT: the ranks did not return from gloo within 20 s: {stuck}")
+            # Seen in loaded suite runs (5 of 8 in one stop). One cause found and fixed: the handler waited for a
+            # lock the interrupted thread held (tests/runtime/test_session_signals.py). Kept as xfail until
+            # suite runs show no other; the ranks' stacks (SIGUSR1) are in the message.
+            pytest.xfail(f"SIGINT: the ranks did not end within 20 s: {stuck}")
         assert all("KeyboardInterrupt" in err for _, err in results), results
 
 

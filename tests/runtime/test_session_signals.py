@@ -1,0 +1,85 @@
+"""A signal that lands while the training thread holds a lock the session's signal work needs (here the
+transport's send lock, which the clock reset takes) still interrupts the run at once: the work waits on its
+own thread, and finishes (the clocks reset) once the interrupted code has unwound."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kareus_megatron.runtime.session_signals import SETTLE_WAIT_S
+
+HERE = Path(__file__).resolve().parent
+
+TRAINER = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {here!r})
+import plans
+from kareus_megatron.runtime.session import RuntimeSession
+
+s = RuntimeSession(plans.tiny_plan(pp=1, m=2, gpus_per_node=1), controller={controller!r}, log_path={log!r}).start()
+s.client.instruction_begins(0, 0, 1200, "forward")
+t0 = time.monotonic()
+try:
+    with s.client.transport._out_lock:  # as the training thread does while it hands records over
+        os.kill(os.getpid(), signal.{sig})
+        time.sleep(60)
+except KeyboardInterrupt:
+    print("interrupted", time.monotonic() - t0, flush=True)
+deadline = time.monotonic() + 10  # the lock is released: the signal's work thread finishes (or has already)
+while any(t.name == "kareus-signal" for t in threading.enumerate()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("settled", not any(t.name == "kareus-signal" for t in threading.enumerate()), flush=True)
+time.sleep(60)
+"""
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """The trainer's output lines, split, as they come (a thread reads them)."""
+    out: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [out.put(line.split()) for line in proc.stdout or ()], daemon=True).start()
+    return out
+
+
+def _next(lines: queue.Queue, timeout_s: float = 30.0) -> list[str]:
+    """The next line; [] if none comes within `timeout_s` s (a deadlocked handler prints nothing)."""
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return []
+
+
+def _events(path: Path) -> list[str]:
+    return [json.loads(line)["event"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("controller", ["process", "thread"])
+def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_path, controller):
+    sim_log = tmp_path / "sim.jsonl"
+    env = {
+        **os.environ,
+        "KAREUS_GPU_BACKEND": "simulated",
+        "KAREUS_SIMULATED_LOG": str(sim_log),
+        "KAREUS_SIMULATED_LATENCY_MS": "0",
+    }
+    env.pop("KAREUS_GPU_READ_ONLY", None)
+    code = TRAINER.format(here=str(HERE), log=str(tmp_path / "run"), controller=controller, sig="SIGINT")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = _lines(proc)
+        first = _next(lines)
+        assert first[:1] == ["interrupted"], f"no KeyboardInterrupt within 30 s: {first}"
+        assert float(first[1]) < SETTLE_WAIT_S + 1.0
+        assert _next(lines) == ["settled", "True"]
+        events = _events(sim_log)
+        assert events.count("reset") >= 1, f"the signal's clock reset never reached the GPU: {events}"
+    finally:
+        proc.kill()
+        proc.wait(10)
