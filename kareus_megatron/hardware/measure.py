@@ -27,6 +27,10 @@ from kareus_megatron.hardware.device.base import GPUDevice, SimulationHooks
 
 Work = Callable[[], Any]
 
+# A sampling hole wider than this share of a counter gap makes the gap unreliable: two updates merged
+# into one change need a hole of more than one period inside a gap of more than two (a share above 0.5).
+STALL_SHARE = 0.4
+
 
 def temperature_c(device: GPUDevice) -> float | None:
     """The GPU temperature (°C), or None where the device contract in use offers none."""
@@ -101,35 +105,58 @@ class Sweep:
 
 
 def sample_energy_counter(
-    device: GPUDevice, seconds: float, work: Work | None = None, sync: Work | None = None
+    device: GPUDevice,
+    seconds: float,
+    work: Work | None = None,
+    sync: Work | None = None,
+    min_clear_gaps: int = 5,
 ) -> dict[str, Any]:
-    """Sample the energy counter for `seconds` (s), under `work` when given: update period (s), step (J)."""
-    t_end = time.monotonic() + seconds
-    t_prev, e_prev = time.monotonic(), device.energy_j()
-    changes: list[tuple[float, float]] = []
-    samples = 0
-    while time.monotonic() < t_end:
+    """Sample the energy counter for `seconds` (s), under `work` when given: update period (s), step (J).
+
+    The period is the median gap (s) between observed counter changes, over the gaps the sampler saw
+    clearly: a gap is set aside when the sampler was away (descheduled on a loaded host, or one long
+    `work` call) for more than STALL_SHARE of it, inside the gap or just before the change that opens it,
+    because such a gap may hide updates or start late. Sampling goes on past `seconds` until
+    `min_clear_gaps` clear gaps are seen, for at most four times `seconds`; with none, every gap counts.
+    """
+    t0 = time.monotonic()
+    t_end, t_cap = t0 + seconds, t0 + 4 * seconds
+    t_last, e_prev = t0, device.energy_j()
+    changes: list[tuple[float, float, float]] = []  # (time s, step J, hole s just before it was seen)
+    gaps: list[float] = []
+    clear: list[float] = []
+    samples, widest = 0, 0.0
+    while (now := time.monotonic()) < t_end or (len(clear) < min_clear_gaps and now < t_cap):
         if work is not None:
             work()
         e, t = device.energy_j(), time.monotonic()
         samples += 1
+        hole, t_last = t - t_last, t
+        widest = max(widest, hole)
         if e != e_prev:
-            changes.append((t - t_prev, e - e_prev))
-            t_prev, e_prev = t, e
+            if changes:  # the first change ends a partial period
+                t_prev, _, before = changes[-1]
+                gaps.append(t - t_prev)
+                if max(before, widest) <= STALL_SHARE * (t - t_prev):
+                    clear.append(t - t_prev)
+            changes.append((t, e - e_prev, hole))
+            e_prev, widest = e, 0.0
     if sync is not None:
         sync()
-    gaps = sorted(dt for dt, _ in changes[1:])  # the first change ends a partial period
-    steps = sorted(de for _, de in changes if de > 0)
-    period = gaps[len(gaps) // 2] if gaps else seconds
+    kept = sorted(clear or gaps)
+    steps = sorted(de for _, de, _ in changes if de > 0)
+    period = kept[len(kept) // 2] if kept else seconds
     return {
-        "seconds": seconds,
+        "seconds": round(time.monotonic() - t0, 3),
         "samples": samples,
         "updates": len(changes),
         "update_period_s": period,
+        "clear_gaps": len(clear),
+        "gaps_set_aside": len(gaps) - len(clear),
         "smallest_step_j": steps[0] if steps else None,
         "median_step_j": steps[len(steps) // 2] if steps else None,
         "unit": "J (driver: mJ, converted once)",
-        "monotone": all(de >= 0 for _, de in changes),
+        "monotone": all(de >= 0 for _, de, _ in changes),
     }
 
 
