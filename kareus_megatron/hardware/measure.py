@@ -105,11 +105,7 @@ class Sweep:
 
 
 def sample_energy_counter(
-    device: GPUDevice,
-    seconds: float,
-    work: Work | None = None,
-    sync: Work | None = None,
-    min_clear_gaps: int = 5,
+    device: GPUDevice, seconds: float, work: Work | None = None, sync: Work | None = None, min_clear_gaps: int = 5
 ) -> dict[str, Any]:
     """Sample the energy counter for `seconds` (s), under `work` when given: update period (s), step (J).
 
