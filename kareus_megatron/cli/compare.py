@@ -20,7 +20,10 @@ from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS, STATISTICS_T
 # lazy (`kareus --help` imports every command module): report.measured and plan.io (~50 ms each), rich (~18 ms) and
 # plotting (matplotlib).
 
-HELP = "reductions table and frontier plot from measured logs (same formulas and frontier.json layout as kareus plan)"
+HELP = (
+    "reductions table with measured bands (n.d. where within the noise) and frontier plot from measured logs "
+    "(same formulas, bands and frontier.json layout as kareus plan)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
