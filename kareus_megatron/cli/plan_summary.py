@@ -10,16 +10,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from kareus_megatron.plan.frontier import REDUCTION_KEYS, distinguishable
+from kareus_megatron.cli.band_cells import band_cell, not_distinguishable_notes, reduction_cell
+from kareus_megatron.plan.frontier import REDUCTION_KEYS
 from kareus_megatron.plotting.units import energy_unit, time_unit
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, MEGATRON, PERSEUS
-
-ND = "n.d."  # not distinguishable: the reduction's band holds 0
-
-
-def _fmt_pct(x: float | None) -> str:
-    """A fraction as a percentage with one decimal; rounding noise (|x| < 0.05%) prints as 0.0%."""
-    return "n/a" if x is None else f"{100 * x + 0.0:.1f}%" if abs(x) >= 5e-4 else "0.0%"
 
 
 def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
@@ -29,26 +23,6 @@ def _swing_cell(fast: dict[str, Any], slow: dict[str, Any]) -> str:
         return f"{100 * p['swing_w'] / p['peak_power_w']:.0f}" if p.get("peak_power_w") else "n/a"
 
     return pct(fast) if fast is slow else f"{pct(fast)} / {pct(slow)}"
-
-
-def _reduction_cell(r: dict[str, Any], key: str) -> str:
-    """A reduction with its band: '20.2% [18.1, 22.0]', and ' n.d.' when the band holds 0 (a nonzero band)."""
-    value, b = r[key], r.get(f"{key}_band")
-    if value is None or b is None:
-        return _fmt_pct(value)
-    cell = f"{_fmt_pct(value)} [{100 * b[0] + 0.0:.1f},{100 * b[1] + 0.0:.1f}]"
-    return cell + f" {ND}" if _not_distinguishable(b) else cell
-
-
-def _not_distinguishable(b: list[float] | None) -> bool:
-    """The band holds 0 and is not rounding noise around it (the same plan on both sides: |band| < 0.05%)."""
-    return b is not None and distinguishable(b) is False and max(abs(b[0]), abs(b[1])) >= 5e-4
-
-
-def _band_cell(point: dict[str, Any], key: str, factor: float) -> str:
-    """A point's band of `key` (time_s or energy_j) in the table's unit: '4.01-4.25'; '-' without one."""
-    b = point.get(f"{key}_band")
-    return "-" if b is None else f"{b[0] * factor:.3g}-{b[1] * factor:.3g}"
 
 
 def _bands_table(doc: dict[str, Any], tf: float, tu: str, ef: float, eu: str) -> Any:
@@ -71,10 +45,10 @@ def _bands_table(doc: dict[str, Any], tf: float, tu: str, ef: float, eu: str) ->
         fast, slow = entry["points"][0], entry["points"][-1]
         table.add_row(
             name,
-            _band_cell(fast, "time_s", tf),
-            _band_cell(fast, "energy_j", ef),
-            _band_cell(slow, "time_s", tf),
-            _band_cell(slow, "energy_j", ef),
+            band_cell(fast, "time_s", tf),
+            band_cell(fast, "energy_j", ef),
+            band_cell(slow, "time_s", tf),
+            band_cell(slow, "energy_j", ef),
         )
     return table
 
@@ -105,25 +79,6 @@ def na_notes(doc: dict[str, Any]) -> list[str]:
             notes.append(
                 f"note: {name} iso-energy time n/a: its least-energy plan uses {quantity(de, energy_unit)} "
                 f"({100 * de / e_ref:.2g}%) more than Perseus's, so it has no plan at that energy."
-            )
-    return notes
-
-
-def not_distinguishable_notes(doc: dict[str, Any]) -> list[str]:
-    """One line per method whose advantage over a baseline is inside the band (n.d.), naming the reductions."""
-    names = {
-        "iso_time_energy": "iso-time energy",
-        "iso_energy_time": "iso-energy time",
-        "max_throughput_time_vs_megatron": "fastest time",
-        "max_throughput_energy_vs_megatron": "fastest energy",
-    }
-    notes = []
-    for name, r in doc["reductions"].items():
-        nd = [names[k] for k in REDUCTION_KEYS if _not_distinguishable(r.get(f"{k}_band"))]
-        if nd:
-            notes.append(
-                f"note: {name}: {', '.join(nd)} not distinguishable ({ND}): the band of the difference, "
-                "draw by draw, holds 0 -- within the model's error."
             )
     return notes
 
@@ -159,7 +114,7 @@ def print_summary(
         ends.add_column(col, justify="right")
     red = Table(
         title="reductions: iso-* vs Perseus's frontier, fastest plan vs Megatron (+ = better)"
-        + (" [band]" if doc.get("bands") else ""),
+        + (" \\[band]" if doc.get("bands") else ""),
         box=box.SIMPLE,
     )
     red.add_column("method", no_wrap=True)
@@ -178,13 +133,13 @@ def print_summary(
             f"{slow['energy_j'] * ef:.2f}",
             _swing_cell(fast, slow),
         )
-        red.add_row(name, *(_reduction_cell(r, key) for key in REDUCTION_KEYS))
+        red.add_row(name, *(reduction_cell(r, key) for key in REDUCTION_KEYS))
     console.print(ends)
     bands = _bands_table(doc, tf, tu, ef, eu)
     if bands is not None:
         console.print(bands)
     console.print(red)
-    for line in not_distinguishable_notes(doc):
+    for line in not_distinguishable_notes(doc, "draw by draw, holds 0 -- within the model's error"):
         console.print(line, highlight=False, soft_wrap=True)
     for line in na_notes(doc):
         console.print(line, highlight=False, soft_wrap=True)

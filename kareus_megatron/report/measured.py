@@ -5,7 +5,8 @@ log directory (runlog.MEASUREMENT_FILE: rank-NNNNN.jsonl files) and optionally a
 method, plan, predicted figures). A run's point is its median iteration time (s) and mean GPU energy (J, all GPUs;
 total over total) after the warm-up iterations (summary.summarize, the same figures ``kareus report`` prints); a run
 directory from before rank logs holds one merged LEGACY_MEASUREMENT_FILE instead. The reductions are computed by
-plan/frontier.py's formulas, against the measured megatron and perseus runs."""
+plan/frontier.py's formulas, against the measured megatron and perseus runs; every point and reduction carries
+its measured band (report/measured_bands.py: iteration percentiles, a bootstrap over iterations)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.plan.frontier import frontier_document
+from kareus_megatron.report.measured_bands import RunIterations, add_bands
 from kareus_megatron.report.runlog import (
     LEGACY_MEASUREMENT_FILE,
     MANIFEST_FILE,
@@ -135,7 +137,7 @@ def collect_runs(log_dir: str | os.PathLike[str], skip_iterations: int = DEFAULT
 def measured_frontier(
     log_dir: str | os.PathLike[str], skip_iterations: int = DEFAULT_SKIP_ITERATIONS
 ) -> tuple[dict[str, Any], list[MeasuredRun]]:
-    """The kareus-frontier/1 document of the measured runs (same layout and reductions as kareus plan)."""
+    """The kareus-frontier/1 document of the measured runs (same layout, reductions and bands as kareus plan)."""
     runs = collect_runs(log_dir, skip_iterations)
     missing = [m for m in REFERENCE_METHODS if not any(r.method == m for r in runs)]
     if missing:
@@ -161,4 +163,6 @@ def measured_frontier(
         "gpu": gpus[0] if len(gpus) == 1 else gpus,
     }
     ordered: dict[str, list[dict[str, Any]]] = {m: methods[m] for m in METHODS if m in methods}
-    return frontier_document(config, ordered), runs
+    doc = frontier_document(config, ordered)
+    add_bands(doc, [RunIterations.of_records(r.name, r.summary.records) for r in runs])
+    return doc, runs
