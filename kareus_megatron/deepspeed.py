@@ -19,7 +19,9 @@ The config section: ``"kareus": {"plan": PATH, "log": PATH, "on_error": "fail"|"
 ``"plan"`` that is a ``kareus plan`` output directory takes ``"point"`` (plan/points.py's syntax: NN,
 METHOD-NN, iso-time, fastest, min-energy, METHOD-iso-time, METHOD-fastest, METHOD-min-energy; default
 iso-time: the least predicted energy no slower than Megatron's max-clock plan) and ``"method"``
-(default kareus), as ``install(DIR, point=..., method=...)`` does. DeepSpeed 0.19.8 ignores unknown top-level keys, but
+(default kareus), as ``install(DIR, point=..., method=...)`` does; ``"robust": true`` meets iso-time or
+min-energy across the prediction bands (95th percentiles), as ``install(..., robust=True)`` and
+``--kareus-robust`` do. DeepSpeed 0.19.8 ignores unknown top-level keys, but
 ``from_config`` returns the config without the section, so no DeepSpeed version can reject it. Without
 a plan (``install(None, log_path=...)``) the run is only measured, at the driver's default clocks.
 
@@ -50,7 +52,7 @@ from kareus_megatron.runtime.frameworks import deepspeed_patch
 from kareus_megatron.runtime.session import Controller, OnError, RuntimeSession
 from kareus_megatron.runtime.session_slot import SessionSlot
 
-CONFIG_KEYS = ("plan", "log", "log_mode", "on_error", "point", "method")
+CONFIG_KEYS = ("plan", "log", "log_mode", "on_error", "point", "method", "robust")
 
 
 class DeepSpeedSession(RuntimeSession):
@@ -68,12 +70,15 @@ _slot = SessionSlot(DeepSpeedSession)
 
 
 def _resolve_plan(
-    plan: Plan | str | os.PathLike[str], point: str | int | None = None, method: str | None = None
+    plan: Plan | str | os.PathLike[str], point: str | int | None = None, method: str | None = None, robust: bool = False
 ) -> tuple[Plan, str]:
-    """The Plan itself, a plan file, or the plan `point`/`method` names in a plan directory (plan/points.py)."""
+    """The Plan itself, a plan file, or the plan `point`/`method` (and `robust`) names in a plan directory
+    (plan/points.py)."""
     if isinstance(plan, Plan):
+        if robust:
+            raise ConfigError("robust chooses among a plan directory's points; pass the directory, not a Plan")
         return plan, "the plan"
-    return load_point_plan(plan, point, method=method, flag="point", path_flag="plan")
+    return load_point_plan(plan, point, method=method, flag="point", path_flag="plan", robust=robust)
 
 
 def install(
@@ -89,13 +94,17 @@ def install(
     point: str | int | None = None,
     method: str | None = None,
     log_mode: str = "new",
+    robust: bool = False,
 ) -> DeepSpeedSession:
     """Run `plan` (a Plan, plan file or `kareus plan` directory; None = measure only); return the session.
 
     For a directory, `point` and `method` pick the plan in plan/points.py's syntax (default: iso-time of
     the kareus method, the least predicted energy no slower than Megatron's max-clock plan). `log_path` is a
-    directory of per-rank logs; `log_mode`: new (refuse an existing rank log), append or overwrite."""
-    resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method)
+    directory of per-rank logs; `log_mode`: new (refuse an existing rank log), append or overwrite. `robust`:
+    iso-time / min-energy met across the prediction bands (plan/points.py), recorded in the log header."""
+    if plan is None and robust:
+        raise ConfigError("robust chooses among a plan directory's points, but no plan was given")
+    resolved, source = (None, "no plan") if plan is None else _resolve_plan(plan, point, method, robust)
     return _slot.install(
         resolved,
         source=source,
@@ -107,6 +116,7 @@ def install(
         controller=controller,
         clock_log=clock_log,
         log_mode=log_mode,
+        robust=robust,
     )
 
 
@@ -148,9 +158,17 @@ def from_config(config: dict[str, Any] | str | os.PathLike[str], **kwargs: Any) 
         log_mode=section.get("log_mode", "new"),
         point=section.get("point"),
         method=section.get("method"),
+        robust=_robust_key(section.get("robust", False)),
         **kwargs,
     )
     return cleaned
+
+
+def _robust_key(value: Any) -> bool:
+    """The config section's "robust" (a JSON boolean); ConfigError otherwise."""
+    if not isinstance(value, bool):
+        raise ConfigError(f'the "kareus" config section\'s "robust" must be true or false, not {value!r}')
+    return value
 
 
 def install_from_env(**kwargs: Any) -> DeepSpeedSession | None:

@@ -44,12 +44,17 @@ def install(
     workload: Plan | str | os.PathLike[str] | None = None,
     objective: str = "iso-time",
     point: str | None = None,
+    robust: bool = False,
 ) -> RuntimeSession:
     """Run `plan` (a Plan, a plan file or a `kareus plan` directory) in this process; return the started session.
 
     For a directory, `point` picks the plan (plan/points.py's syntax; default iso-time: the least predicted
     energy no slower than Megatron's max-clock plan). `log_path` is a directory (each rank appends to its own
-    rank-NNNNN.jsonl there); `log_mode`: new (refuse an existing rank log), append or overwrite."""
+    rank-NNNNN.jsonl there); `log_mode`: new (refuse an existing rank log), append or overwrite. `robust`: the
+    directory's iso-time / min-energy point met across the prediction bands (plan/points.py), as --kareus-robust."""
+    if robust and (isinstance(plan, Plan) or plan == "auto"):
+        what = "install('auto') re-plans while training" if plan == "auto" else "a Plan object is one plan"
+        raise ConfigError(f"robust chooses among a plan directory's points, but {what}; drop robust=True")
     if isinstance(plan, str) and plan == "auto":
         from kareus_megatron.plan.objective import parse_objective
         from kareus_megatron.plan.points import load_point_plan
@@ -79,7 +84,7 @@ def install(
     if not isinstance(plan, Plan):
         from kareus_megatron.plan.points import load_point_plan
 
-        plan, source = load_point_plan(plan, point, flag="point", path_flag="plan")
+        plan, source = load_point_plan(plan, point, flag="point", path_flag="plan", robust=robust)
     return _slot.install(
         plan,
         source=source,
@@ -90,6 +95,7 @@ def install(
         on_error=on_error,
         controller=controller,
         log_mode=log_mode,
+        robust=robust,
     )
 
 

@@ -6,7 +6,8 @@
 
 Takes Megatron-LM's own arguments unchanged plus: --kareus-plan PATH (plan file or `kareus plan`
 output directory), --kareus-point POINT (iso-time, the default; NN, METHOD-NN, fastest, min-energy,
-METHOD-fastest, METHOD-min-energy), --kareus-log DIR, --kareus-on-error fail|warn, --kareus-debug, and
+METHOD-fastest, METHOD-min-energy), --kareus-robust (iso-time / min-energy met across the prediction bands),
+--kareus-log DIR, --kareus-on-error fail|warn, --kareus-debug, and
 --megatron-lm-dir DIR (or MEGATRON_LM_DIR). When the plan runs 2-nanobatch instructions it adds
 ``--spec kareus_megatron.megatron_spec NAME`` (kareus's partitioned layer, runtime/frameworks/layer_choice.py)
 unless a --spec is given, and rank 0 says in one line which layer the model is built with and why. It installs

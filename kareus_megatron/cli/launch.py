@@ -1,6 +1,7 @@
 """`kareus launch run|comparison`: run a plan directory's points on a cluster (torchrun or Slurm).
 
-    kareus launch run --plan-dir DIR [--method kareus] [--point iso-time|fastest|min-energy|all|NN|METHOD-NN] ...
+    kareus launch run --plan-dir DIR [--method kareus] [--point iso-time|fastest|min-energy|all|NN|METHOD-NN]
+        [--robust] ...
     kareus launch comparison --plan-dir DIR --log-dir LOGS [--plan-arg=--model ...] ... [-- TRAINING ARGS]
 
 `run` starts one job per selected frontier point of one method; `comparison` plans (when DIR has no
@@ -53,6 +54,12 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="iso-time, fastest, min-energy, all, an index NN or METHOD-NN (plan/points.py's syntax; "
         "run: iso-time, the least energy no slower than Megatron; comparison: all)",
+    )
+    p.add_argument(
+        "--robust",
+        action="store_true",
+        help="--point iso-time or min-energy is met across the prediction bands (95th percentiles), as "
+        "kareus plan --robust and --kareus-robust; needs a frontier with bands",
     )
     p.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
     p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: the plan's)")
@@ -162,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
         workdir=os.getcwd(),
     )
     comparison = args.launch_command == "comparison"
+    if args.robust and comparison and args.point is None:  # before planning: 'all' is refused with --robust
+        raise ConfigError(
+            "--robust picks iso-time or min-energy across the prediction bands, but comparison runs every "
+            "point by default; add --point iso-time (or min-energy), or drop --robust"
+        )
     launch = Launch(
         command=args.launch_command,
         plan_dir=args.plan_dir,
@@ -169,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         method=getattr(args, "method", None),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if comparison else METHODS,
         point=args.point,
+        robust=args.robust,
         launcher=args.launcher,
         log_dir=args.log_dir,
         train_iters=args.train_iters,

@@ -24,19 +24,19 @@ def timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any], 
             have = ", ".join(b.name for b in built if b.method == args.timeline.split("-")[0])
             raise PlanError(f"--timeline {args.timeline}: that method has fewer plans; written: {have}.")
         return by_name[args.timeline]
-    from kareus_megatron.plan.objective import ISO_TIME, parse_objective, select_point
-    from kareus_megatron.plan.points import frontier_point, iso_time_index, reference_time_s
+    from kareus_megatron.plan.objective import ISO_TIME, frontier_choice, parse_objective
+    from kareus_megatron.plan.points import frontier_point, reference_points
 
     method = KAREUS if KAREUS in result.methods else list(result.methods)[-1]
     pts = doc["methods"][method]["points"]  # the iso-time point by default, as --kareus-point's default picks it
-    ref = reference_time_s(doc, pts)
-    if args.objective is None and not args.robust:  # none as fast as Megatron: the fastest, as --kareus-point
-        return by_name[f"{method}-{iso_time_index(pts, ref):02d}"]
-    objective = parse_objective(args.objective or ISO_TIME, flag="--objective")
     points = [frontier_point(method, i, args.out, p) for i, p in enumerate(pts)]
-    if args.robust and objective.kind == ISO_TIME:  # the reference's band: Megatron's plan moves with the parameters
-        ref = float(doc["methods"][MEGATRON]["points"][0]["time_s_band"][1])
-    chosen = select_point(points, objective, reference_time_s=ref, robust=args.robust)
+    chosen = frontier_choice(
+        points,
+        parse_objective(args.objective or ISO_TIME, flag="--objective"),
+        reference=reference_points(doc, args.out),  # robust: its band, Megatron's plan moves with the parameters
+        robust=args.robust,
+        fastest_if_none=args.objective is None,  # none as fast as Megatron: the fastest, as --kareus-point
+    )
     return by_name[f"{method}-{chosen.index:02d}"]
 
 

@@ -34,6 +34,7 @@ from kareus_megatron.report.summary import DEFAULT_SKIP_ITERATIONS, ENERGY_STATI
 # (~54 ms each), report.auto (~2 ms) and plotting (matplotlib).
 
 HELP = "compare a run's measured iteration time and energy (--kareus-log) with its plan's prediction"
+ROBUST_TEXT = "chosen across the prediction bands (--kareus-robust), "  # a run log header's "robust": true
 PER_GPU_ROWS = 16  # jobs with at most this many GPUs get the per-GPU table without --per-gpu
 
 
@@ -120,6 +121,7 @@ def _json(cmp: object, log: object, n_complete: int) -> dict[str, object]:
     return {
         "simulated": log.simulated,
         "backend": log.header.get("backend"),
+        "robust": bool(log.header.get("robust", False)),
         "time_scale": cmp.time_scale,
         "iterations": n_complete,
         "used": cmp.used,
@@ -227,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{sim}run log {args.log}: {n_complete} complete iterations ({len(log.partial)} partial; "
             f"{cmp.skipped} warm-up left out; {STATISTICS_TEXT} of {cmp.used}); plan {plan_path} ({plan.method}, "
-            f"{plan.gpu}, blocked power {p_blocked_w:g} W, backend {log.header.get('backend', '?')}; {found})"
+            f"{plan.gpu}, {ROBUST_TEXT if log.header.get('robust') else ''}blocked power {p_blocked_w:g} W, "
+            f"backend {log.header.get('backend', '?')}; {found})"
         )
         print(f"{'':20s} {'measured':>12s} {'predicted':>12s} {'error':>8s}")
         for row in cmp.rows:

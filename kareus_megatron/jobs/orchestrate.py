@@ -43,6 +43,7 @@ class Launch:
     method: str | None = None  # run: the method (None: the point's, else vocab.DEFAULT_METHOD)
     methods: tuple[str, ...] = METHODS  # comparison: the methods
     point: str | None = None  # plan/points.py syntax; default DEFAULT_POINT, iso-time (run) or all (comparison)
+    robust: bool = False  # iso-time / min-energy met across the prediction bands (plan/points.py)
     launcher: str = "torchrun"
     log_dir: str = "runs"
     train_iters: int = 20
@@ -135,7 +136,13 @@ def run_commands(launch: Launch, methods: list[str | None], default_point: str) 
     cmds = []
     for method in methods:
         for point in select_frontier_points(
-            launch.plan_dir, launch.point or default_point, method=method, allow_all=True, flag="--point"
+            launch.plan_dir,
+            launch.point or default_point,
+            method=method,
+            allow_all=True,
+            flag="--point",
+            robust=launch.robust,
+            robust_flag="--robust",
         ):
             cmds.append(
                 run_command(

@@ -13,6 +13,11 @@ sorted fastest first, so point 00 is the fastest. A *point* names plans of one m
   same, of METHOD;
 - ``all``, ``METHOD-all``: every point, fastest first (only where a caller runs several plans: the launcher).
 
+*Robust* (``--kareus-robust``, ``kareus launch --robust``, ``install(..., robust=True)``): ``iso-time`` and
+``min-energy`` are met across the prediction bands (95th percentiles), not at the point estimate, by the same
+choice as ``kareus plan --robust`` (plan/objective.py ``frontier_choice``); with any other point, with a plan
+file, or with a frontier without bands, it is refused in one line.
+
 A point without a method refers to the caller's method (``--method``, ``install(method=...)``), else
 ``vocab.DEFAULT_METHOD``, else the only method of a frontier that has one (a ``kareus solve`` directory).
 The runtime entry points (``--kareus-point``), ``kareus_megatron.deepspeed``, ``kareus launch`` and
@@ -32,8 +37,10 @@ from typing import Any
 from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.files import read_input_text
 from kareus_megatron.plan.io import load_plan
+from kareus_megatron.plan.objective import FrontierPoint as FrontierPoint
+from kareus_megatron.plan.objective import Objective, frontier_choice
 from kareus_megatron.plan.schema import FRONTIER_FORMAT, Plan
-from kareus_megatron.vocab import DEFAULT_METHOD, ISO_REL_TOL, MEGATRON, PLAN_METHODS
+from kareus_megatron.vocab import DEFAULT_METHOD, MEGATRON, PLAN_METHODS
 
 FRONTIER_FILE = "frontier.json"
 FASTEST, MIN_ENERGY, ALL, ISO_TIME = "fastest", "min-energy", "all", "iso-time"
@@ -52,24 +59,6 @@ class PointSpec:
 
     method: str | None
     which: str | int  # FASTEST, MIN_ENERGY, ALL or an index
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FrontierPoint:
-    """One point of one method's frontier: its index, plan file and predicted time (s) and energy (J)."""
-
-    method: str
-    index: int
-    plan_path: Path
-    time_s: float
-    energy_j: float
-    time_s_band: tuple[float, float] | None = None  # [5th, 95th] percentile (s); None: a file without bands
-    energy_j_band: tuple[float, float] | None = None  # (J)
-
-    @property
-    def run_name(self) -> str:
-        """Directory name of a run of this point under a log directory: NAME-NN."""
-        return f"{self.method}-{self.index:02d}"
 
 
 def _syntax(allow_all: bool) -> str:
@@ -168,18 +157,10 @@ def frontier_point(method: str, index: int, plan_dir: str | os.PathLike[str], po
     )
 
 
-def reference_time_s(doc: dict[str, Any], points: list[dict[str, Any]]) -> float:
-    """Iso-time's reference (s): the frontier's megatron (max-clock) point, else the fastest of `points`."""
-    mega = (doc["methods"].get(MEGATRON) or {}).get("points") or points
-    return float(min(p["time_s"] for p in mega))
-
-
-def iso_time_index(points: list[dict[str, Any]], ref_time_s: float) -> int:
-    """Index of the lowest-energy point no slower than `ref_time_s` (s, within ISO_REL_TOL); none: the fastest point."""
-    ok = [i for i, p in enumerate(points) if p["time_s"] <= ref_time_s * (1 + ISO_REL_TOL)]
-    if not ok:
-        return min(range(len(points)), key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
-    return min(ok, key=lambda i: (points[i]["energy_j"], points[i]["time_s"]))
+def reference_points(doc: dict[str, Any], plan_dir: str | os.PathLike[str]) -> list[FrontierPoint]:
+    """Iso-time's reference: the frontier's megatron (max-clock) points; none: [] (the method's own fastest)."""
+    pts = (doc["methods"].get(MEGATRON) or {}).get("points") or []
+    return [frontier_point(MEGATRON, i, plan_dir, p) for i, p in enumerate(pts)]
 
 
 def _method_of(spec: PointSpec, method: str | None, doc: dict[str, Any], text: str, flag: str) -> str:
@@ -200,11 +181,19 @@ def select_frontier_points(
     method: str | None = None,
     allow_all: bool = False,
     flag: str = "point",
+    robust: bool = False,
+    robust_flag: str = "robust",
 ) -> list[FrontierPoint]:
     """The points of DIR's frontier that `point` (default DEFAULT_POINT) selects; 'all' gives every one, fastest
-    first."""
+    first. `robust` (named `robust_flag` in errors): iso-time and min-energy are met across the prediction bands
+    (plan/objective.py frontier_choice); other points are refused with it, as a frontier without bands is."""
     text = DEFAULT_POINT if point is None else point
     spec = parse_point(text, allow_all=allow_all, flag=flag)
+    if robust and spec.which not in (ISO_TIME, MIN_ENERGY):
+        raise ConfigError(
+            f"{robust_flag} picks iso-time or min-energy across the prediction bands, but {flag} {text} "
+            f"names {'every point' if spec.which == ALL else 'one point'}; drop {robust_flag} or choose one of those"
+        )
     if method is not None and method not in PLAN_METHODS:
         raise ConfigError(f"unknown method {method!r}; use one of {', '.join(PLAN_METHODS)}")
     doc = read_frontier(plan_dir)
@@ -215,29 +204,39 @@ def select_frontier_points(
     if not pts:
         have = ", ".join(m for m, e in doc["methods"].items() if e["points"]) or "none"
         raise PlanError(f"{flag} {text}: {frontier} has no points for method {name!r} (has: {have})")
+    points = [frontier_point(name, i, plan_dir, p) for i, p in enumerate(pts)]
     if spec.which == ALL:
-        chosen = list(range(len(pts)))
-    elif spec.which == FASTEST:
-        chosen = [min(range(len(pts)), key=lambda i: (pts[i]["time_s"], pts[i]["energy_j"]))]
-    elif spec.which == MIN_ENERGY:
-        chosen = [min(range(len(pts)), key=lambda i: (pts[i]["energy_j"], pts[i]["time_s"]))]
-    elif spec.which == ISO_TIME:
-        chosen = [iso_time_index(pts, reference_time_s(doc, pts))]
-    elif isinstance(spec.which, int) and spec.which < len(pts):
-        chosen = [spec.which]
-    else:
-        raise ConfigError(
-            f"{flag} {text}: point {spec.which:02d} does not exist; {name} has points "
-            f"00..{len(pts) - 1:02d} in {frontier}"
+        return points
+    if spec.which == FASTEST:
+        return [min(points, key=lambda p: (p.time_s, p.energy_j))]
+    if spec.which in (ISO_TIME, MIN_ENERGY):
+        choice = frontier_choice(
+            points,
+            Objective(str(spec.which)),
+            reference=reference_points(doc, plan_dir),
+            robust=robust,
+            fastest_if_none=True,
+            flag=robust_flag,
         )
-    return [frontier_point(name, i, plan_dir, pts[i]) for i in chosen]
+        return [choice]
+    if isinstance(spec.which, int) and spec.which < len(pts):
+        return [points[spec.which]]
+    raise ConfigError(
+        f"{flag} {text}: point {spec.which:02d} does not exist; {name} has points 00..{len(pts) - 1:02d} in {frontier}"
+    )
 
 
 def resolve_point(
-    plan_dir: str | os.PathLike[str], point: str | int | None = None, *, method: str | None = None, flag: str = "point"
+    plan_dir: str | os.PathLike[str],
+    point: str | int | None = None,
+    *,
+    method: str | None = None,
+    flag: str = "point",
+    robust: bool = False,
+    robust_flag: str = "robust",
 ) -> FrontierPoint:
     """The one point of DIR's frontier that `point` (default DEFAULT_POINT) names; 'all' is refused."""
-    return select_frontier_points(plan_dir, point, method=method, flag=flag)[0]
+    return select_frontier_points(plan_dir, point, method=method, flag=flag, robust=robust, robust_flag=robust_flag)[0]
 
 
 def load_point_plan(
@@ -247,10 +246,18 @@ def load_point_plan(
     method: str | None = None,
     flag: str = "point",
     path_flag: str = "plan",
+    robust: bool = False,
+    robust_flag: str = "robust",
 ) -> tuple[Plan, str]:
-    """Load a plan file, or the plan that `point` names in a plan directory; return it and its file path."""
+    """Load a plan file, or the plan that `point` names in a plan directory (with `robust`, met across the
+    prediction bands: select_frontier_points); return it and its file path."""
     p = Path(path)
     if p.is_file():
+        if robust:
+            raise ConfigError(
+                f"{robust_flag} chooses among a frontier's points, but {path_flag} {p} is one plan file; "
+                f"pass the kareus plan directory or drop {robust_flag}"
+            )
         if point is not None or method is not None:
             what = f"{flag} {point}" if point is not None else f"method {method}"
             raise ConfigError(
@@ -267,5 +274,5 @@ def load_point_plan(
             f"{path_flag} {p} is a directory without {FRONTIER_FILE}; pass a plan file or the "
             "--out directory of kareus plan"
         )
-    chosen = resolve_point(p, point, method=method, flag=flag)
+    chosen = resolve_point(p, point, method=method, flag=flag, robust=robust, robust_flag=robust_flag)
     return load_plan(chosen.plan_path), str(chosen.plan_path)

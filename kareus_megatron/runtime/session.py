@@ -71,9 +71,11 @@ class RuntimeSession(SignalHandling):
         clock_log: str | None = None,
         framework_patch: ModuleType = megatron_patch,
         log_mode: str = "new",
+        robust: bool = False,
     ) -> None:
         """Configure; nothing starts until `start()`. `log_path` is a directory of per-rank logs;
-        `log_mode` (new, append, overwrite) says what to do when this rank's log exists there."""
+        `log_mode` (new, append, overwrite) says what to do when this rank's log exists there; `robust`: the
+        plan was chosen across the prediction bands (--kareus-robust), recorded in the log header."""
         if on_error not in ("fail", "warn"):
             raise ConfigError(f"on_error (--kareus-on-error) {on_error!r} is not allowed; use fail or warn")
         if controller not in ("process", "thread"):
@@ -82,6 +84,7 @@ class RuntimeSession(SignalHandling):
             raise ConfigError("a Megatron session needs a plan; measurement without a plan is DeepSpeed-only")
         self.plan = plan
         self.source = source
+        self.robust = robust
         self.backend = backend
         self.gpu = gpu
         self.local_rank = local_rank_from_env() if local_rank is None else local_rank
@@ -128,6 +131,8 @@ class RuntimeSession(SignalHandling):
             "plan": None if self.plan is None else self.source,
             "backend": backend,
         }
+        if self.robust:
+            header["robust"] = True
         if self.plan is not None:
             par = self.plan.parallel
             header.update(pp=par.pp, tp=par.tp, cp=par.cp, dp=par.dp)

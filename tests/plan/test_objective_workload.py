@@ -90,7 +90,7 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
     """The calibrated job of tests/megatron_lm/test_mlm_auto.py under load: the least-energy plan is 0.017% slower
     than the max-clock plan (clock-change lag) and saves 7.7%. iso-time takes it, in the closed loop's objective
     and in --kareus-point iso-time alike; one 0.2% slower is another time; max-time=S stays exact."""
-    from kareus_megatron.plan.points import iso_time_index
+    from kareus_megatron.plan.objective import frontier_choice
     from kareus_megatron.vocab import ISO_REL_TOL
 
     mega = 1.0166450081633176
@@ -99,7 +99,8 @@ def test_iso_time_allows_the_planners_tolerance_and_agrees_with_the_point_syntax
         FrontierPoint(method="perseus", index=1, plan_path=Path("p1"), time_s=1.111351958396094, energy_j=153.4),
     ]
     assert select_point(pts, Objective("iso-time"), reference_time_s=mega).index == 0
-    assert iso_time_index([{"time_s": p.time_s, "energy_j": p.energy_j} for p in pts], mega) == 0
+    ref = [FrontierPoint(method="megatron", index=0, plan_path=Path("m0"), time_s=mega, energy_j=170.0)]
+    assert frontier_choice(pts, Objective("iso-time"), reference=ref, fastest_if_none=True).index == 0
     with pytest.raises(ObjectiveError, match="no plan is as fast"):
         select_point(pts, Objective("iso-time"), reference_time_s=pts[0].time_s / (1 + 2 * ISO_REL_TOL))
     with pytest.raises(ObjectiveError, match="no plan is as fast"):

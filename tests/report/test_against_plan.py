@@ -245,3 +245,19 @@ def test_a_simulated_truths_time_scale_scales_the_prediction(tmp_path):
             {"truth": {"time_scale": 2.5}},
         )
     ] == [1.0, 1.0, 1.0, 1.0, 2.5]
+
+
+def test_report_shows_a_robust_choice(tmp_path, capsys):
+    """A run log header's "robust": true (--kareus-robust) is named next to the plan, and is "robust" in JSON."""
+    save_plan(tiny_plan(p_blocked_w=80.0), tmp_path / "plan.json")
+    for robust in (True, False):
+        log = write_log(tmp_path / f"run-{robust}.jsonl", ROWS)
+        lines = log.read_text().splitlines(keepends=True)
+        if robust:
+            lines[0] = json.dumps({**json.loads(lines[0]), "robust": True}) + "\n"
+        log.write_text("".join(lines))
+        argv = ["report", str(log), "--plan", str(tmp_path / "plan.json"), "--no-plot"]
+        assert cli_main.main(argv) == 0
+        assert ("chosen across the prediction bands (--kareus-robust)" in capsys.readouterr().out) is robust
+        assert cli_main.main([*argv, "--format", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["robust"] is robust

@@ -5,7 +5,9 @@
 method's NN-th plan, 00 = fastest), ``METHOD-NN`` (e.g. perseus-03), ``iso-time``, ``fastest``, ``min-energy``,
 ``METHOD-iso-time``, ``METHOD-fastest`` or ``METHOD-min-energy``. The default is ``iso-time`` (plan/points.py
 DEFAULT_POINT): the least predicted energy no slower than Megatron's max-clock plan -- the plan ``kareus plan``
-suggests, and the objective ``--kareus-plan auto`` chooses by default.
+suggests, and the objective ``--kareus-plan auto`` chooses by default. ``--kareus-robust`` meets iso-time or
+min-energy across the prediction bands (95th percentiles), as ``kareus plan --robust`` does; with a plan file,
+another point, a frontier without bands or ``--kareus-plan auto`` it is refused in one line before training.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv
 from kareus_megatron.runtime.measure.rank_files import LOG_MODES
+
+ROBUST_FLAG = "--kareus-robust"
 
 
 def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +63,12 @@ def add_kareus_arguments(parser: argparse.ArgumentParser) -> None:
         help="which plan of a plan directory: iso-time, NN, METHOD-NN, fastest, min-energy, "
         "METHOD-iso-time, METHOD-fastest or METHOD-min-energy (default: iso-time of the kareus "
         "method, the least predicted energy no slower than Megatron's max-clock plan)",
+    )
+    g.add_argument(
+        "--kareus-robust",
+        action="store_true",
+        help="with a plan directory: iso-time and min-energy are met across the prediction bands (95th "
+        "percentiles), as kareus plan --robust, not at the point estimate; needs a frontier with bands",
     )
     g.add_argument(
         "--kareus-log",
@@ -112,9 +122,22 @@ def print_kareus_help(
     return 0
 
 
-def resolve_plan(path: str, point: str | None = None) -> tuple[Plan, str]:
-    """Load the plan named by --kareus-plan/--kareus-point (plan/points.py's syntax); return it and its path."""
-    return load_point_plan(path, point, flag="--kareus-point", path_flag="--kareus-plan")
+def resolve_plan(path: str, point: str | None = None, robust: bool = False) -> tuple[Plan, str]:
+    """Load the plan named by --kareus-plan/--kareus-point/--kareus-robust (plan/points.py's syntax); return it
+    and its path."""
+    return load_point_plan(
+        path, point, flag="--kareus-point", path_flag="--kareus-plan", robust=robust, robust_flag=ROBUST_FLAG
+    )
+
+
+def refuse_robust_auto(robust: bool) -> None:
+    """ConfigError when --kareus-robust comes with --kareus-plan auto: the closed loop has no frontier to choose
+    from."""
+    if robust:
+        raise ConfigError(
+            f"{ROBUST_FLAG} picks a point of a planned frontier, but --kareus-plan auto re-plans while training "
+            f"(its --kareus-objective is met at the point estimate); drop {ROBUST_FLAG}"
+        )
 
 
 def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
@@ -127,10 +150,16 @@ def start_session(ns: argparse.Namespace, slot: Any = None) -> Any:
         return start_auto_session(ns, slot)
     if ns.kareus_workload is not None:
         raise ConfigError("--kareus-workload goes with --kareus-plan auto")
-    plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point)
+    robust = bool(getattr(ns, "kareus_robust", False))
+    plan, source = resolve_plan(ns.kareus_plan, ns.kareus_point, robust)
     apply_required_environment(plan)
     return slot.install(
-        plan, source=source, log_path=ns.kareus_log, on_error=ns.kareus_on_error, log_mode=ns.kareus_log_mode
+        plan,
+        source=source,
+        log_path=ns.kareus_log,
+        on_error=ns.kareus_on_error,
+        log_mode=ns.kareus_log_mode,
+        robust=robust,
     )
 
 
@@ -139,6 +168,7 @@ def start_auto_session(ns: argparse.Namespace, slot: Any, **session_kwargs: Any)
     from kareus_megatron.plan.objective import parse_objective
     from kareus_megatron.runtime.closed_loop.auto import install_auto
 
+    refuse_robust_auto(bool(getattr(ns, "kareus_robust", False)))
     objective = parse_objective(ns.kareus_objective)
     if not ns.kareus_workload:
         raise ConfigError(

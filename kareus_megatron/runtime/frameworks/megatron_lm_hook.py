@@ -12,7 +12,13 @@ from kareus_megatron.errors import ConfigError, KareusError, print_error
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_problem
-from kareus_megatron.runtime.frameworks.entry import ending_session, resolve_plan, run_guarded, start_auto_session
+from kareus_megatron.runtime.frameworks.entry import (
+    ending_session,
+    refuse_robust_auto,
+    resolve_plan,
+    run_guarded,
+    start_auto_session,
+)
 from kareus_megatron.runtime.frameworks.layer_choice import LayerChoice, choose_layer
 
 
@@ -20,7 +26,9 @@ def choose_megatron_layer(ns: Any, megatron_args: Any) -> LayerChoice:
     """The layer Megatron-LM builds for the plan the --kareus-* flags `ns` name (with --kareus-plan auto, the
     workload), from Megatron-LM's flags `megatron_args` (layer_choice.py); rank 0 prints its one line."""
     auto = ns.kareus_plan == AUTO
+    robust = bool(getattr(ns, "kareus_robust", False))
     if auto:
+        refuse_robust_auto(robust)
         if not getattr(ns, "kareus_workload", None):
             raise ConfigError(
                 "--kareus-plan auto needs --kareus-workload PLAN: a plan of this job (e.g. from kareus "
@@ -30,7 +38,7 @@ def choose_megatron_layer(ns: Any, megatron_args: Any) -> LayerChoice:
             ns.kareus_workload, getattr(ns, "kareus_point", None), flag="--kareus-point", path_flag="--kareus-workload"
         )
     else:
-        plan, _ = resolve_plan(ns.kareus_plan, getattr(ns, "kareus_point", None))
+        plan, _ = resolve_plan(ns.kareus_plan, getattr(ns, "kareus_point", None), robust)
     choice = choose_layer(plan, megatron_args, auto=auto)
     if os.environ.get("RANK", "0") == "0":
         print(choice.line, flush=True)
@@ -50,6 +58,7 @@ def install_from_megatron_args(args: Any) -> Any:
                     ("kareus_workload", None),
                     ("kareus_objective", "iso-time"),
                     ("kareus_point", None),
+                    ("kareus_robust", False),
                     ("kareus_log", None),
                     ("kareus_on_error", "fail"),
                     ("kareus_log_mode", "new"),
@@ -57,10 +66,12 @@ def install_from_megatron_args(args: Any) -> Any:
             }
         )
         return start_auto_session(ns, MEGATRON_SESSIONS, local_rank=local_rank if isinstance(local_rank, int) else None)
-    plan, source = resolve_plan(args.kareus_plan, getattr(args, "kareus_point", None))
+    robust = bool(getattr(args, "kareus_robust", False))
+    plan, source = resolve_plan(args.kareus_plan, getattr(args, "kareus_point", None), robust)
     return MEGATRON_SESSIONS.install(
         plan,
         source=source,
+        robust=robust,
         log_path=getattr(args, "kareus_log", None),
         on_error=getattr(args, "kareus_on_error", "fail"),
         log_mode=getattr(args, "kareus_log_mode", "new"),
