@@ -44,13 +44,18 @@ lint: $(VENV)/.test
 # tests on a clean clone of the 2-core machine (2026-12-06); --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
+# bytecode: PYTHONDONTWRITEBYTECODE=1 (this machine and CI) would make every process the suite starts (ranks,
+# controllers, CLI runs: hundreds) compile the package's and the tests' modules again; compiled once here instead.
 PYTEST_WORKERS ?= 2
+BYTECODE := $(BIN)/python -m compileall -q -j 0 kareus_megatron tests launch examples benchmarks >/dev/null
 test: lint docs
+	$(BYTECODE)
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 \
 		--durations=25 tests
 
 # The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
 test-fast: lint
+	$(BYTECODE)
 	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
 
 # The docs site into site/ (mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
