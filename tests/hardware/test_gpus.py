@@ -128,6 +128,45 @@ def test_power_is_clamped_and_clock_is_sustained():
     assert low.shape == (2, 2) and low[0, 0] == 900.0 and low[1, 1] == pytest.approx(f_s)
 
 
+def _bisected_clock_mhz(g, f, ca, ma):
+    """The sustained clock by the plain bisection on raw_power_w over every element (what power.py once did)."""
+    f, ca, ma = np.broadcast_arrays(np.asarray(f, dtype=float), np.asarray(ca, dtype=float), ma)
+    over = raw_power_w(g, f, ca, ma) > g.power_limit_w
+    if not np.any(over):
+        return f.astype(float)
+    lo, hi = np.minimum(f, float(g.min_sm_clock_mhz)), f.astype(float)
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        ok = raw_power_w(g, mid, ca, ma) <= g.power_limit_w
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+    return np.where(over, lo, f)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_sustained_clock_is_the_plain_bisection_to_the_last_bit(name):
+    """power.py bisects the over-limit elements only, with the clock-free terms computed once: the same result, bit
+    for bit, as bisecting raw_power_w everywhere -- also with array-valued fields (the planner's parameter draws)."""
+    rng = np.random.default_rng(7)
+    base = gpu_spec(name)
+    k = 16
+    draws = replace(
+        base,
+        static_power_w=base.static_power_w * rng.uniform(0.8, 1.2, k),
+        compute_dynamic_w=base.compute_dynamic_w * rng.uniform(0.8, 1.4, k),
+        memory_dynamic_w=base.memory_dynamic_w * rng.uniform(0.8, 1.2, k),
+        voltage_floor=base.voltage_floor * rng.uniform(0.9, 1.1, k),
+        power_limit_w=base.power_limit_w * rng.uniform(0.4, 1.0, k),
+    )
+    capped = 0
+    for g, shape in ((replace(base, power_limit_w=0.6 * base.power_limit_w), (13, 5)), (draws, (9, 1))):
+        f = rng.uniform(base.min_sm_clock_mhz - 30, base.max_sm_clock_mhz, size=shape)
+        ca, ma = rng.uniform(-0.1, 1.2, size=shape), rng.uniform(-0.1, 1.2, size=shape)
+        got, want = sustained_clock_mhz(g, f, ca, ma), _bisected_clock_mhz(g, f, ca, ma)
+        assert got.shape == want.shape and np.array_equal(got, want)
+        capped += int(np.sum(got < np.broadcast_to(f, got.shape)))
+    assert capped > 10  # the bisection really ran
+
+
 def test_a_limit_no_clock_meets_stops_at_the_lowest_clock():
     g = replace(gpu_spec("a100-sxm4-80gb"), power_limit_w=40.0)  # below static + memory power at any clock
     assert float(raw_power_w(g, g.min_sm_clock_mhz, 0.1, 1.0)) > g.power_limit_w
