@@ -76,9 +76,10 @@ def sustained_clock_mhz(
         return f.astype(float, copy=True)
     out = np.broadcast_to(f, over.shape).astype(float, copy=True)  # spec fields may be arrays (parameter draws)
 
-    def sub(x: ArrayLike) -> np.ndarray:
-        """x on the over elements (x broadcast against them first)."""
-        return np.broadcast_to(np.asarray(x, dtype=float), over.shape)[over]
+    def sub(x: ArrayLike) -> np.ndarray | float:
+        """x on the over elements (x broadcast against them first); a scalar stays one (same values)."""
+        a = np.asarray(x, dtype=float)
+        return float(a) if a.ndim == 0 else np.broadcast_to(a, over.shape)[over]
 
     # raw_power_w's terms on the over elements: static + (m / f_max) * v(m)^2 * load + memory
     load = sub(spec.idle_dynamic_w) + sub(spec.compute_dynamic_w) * np.clip(sub(ca), 0.0, 1.0)
