@@ -40,8 +40,9 @@ lint: $(VENV)/.test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 11 m 58 s for 1,476
-# tests on a clean clone of the 2-core machine (2026-12-06); --durations=25 prints the slowest.
+# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 50 s for 1,513
+# tests on a clean clone of the 2-core machine, 11 m 15 s with the installs (2026-12-06); --durations=25 prints the
+# slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
 # bytecode: PYTHONDONTWRITEBYTECODE=1 (this machine and CI) would make every process the suite starts (ranks,
