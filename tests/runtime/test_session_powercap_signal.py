@@ -5,7 +5,6 @@ are reset (with the side process, the controller restores it itself when its tra
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -36,15 +35,8 @@ def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_sigterm_restores_the_power_limit_with_the_thread_controller(tmp_path):
-    sim_log = tmp_path / "sim.jsonl"
-    env = {
-        **os.environ,
-        "KAREUS_GPU_BACKEND": "simulated",
-        "KAREUS_SIMULATED_LOG": str(sim_log),
-        "KAREUS_SIMULATED_LATENCY_MS": "0",
-    }
-    env.pop("KAREUS_GPU_READ_ONLY", None)
+def test_sigterm_restores_the_power_limit_with_the_thread_controller(tmp_path, simulated_env):
+    env, sim_log = simulated_env
     code = TRAINER.format(here=str(HERE), log=str(tmp_path / "run"))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:

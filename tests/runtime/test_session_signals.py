@@ -5,7 +5,6 @@ own thread, and finishes (the clocks reset) once the interrupted code has unwoun
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -61,15 +60,8 @@ def _events(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("controller", ["process", "thread"])
-def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_path, controller):
-    sim_log = tmp_path / "sim.jsonl"
-    env = {
-        **os.environ,
-        "KAREUS_GPU_BACKEND": "simulated",
-        "KAREUS_SIMULATED_LOG": str(sim_log),
-        "KAREUS_SIMULATED_LATENCY_MS": "0",
-    }
-    env.pop("KAREUS_GPU_READ_ONLY", None)
+def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_path, controller, simulated_env):
+    env, sim_log = simulated_env
     code = TRAINER.format(here=str(HERE), log=str(tmp_path / "run"), controller=controller, sig="SIGINT")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
