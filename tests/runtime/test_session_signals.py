@@ -68,7 +68,7 @@ def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_
         lines = _lines(proc)
         first = _next(lines)
         assert first[:1] == ["interrupted"], f"no KeyboardInterrupt within 30 s: {first}"
-        assert float(first[1]) < SETTLE_WAIT_S + 1.0
+        assert float(first[1]) < SETTLE_WAIT_S + 2.5  # the wait's cap, and room for a loaded host's stalls
         assert _next(lines) == ["settled", "True"]
         events = _events(sim_log)
         assert events.count("reset") >= 1, f"the signal's clock reset never reached the GPU: {events}"
