@@ -29,7 +29,7 @@ from kareus_megatron.errors import ConfigError, InfeasibleConfigError, PlanError
 from kareus_megatron.plan.environment import required_environment
 from kareus_megatron.plan.io import load_plan
 from kareus_megatron.plan.megatron_model import ACTIVATION_FLAGS, NORMALIZATION, POSITION_EMBEDDING, PRECISION_FLAGS
-from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.plan.objective import FrontierPoint
 from kareus_megatron.plan.schema import ModelShape, Plan
 from kareus_megatron.report.runlog import MEASUREMENT_FILE, RUN_FORMAT
 from kareus_megatron.vocab import FRAMEWORK_DEEPSPEED, MEGATRON

@@ -37,8 +37,7 @@ from typing import Any
 from kareus_megatron.errors import ConfigError, PlanError
 from kareus_megatron.files import read_input_text
 from kareus_megatron.plan.io import load_plan
-from kareus_megatron.plan.objective import FrontierPoint as FrontierPoint
-from kareus_megatron.plan.objective import Objective, frontier_choice
+from kareus_megatron.plan.objective import FrontierPoint, Objective, frontier_choice
 from kareus_megatron.plan.schema import FRONTIER_FORMAT, Plan
 from kareus_megatron.vocab import DEFAULT_METHOD, MEGATRON, PLAN_METHODS
 

@@ -15,8 +15,7 @@ from kareus_megatron.errors import ConfigError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.plan.evaluate import evaluate_plan
 from kareus_megatron.plan.io import load_plan
-from kareus_megatron.plan.objective import Objective, ObjectiveError, parse_objective, select_point
-from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.plan.objective import FrontierPoint, Objective, ObjectiveError, parse_objective, select_point
 from kareus_megatron.plan.workload import plan_cli_args, plan_workload, write_model_file
 
 ROOT = Path(__file__).resolve().parents[2]

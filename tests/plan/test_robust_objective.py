@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kareus_megatron.plan.objective import ObjectiveError, parse_objective, select_point
-from kareus_megatron.plan.points import FrontierPoint
+from kareus_megatron.plan.objective import FrontierPoint, ObjectiveError, parse_objective, select_point
 
 
 def point(i, t, e, t_hi, e_hi):
