@@ -253,8 +253,8 @@ class Plan(_Frozen):
         ge=0,
         allow_inf_nan=False,
         description="shortest clock segment (s of busy time; a maximal run of one rank's instructions at one SM "
-        "clock, cyclic across iterations) the planner allowed: k x clock_latency_s (search/segments.py; "
-        "None with clock_latency_s None)",
+        "clock, cyclic across iterations) the planner merged to: k x clock_latency_s; a segment before a raise "
+        "requested ahead may be shortened to one latency (search/segments.py; None with clock_latency_s None)",
     )
     model: ModelShape | None = None
     parallel: ParallelLayout

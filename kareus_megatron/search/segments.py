@@ -18,7 +18,15 @@ locked-clock call per segment, when the segment's first instruction begins; the 
   of busy time of each segment runs at the previous segment's clock (the instruction's option at that clock
   nearest in time to its own; at the nearest clock it has an option for, if none). Only busy time counts
   down the lag, so a change that completes during a wait is still charged: this over-counts the lag.
-- ``latency_aware_plans``: both, then the event simulation, for every plan of a frontier.
+- ``raise_ahead``: every raise of the clock requested one latency early, so that it is in force when the
+  faster segment begins and never slows it: each instruction runs at least the highest clock of those that
+  begin within one latency of busy time after it (busy time at their fastest options: a slower run only
+  adds margin). A lowering is still requested at its segment's begin (its lag runs the first instructions
+  faster, never slower). A segment this leaves shorter than one latency before a higher one is raised whole.
+  The price is energy: the tail of the slower segment runs at the faster clock.
+- ``latency_aware_plans``: merge, then each plan as is and with its raises ahead, the lag and the event
+  simulation of both; the frontier keeps whichever is better (as is: energy where the raised segment's
+  first instructions have slack; ahead: time where they are on the critical path).
 
 Segments of at least 2 latencies (docs/clock_latency.md): a change issued at a segment's begin is done one
 latency later, before the next segment's begin, so no change is stale and at most half of a segment runs at
@@ -230,6 +238,63 @@ def lagged_costs(
     return dur, en
 
 
+def _ahead_max(clocks: list[int], busy_s: list[float], latency_s: float) -> list[int]:
+    """Each position's clock raised to the highest clock that begins within `latency_s` of busy time after it
+    (cyclic)."""
+    n = len(clocks)
+    issued = list(clocks)
+    for p in range(n):
+        ahead = 0.0
+        for step in range(1, n):
+            if ahead >= latency_s:
+                break
+            q = (p + step) % n
+            issued[p] = max(issued[p], clocks[q])
+            ahead += busy_s[q]
+    return issued
+
+
+def raise_ahead(dag: PipelineDAG, node_opts: Sequence[Any], choice: np.ndarray, latency_s: float) -> np.ndarray:
+    """A copy of `choice` in which every raise of the clock is requested one latency ahead (see the module doc)."""
+    out = np.array(choice, dtype=np.int64, copy=True)
+    if latency_s <= 0:
+        return out
+    look = _Options(node_opts)
+    for seq in dag.rank_orders:
+        n = len(seq)
+        clocks = [look.clock(i, int(out[i])) for i in seq]
+        if len(set(clocks)) < 2:
+            continue
+        # busy time at each instruction's fastest option: the run can only be slower, so a change is in force
+        # no later than predicted (waits between instructions only add to the margin)
+        fastest = [float(np.min(look.opts[i].time_s)) for i in seq]
+        wanted = list(clocks)
+        while True:
+            issued = _ahead_max(wanted, fastest, latency_s)
+            runs = cyclic_runs(issued)
+            # a segment left under one latency before a higher one is raised whole (and the filter run again), so
+            # no change is requested within one latency of the one before: none goes stale or late
+            short = next(
+                (
+                    (s, m, issued[runs[(r + 1) % len(runs)][0]])
+                    for r, (s, m) in enumerate(runs)
+                    if len(runs) > 1
+                    and issued[runs[(r + 1) % len(runs)][0]] > issued[s]
+                    and sum(fastest[(s + j) % n] for j in range(m)) < latency_s
+                ),
+                None,
+            )
+            if short is None:
+                break
+            s, m, up = short
+            for j in range(m):
+                wanted[(s + j) % n] = up
+        for p, i in enumerate(seq):
+            if issued[p] != clocks[p]:
+                out[i] = look.at(i, int(out[i]), issued[p], nearest=True)
+    return out
+
+
 def simulate_many(
     dag: PipelineDAG, dur_s: np.ndarray, energy_j: np.ndarray, p_blocked_w: float, gpus_per_stage: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -251,22 +316,24 @@ def latency_aware_plans(
     gpus_per_stage: int,
     latency: ClockLatency,
 ) -> list[Any]:
-    """Every plan of `plans` (SolvedPlan) with its short clock segments merged, re-simulated with the lag;
-    plans that merge into the same choice are kept once."""
+    """Every plan of `plans` (SolvedPlan) with its short clock segments merged, as is and with its raises
+    requested ahead, re-simulated with the lag; choices met twice are kept once (the caller's Pareto filter
+    picks between the two forms)."""
     from kareus_megatron.search.solver import SolvedPlan
 
     seen: set[bytes] = set()
     choices, durs, ens = [], [], []
     for p in plans:
-        ch = merge_short_segments(dag, node_opts, p.choice, latency.min_segment_s)
-        key = ch.tobytes()
-        if key in seen:
-            continue
-        seen.add(key)
-        dur, en = lagged_costs(dag, node_opts, ch, latency.latency_s)
-        choices.append(ch)
-        durs.append(dur)
-        ens.append(en)
+        merged = merge_short_segments(dag, node_opts, p.choice, latency.min_segment_s)
+        for ch in (merged, raise_ahead(dag, node_opts, merged, latency.latency_s)):
+            key = ch.tobytes()
+            if key in seen:
+                continue
+            seen.add(key)
+            dur, en = lagged_costs(dag, node_opts, ch, latency.latency_s)
+            choices.append(ch)
+            durs.append(dur)
+            ens.append(en)
     if not choices:
         return []
     t, e = simulate_many(dag, np.array(durs), np.array(ens), p_blocked_w, gpus_per_stage)

@@ -28,6 +28,7 @@ from kareus_megatron.search.segments import (
     cyclic_runs,
     lagged_costs,
     merge_short_segments,
+    raise_ahead,
     segment_lengths_s,
     short_segment_share,
 )
@@ -142,6 +143,31 @@ def test_default_job_reductions_move_less_than_one_point():
     assert aware[KAREUS]["iso_time_energy"] > 0.1  # still the Kareus figure, not a degenerate plan
 
 
+def test_at_15_ms_the_fastest_plan_is_as_fast_as_max_clocks_with_raises_requested_ahead(monkeypatch):
+    """The closed loop's job (llama3.2-3b, TP=1 PP=2, MBS 1, seq 2048, 4 microbatches, A40; instructions of tens of
+    ms): with every raise requested at its segment's begin, its lag slows the critical path and no Kareus plan is
+    within the closed loop's 0.1% iso-time tolerance of the max-clock plan (the loop stayed at max clocks); with the
+    raises requested a latency ahead, the fastest plan is as fast as max clocks and saves energy."""
+    from kareus_megatron.search import segments
+
+    gpu, model = gpu_spec("a40"), model_spec("llama3.2-3b")
+    par = make_parallel(
+        model, tp=1, pp=2, micro_batch_size=1, seq_length=2048, num_microbatches=4, recompute="full", gpus_per_node=2
+    )
+    kernel = KernelModel(gpu)
+    assert gpu.clock_latency_s == pytest.approx(0.015)
+
+    def fastest(r):
+        k, m = r.methods[KAREUS], r.methods[MEGATRON]
+        return float(k.time_s[0] / m.time_s[0]), float(k.energy_j[0] / m.energy_j[0])
+
+    ahead = fastest(plan_methods(gpu, model, par, kernel, methods=[MEGATRON, KAREUS], points=4))
+    assert ahead[0] <= 1.001 and ahead[1] < 0.99, ahead
+    monkeypatch.setattr(segments, "raise_ahead", lambda dag, opts, choice, lat: choice)
+    as_is = fastest(plan_methods(gpu, model, par, kernel, methods=[MEGATRON, KAREUS], points=4))
+    assert as_is[0] > 1.001, as_is
+
+
 @dataclass(frozen=True)
 class Opts:
     time_s: np.ndarray
@@ -197,6 +223,41 @@ def test_the_lag_runs_the_first_latency_of_a_segment_at_the_previous_clock():
     assert dur[seq[2]] == pytest.approx(t14) and dur[seq[7]] == pytest.approx(t10)
     same, _ = lagged_costs(dag, o, np.zeros(dag.n, dtype=np.int64), 0.015)
     assert np.allclose(same, t14)  # one clock: nothing changes, no lag
+
+
+def test_raises_requested_a_latency_ahead_never_slow_the_faster_segment():
+    """One rank (every instruction on the critical path): 4 instructions at 1000 MHz, 4 at 1400. Requested at
+    its segment's begin, the raise runs the first 15 ms of the 1400 MHz segment at 1000: that segment is later
+    than planned there. Requested ahead, the 1000 MHz segment's last 15 ms run at 1400 instead: not later, more
+    energy."""
+    dag = build_dag(instruction_order(SCHEDULE_1F1B, 1, 4, 1))
+    o = [opts(0.010) for _ in dag.keys]
+    seq = dag.rank_orders[0]
+    choice = np.zeros(dag.n, dtype=np.int64)
+    for i in seq[:4]:
+        choice[i] = 2
+    planned = sum(float(o[i].time_s[choice[i]]) for i in seq)
+    ahead = raise_ahead(dag, o, choice, 0.015)
+    clocks = [int(o[i].clock_mhz[ahead[i]]) for i in seq]
+    # the 1000 MHz instructions beginning within 15 ms (fastest busy: 10 ms each) before the raise: 2 of them
+    assert clocks == [1000, 1000, 1400, 1400, 1400, 1400, 1400, 1400]
+    as_is, e_as_is = lagged_costs(dag, o, choice, 0.015)
+    early, e_early = lagged_costs(dag, o, ahead, 0.015)
+    fast = list(seq[4:])  # the 1400 MHz segment: 40 ms planned
+    assert as_is[fast].sum() == pytest.approx(0.014 + 0.001 + (1 - 0.001 / 0.014) * 0.010 + 0.020)  # 15 ms at 1000
+    assert early[fast].sum() == pytest.approx(0.040)  # the raise is in force when it begins
+    assert early.sum() <= planned + 1e-12
+    assert e_early.sum() > e_as_is.sum()
+    assert np.array_equal(raise_ahead(dag, o, choice, 0.0), choice)
+    # a segment left under one latency before a raise is raised whole: instructions of 3 and 11 ms (at 1400 MHz)
+    # would remain at 1000 MHz, 14 ms < 15: the controller would still be changing the clock when the raise came
+    work = {seq[0]: 0.003, seq[1]: 0.011}
+    o2 = [opts(work.get(i, 0.010)) for i in range(dag.n)]
+    assert all(c == 1400 for c in (int(o2[i].clock_mhz[k]) for i, k in enumerate(raise_ahead(dag, o2, choice, 0.015))))
+    work[seq[1]] = 0.012  # 15 ms remain: kept
+    o3 = [opts(work.get(i, 0.010)) for i in range(dag.n)]
+    kept = raise_ahead(dag, o3, choice, 0.015)
+    assert [int(o3[i].clock_mhz[kept[i]]) for i in seq] == [1000, 1000] + [1400] * 6
 
 
 def test_cyclic_runs_and_shares():
