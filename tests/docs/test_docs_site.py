@@ -24,8 +24,8 @@ README_MAX_LINES = 250
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
 
 
-def _make_docs(cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`make docs` in `cwd` with this interpreter's environment; the install step is taken as done."""
+def _make_docs(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`make docs ARGS` in `cwd` with this interpreter's environment; the install step is taken as done."""
     bin_dir = os.path.dirname(sys.executable)
     if not Path(bin_dir, "mkdocs").is_file():
         pytest.fail(
@@ -33,7 +33,7 @@ def _make_docs(cwd: Path) -> subprocess.CompletedProcess[str]:
         )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)}
     return subprocess.run(
-        ["make", "--no-print-directory", "-o", ".venv/.test", "docs", f"BIN={bin_dir}"],
+        ["make", "--no-print-directory", "-o", ".venv/.test", "docs", f"BIN={bin_dir}", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -57,12 +57,13 @@ def _schema_fields(schema: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def site() -> Path:
-    """The site `make docs` builds from the checkout (removed first, so nothing stale is read)."""
-    shutil.rmtree(ROOT / "site", ignore_errors=True)
-    r = _make_docs(ROOT)
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site `make docs` builds from the checkout, into a new directory (`make test` builds site/ beside the
+    suite)."""
+    out = tmp_path_factory.mktemp("site")
+    r = _make_docs(ROOT, f"SITE={out}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return ROOT / "site"
+    return out
 
 
 def test_reference_pages_cover_the_code(site: Path):
