@@ -64,8 +64,9 @@ test: ruff
 	$(BYTECODE)
 	@$(MAKE) --no-print-directory -j 3 typecheck docs suite
 
+# MAKEFLAGS emptied: the makes the tests run (make try-runtime) would otherwise find -j 3's jobserver and warn on stderr
 suite: $(VENV)/.test
-	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 \
+	MAKEFLAGS= $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 \
 		--durations=25 tests
 
 # The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
