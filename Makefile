@@ -66,13 +66,13 @@ test: ruff
 
 # MAKEFLAGS emptied: the makes the tests run (make try-runtime) would otherwise find -j 3's jobserver and warn on stderr
 suite: $(VENV)/.test
-	MAKEFLAGS= $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-seed=0 --timeout=300 \
+	MAKEFLAGS= $(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 \
 		--durations=25 tests
 
 # The edit-test loop: lint and every test but the end-to-end runs (tests/conftest.py END_TO_END, marker e2e).
 test-fast: lint
 	$(BYTECODE)
-	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
+	$(BIN)/python -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --hypothesis-seed=0 --timeout=300 -m "not e2e" tests
 
 # The docs site into site/ (SITE=DIR: elsewhere; mkdocs.yml), strict: a broken link, anchor or nav entry fails the build. The
 # reference pages are generated from the code (docs/gen_reference.py). Seconds. Browse: $(BIN)/mkdocs serve
