@@ -19,10 +19,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The slowest files of the suite (measured with --durations: together about three quarters of its time), slowest first.
-# xdist's default order (files with the most tests first) runs them last, and is kept. Run first (--no-loadscope-reorder),
-# they made test_durable_log's SIGINT case hang in 2 of 2 clean-clone runs before the signal handler's deadlock was fixed,
-# and after it the suite was slower: 649 s of tests against 620 s in default order (one clean-clone `.ci/run` each,
-# 2026-12-06): the heaviest runs then share the cores with each other rather than with sub-second tests.
+# xdist's default order (files with the most tests first) runs them last, and is kept. Run first
+# (--no-loadscope-reorder), they made test_durable_log's SIGINT case hang in 2 of 2 clean-clone runs before the signal
+# handler's deadlock was fixed, and after it the suite was slower: 649 s of tests against 620 s in default order (one
+# clean-clone `.ci/run` each, 2026-12-06): the heaviest runs then share the cores with each other, not with short tests.
 END_TO_END = (
     "tests/runtime/test_auto_run.py",
     "tests/megatron_lm/test_mlm_overlap.py",

@@ -1,9 +1,13 @@
-"""The argument parser every `kareus` command uses: a usage error is one line and exit status 2."""
+"""The argument parser every `kareus` command uses (a usage error is one line and exit status 2), and the flags that
+more than one command takes."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+from kareus_megatron.errors import ConfigError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -12,3 +16,27 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]  # argparse declares NoReturn
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+
+def add_clock_latency_flag(parser: Any) -> None:
+    """``--clock-latency-ms`` (`kareus plan`, `kareus solve`): the clock controller's latency the plans assume."""
+    parser.add_argument(
+        "--clock-latency-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
+        "2x it, raises may be requested one latency ahead, and each change's lag is in the prediction "
+        "(default: the GPU preset's clock_latency_ms; 0: changes take effect at once; docs/clock_latency.md)",
+    )
+
+
+def clock_latency_s(args: argparse.Namespace, preset_s: float | None = None) -> float | None:
+    """``--clock-latency-ms`` in s (`preset_s` where it was not given), checked: 0..1000 ms, else one line."""
+    ms = args.clock_latency_ms
+    if ms is not None and not 0 <= ms <= 1000:
+        raise ConfigError(
+            f"--clock-latency-ms {ms} must be a number of milliseconds in 0..1000 "
+            "(a locked-clock call takes 10-20 ms; `kareus validate` measures it)."
+        )
+    return preset_s if ms is None else ms / 1000.0

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kareus_megatron.cli.parsing import add_clock_latency_flag, clock_latency_s
 from kareus_megatron.cli.workload_args import add_workload_arguments, workload_from_args
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.hardware.gpus import CLOCK_GRID_LOWEST_FRACTION, CLOCK_GRID_STEP_MHZ
@@ -109,15 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write only plans whose job power rises or falls by at most W_PER_S watts per second "
         "over any 100 ms (docs/power.md)",
     )
-    g.add_argument(
-        "--clock-latency-ms",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="the clock controller's latency (ms) the plans assume: every clock segment lasts at least "
-        "2x it and each change's lag is in the prediction (default: the GPU preset's clock_latency_ms; "
-        "0: changes take effect at once; docs/clock_latency.md)",
-    )
+    add_clock_latency_flag(g)
     g.add_argument(
         "--band-samples",
         type=int,
@@ -176,11 +169,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         raise ConfigError(f"--points {args.points}: need at least 2 (the fastest and the lowest-energy plan).")
     if args.max_time is not None and not args.max_time > 0:
         raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
-    if args.clock_latency_ms is not None and not 0 <= args.clock_latency_ms <= 1000:
-        raise ConfigError(
-            f"--clock-latency-ms {args.clock_latency_ms} must be a number of milliseconds in 0..1000 "
-            "(a locked-clock call takes 10-20 ms; `kareus validate` measures it)."
-        )
+    clock_latency_s(args)
     if args.timeline is not None:
         method, _, nn = args.timeline.rpartition("-")
         if method not in methods or not (len(nn) == 2 and nn.isascii() and nn.isdigit()) or int(nn) >= args.points:
@@ -230,7 +219,8 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         )
     from kareus_megatron.search.segments import ClockLatency
 
-    latency = None if args.clock_latency_ms is None else ClockLatency(args.clock_latency_ms / 1000.0)
+    given_s = clock_latency_s(args)
+    latency = None if given_s is None else ClockLatency(given_s)
     console = _progress_console()
     with Progress(
         TextColumn("{task.description:<28}"),

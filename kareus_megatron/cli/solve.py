@@ -8,6 +8,7 @@ under ``--out DIR``:
 - ``frontier.json``: kareus-frontier/1 layout with one method, ``solve``, fastest point first;
 - ``plans/solve-NN.json``: one kareus-plan/1 clock plan per point (NN = 00 is the fastest), built by
   plan/build.py like kareus plan's and recording ``--gpu`` and ``--p-blocked`` (so `kareus report` can use it);
+  latency-aware as kareus plan's (``--clock-latency-ms``, default the GPU preset's: search/segments.py);
 - with ``--zeus-format``, ``zeus/freqs_pipeline_NN.py``: the same plans as Python literals, one list of
   ``(instruction, frequency)`` per pipeline rank in execution order, the solution file that Zeus's
   pipeline frequency optimizer server replays (its ``PointSolution`` scheduler).
@@ -22,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kareus_megatron.cli.parsing import add_clock_latency_flag, clock_latency_s
 from kareus_megatron.errors import ConfigError, ProfileError
 from kareus_megatron.hardware.gpus import gpu_spec
 from kareus_megatron.search.schedules import instruction_order
@@ -66,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="power (W) of a GPU blocked on pipeline communication (default 83.64, A100)",
     )
     parser.add_argument("--points", type=int, default=10, metavar="N", help="frontier points to write (default 10)")
+    add_clock_latency_flag(parser)
     parser.add_argument(
         "--out", default="kareus-solve", metavar="DIR", help="output directory (default ./kareus-solve)"
     )
@@ -182,7 +185,7 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         raise ConfigError(f"--p2p-time {args.p2p_time} must be a finite time >= 0 s")
     args.nodes, args.gpus_per_node = node_shape(args.tp * args.cp * args.dp * args.pp, args.nodes, args.gpus_per_node)
 
-    gpu_spec(args.gpu)  # an unknown preset: one line naming the known ones
+    args.clock_latency_s = clock_latency_s(args, gpu_spec(args.gpu).clock_latency_s)  # unknown preset: one line
     try:
         layers = [int(x) for x in args.layers_per_stage.split(",")]
     except ValueError:
@@ -242,7 +245,10 @@ def solve_profile(
     from kareus_megatron.plan.build import solved_plan
     from kareus_megatron.plan.points import plan_relpath
     from kareus_megatron.plan.schema import FRONTIER_FORMAT, ParallelLayout
+    from kareus_megatron.search.frontier import pareto_indices
     from kareus_megatron.search.pipeline import build_dag
+    from kareus_megatron.search.planner import select_points
+    from kareus_megatron.search.segments import ClockLatency, latency_aware_plans
     from kareus_megatron.search.simulate import simulate_choice
     from kareus_megatron.search.solver import solve_frontier
 
@@ -268,6 +274,12 @@ def solve_profile(
         max_time_s=args.max_time,
         progress=progress,
     )
+    latency = ClockLatency(args.clock_latency_s) if args.clock_latency_s else None
+    if latency is not None:  # segments the controller can apply, raises ahead, the lag in time and energy
+        aware = latency_aware_plans(dag, node_opts, plans, args.p_blocked, gpus, latency)
+        keep = pareto_indices(np.array([p.time_s for p in aware]), np.array([p.energy_j for p in aware]))
+        spread = select_points(np.array([aware[i].time_s for i in keep]), args.points)  # both forms: up to 2x
+        plans = [aware[keep[j]] for j in spread]
     layout = ParallelLayout(
         tp=args.tp,
         cp=args.cp,
@@ -283,7 +295,16 @@ def solve_profile(
         schedule=args.schedule,
     )
     out_plans = [
-        solved_plan(dag, node_opts, sp, method=SOLVE, gpu=args.gpu, parallel=layout, p_blocked_w=args.p_blocked)
+        solved_plan(
+            dag,
+            node_opts,
+            sp,
+            method=SOLVE,
+            gpu=args.gpu,
+            parallel=layout,
+            p_blocked_w=args.p_blocked,
+            clock_latency=latency,
+        )
         for sp in plans
     ]
     points = [
@@ -303,6 +324,7 @@ def solve_profile(
             "cp": args.cp,
             "dp": args.dp,
             "gpu": args.gpu,
+            "clock_latency_s": args.clock_latency_s,
             "max_clock": {"time_s": top.time_s, "energy_j": top.energy_j},
         },
         "methods": {SOLVE: {"points": points}},

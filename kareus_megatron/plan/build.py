@@ -193,11 +193,18 @@ def solved_plan(
     gpu: str,
     parallel: ParallelLayout,
     p_blocked_w: float,
+    clock_latency: Any = None,
 ) -> Plan:
     """The clock plan of one point of search.solver.solve_frontier over measured options (``kareus solve``).
 
     `node_opts[i]` holds DAG node i's options (clock_mhz, time_s, energy_j: one GPU); `solved.choice[i]` the
-    chosen option; `solved.time_s` / `solved.energy_j` the simulated iteration time (s) and energy (J)."""
+    chosen option; `solved.time_s` / `solved.energy_j` the simulated iteration time (s) and energy (J);
+    `clock_latency` the search.segments.ClockLatency they assumed (each instruction's time and energy then carry
+    the lag of a clock change at its begin; None: changes at once)."""
+    from kareus_megatron.search.segments import lagged_costs
+
+    lag_s = 0.0 if clock_latency is None else float(clock_latency.latency_s)
+    dur, en = lagged_costs(dag, node_opts, np.asarray(solved.choice, dtype=np.int64), lag_s)
     ranks: list[list[Instruction]] = [[] for _ in range(parallel.pp)]
     for s, order in enumerate(dag.rank_orders):
         for i in order:
@@ -209,8 +216,8 @@ def solved_plan(
                     microbatch=mb,
                     chunk=chunk,
                     sm_clock_mhz=int(o.clock_mhz[k]),
-                    predicted_time_s=float(o.time_s[k]),
-                    predicted_energy_j=float(o.energy_j[k]),
+                    predicted_time_s=float(dur[i]),
+                    predicted_energy_j=float(en[i]),
                 )
             )
     return assemble_plan(
@@ -221,6 +228,7 @@ def solved_plan(
         energy_j=solved.energy_j,
         p_blocked_w=p_blocked_w,
         ranks=ranks,
+        clock_latency=clock_latency,
     )
 
 

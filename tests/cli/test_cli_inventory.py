@@ -138,6 +138,7 @@ EXPECTED = {
         "--vp",
     ],
     "solve": [
+        "--clock-latency-ms",
         "--cp",
         "--debug",
         "--dp",

@@ -69,6 +69,8 @@ def test_solve_writes_frontier_plans_and_zeus_files(tmp_path, profile, monkeypat
         "--zeus-format",
         "--tp",
         4,
+        "--clock-latency-ms",  # changes at once: the solver's own frontier (the lag: the test below)
+        0,
     )
     assert rc == 0
     doc = json.loads((out / "frontier.json").read_text())
@@ -92,6 +94,40 @@ def test_solve_writes_frontier_plans_and_zeus_files(tmp_path, profile, monkeypat
     # A second run replaces the previous output whole.
     assert _kareus(monkeypatch, "--profile", profile, "--pp", 2, "--microbatches", 4, "--points", 2, "--out", out) == 0
     assert not (out / "zeus").exists() and len(list((out / "plans").iterdir())) == 2
+
+
+def test_solve_plans_what_the_clock_controller_can_apply(tmp_path, profile, monkeypatch):
+    """By default at the GPU preset's clock latency (a100-sxm4-80gb: 15 ms), as kareus plan: every plan records it,
+    each instruction's predicted time carries the lag of a change at its begin, and with the raises requested ahead
+    the fastest plan is no slower than max clocks. (Here, 50-90 ms instructions, it is the max-clock plan: a clock
+    lowered off the critical path saves less than raising it ahead costs; changing at once, the solver's fastest plan
+    saves 4% that a real controller would not deliver.)"""
+    rows = {(int(r["stage"]), r["instruction"], int(r["frequency"])): float(r["time"]) for r in _rows()}
+    found = {}
+    for ms in (None, 0):
+        out = tmp_path / f"out-{ms}"
+        extra = () if ms is None else ("--clock-latency-ms", ms)
+        assert _kareus(monkeypatch, "--profile", profile, "--pp", 2, "--microbatches", 4, "--out", out, *extra) == 0
+        doc = json.loads((out / "frontier.json").read_text())
+        pts = doc["methods"]["solve"]["points"]
+        plans = [load_plan(out / p["plan"]) for p in pts]
+        found[ms] = (doc, pts, plans)
+        lagged = [
+            i.predicted_time_s != pytest.approx(rows[(st.pp_rank, i.kind, i.sm_clock_mhz)], rel=1e-9)
+            for plan in plans
+            for st in plan.stages
+            for i in st.instructions
+        ]
+        assert any(lagged) if ms is None else not any(lagged)
+    doc, pts, plans = found[None]
+    assert doc["config"]["clock_latency_s"] == 0.015 and found[0][0]["config"]["clock_latency_s"] == 0.0
+    assert all(p.clock_latency_s == 0.015 and p.min_clock_segment_s == 0.030 for p in plans)
+    assert all(p.clock_latency_s is None for p in found[0][2])
+    top = doc["config"]["max_clock"]
+    assert pts[0]["time_s"] <= top["time_s"] * (1 + 1e-9) and pts[0]["energy_j"] <= top["energy_j"]
+    assert all(a["time_s"] < b["time_s"] and a["energy_j"] > b["energy_j"] for a, b in zip(pts, pts[1:]))
+    assert found[0][1][0]["energy_j"] < top["energy_j"] * 0.97  # at once: the 4% the lag takes away
+    assert len(pts) <= 10
 
 
 def _mutations():
@@ -147,6 +183,8 @@ def test_bad_requests_exit_2_and_keep_previous_output(tmp_path, profile, monkeyp
         ("--layers-per-stage", "4"),  # one per stage
         ("--gpu", "a100-pcie"),  # not a preset
         ("--nodes", 3),  # does not divide 8 GPUs
+        ("--clock-latency-ms", -1),
+        ("--clock-latency-ms", math.inf),
     ]
     for flag, value in cases:
         args = {"--pp": 2, "--microbatches": 4, "--out": out, "--profile": profile, "--tp": 4}
