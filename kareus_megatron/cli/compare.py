@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 title=("simulated, " if doc["config"].get("simulated") else "")
                 + f"measured: {len(runs)} runs in {args.log_dir}"
                 + (f" on {gpu}" if gpu else ""),
+                bands=True,
             )
     print_tables(doc, runs)
     print(f"wrote {out / 'frontier.json'}" + ("" if args.no_plot else f" and {out / 'frontier.png'}"))

@@ -59,13 +59,23 @@ def _same_points(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, floa
 
 
 def plot_frontier(
-    doc: Mapping[str, Any], ax: Any, *, curves: Curves | None = None, title: str | None = None, legend: bool = True
+    doc: Mapping[str, Any],
+    ax: Any,
+    *,
+    curves: Curves | None = None,
+    title: str | None = None,
+    legend: bool = True,
+    bands: bool = False,
 ) -> Any:
     """Draw each method's frontier of a frontier document on `ax`; return `ax`.
 
     `curves` optionally maps a method to every plan its search found (time s, energy J); the method's
     line is then the Pareto set of those and its written points, else of its written points alone.
-    Artists carry gids ``frontier/NAME`` (the line), ``points/NAME`` and ``dominated/NAME``.
+    Artists carry gids ``frontier/NAME`` (the line), ``points/NAME``, ``dominated/NAME`` and, with `bands`,
+    ``bands/NAME``: a cross per point that carries bands (``time_s_band``, ``energy_j_band``) spanning them.
+    `kareus compare` draws its measured bands (each run's own noise); `kareus plan` does not draw its prediction
+    bands: one parameter draw moves every method alike, so crosses per point would show overlaps that the
+    reductions' own (much narrower) bands rule out.
     """
     curves = curves or {}
     methods: Mapping[str, Any] = doc["methods"]
@@ -122,18 +132,29 @@ def plot_frontier(
                 zorder=2,
                 gid=f"dominated/{name}",
             )
+    from matplotlib.collections import LineCollection
+
+    banded = False
+    for name, entry in methods.items() if bands else ():
+        segments = band_segments(entry["points"], tf, ef)
+        if segments:
+            banded = True
+            colour = METHOD_STYLE.get(name, (name, None))[1]
+            bars = LineCollection(segments, colors=colour, linewidths=0.8, alpha=0.45, gid=f"bands/{name}")
+            ax.add_collection(bars, autolim=True)
+    if banded:
+        ax.autoscale_view()
     ax.set_xlabel(f"iteration time ({tu})")
     ax.set_ylabel(f"GPU energy per iteration, all GPUs ({eu})")
     ax.grid(True, alpha=0.3)
     if legend:
-        ax.legend(
-            fontsize=8,
-            loc="upper right",
-            title="faint: dominated"
-            if any(a.get_gid() and a.get_gid().startswith("dominated/") for a in ax.collections)
-            else None,
-            title_fontsize=7,
-        )
+        notes = []
+        if any(a.get_gid() and a.get_gid().startswith("dominated/") for a in ax.collections):
+            notes.append("faint: dominated")
+        if banded:
+            lo, hi = doc.get("bands", {}).get("percentiles", (5, 95))
+            notes.append(f"bars: {lo:g}th-{hi:g}th percentile band")
+        ax.legend(fontsize=8, loc="upper right", title="; ".join(notes) or None, title_fontsize=7)
     if title:
         ax.set_title(title, fontsize=10)
     return ax
@@ -189,11 +210,29 @@ def save_png(path: str | Path, draw: Callable[[Any], Any], figsize: tuple[float,
     fig.savefig(path, dpi=120)
 
 
+def band_segments(
+    points: Sequence[Mapping[str, Any]], time_factor: float = 1.0, energy_factor: float = 1.0
+) -> list[list[tuple[float, float]]]:
+    """Line segments of the band crosses of `points` (a horizontal one over ``time_s_band`` at the point's energy, a
+    vertical one over ``energy_j_band`` at its time; each where that band is given), in the plot's units."""
+    out = []
+    for p in points:
+        t, e = float(p["time_s"]) * time_factor, float(p["energy_j"]) * energy_factor
+        if p.get("time_s_band"):
+            lo, hi = p["time_s_band"]
+            out.append([(float(lo) * time_factor, e), (float(hi) * time_factor, e)])
+        if p.get("energy_j_band"):
+            lo, hi = p["energy_j_band"]
+            out.append([(t, float(lo) * energy_factor), (t, float(hi) * energy_factor)])
+    return out
+
+
 def save_frontier_png(
     path: str | Path,
     doc: Mapping[str, Any],
     curves: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
     title: str | None = None,
+    bands: bool = False,
 ) -> None:
-    """Write the frontier plot of `doc` to `path` (PNG); `curves` as for plot_frontier."""
-    save_png(path, lambda ax: plot_frontier(doc, ax, curves=curves, title=title))
+    """Write the frontier plot of `doc` to `path` (PNG); `curves` and `bands` as for plot_frontier."""
+    save_png(path, lambda ax: plot_frontier(doc, ax, curves=curves, title=title, bands=bands))

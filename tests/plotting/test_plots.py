@@ -97,6 +97,28 @@ def test_planned_frontier_line_is_the_pareto_set_of_the_whole_search():
     assert _gid(ax, f"dominated/{PERSEUS}") is None  # both written plans are on the frontier
 
 
+def test_points_with_bands_draw_crosses_spanning_them():
+    """`kareus compare`'s measured bands: a cross per point over its time band (at its energy) and its energy band (at
+    its time), in the axes' units; points without bands draw none."""
+    doc = _doc({MEGATRON: [(0.050, 900.0)], PERSEUS: [(0.050, 880.0)], KAREUS: [(0.042, 760.0), (0.052, 610.0)]})
+    doc["methods"][KAREUS]["points"][0].update(time_s_band=[0.041, 0.044], energy_j_band=[740.0, 790.0])
+    doc["methods"][KAREUS]["points"][1].update(energy_j_band=[600.0, 630.0])  # no time band: the energy bar only
+    doc["bands"] = {"percentiles": [5, 95]}
+    assert _gid(plot_frontier(doc, _ax()), f"bands/{KAREUS}") is None  # kareus plan's: not drawn (correlated draws)
+    ax = plot_frontier(doc, _ax(), bands=True)
+    bars = _gid(ax, f"bands/{KAREUS}")
+    segments = [[tuple(map(float, xy)) for xy in seg] for seg in bars.get_segments()]
+    assert segments == [
+        [(pytest.approx(41.0), 760.0), (pytest.approx(44.0), 760.0)],
+        [(pytest.approx(42.0), 740.0), (pytest.approx(42.0), 790.0)],
+        [(pytest.approx(52.0), 600.0), (pytest.approx(52.0), 630.0)],
+    ]
+    assert _gid(ax, f"bands/{MEGATRON}") is None
+    assert ax.get_legend().get_title().get_text() == "bars: 5th-95th percentile band"
+    assert ax.get_ylim()[1] >= 790.0  # the bars are inside the axes
+    assert _gid(plot_frontier(_doc(MEASURED), _ax(), bands=True), f"bands/{KAREUS}") is None
+
+
 def test_legend_names_start_with_the_cli_names():
     methods = {**MEASURED, NANOBATCH_PERSEUS: [(0.048, 720.0)]}
     ax = plot_frontier(_doc(methods), _ax())
