@@ -278,6 +278,13 @@ def solve_profile(
     if latency is not None:  # segments the controller can apply, raises ahead, the lag in time and energy
         aware = latency_aware_plans(dag, node_opts, plans, args.p_blocked, gpus, latency)
         keep = pareto_indices(np.array([p.time_s for p in aware]), np.array([p.energy_j for p in aware]))
+        if args.max_time is not None:  # the lag can make a plan within --max-time slower than it
+            keep = keep[np.array([aware[i].time_s <= args.max_time * (1 + 1e-12) for i in keep], dtype=bool)]
+            if not keep.size:
+                raise ConfigError(
+                    f"--max-time {args.max_time:g} s: with the lag of a {latency.latency_s * 1e3:g} ms clock change "
+                    "no plan is that fast; raise --max-time or plan with --clock-latency-ms 0"
+                )
         spread = select_points(np.array([aware[i].time_s for i in keep]), args.points)  # both forms: up to 2x
         plans = [aware[keep[j]] for j in spread]
     layout = ParallelLayout(

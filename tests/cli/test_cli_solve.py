@@ -128,6 +128,14 @@ def test_solve_plans_what_the_clock_controller_can_apply(tmp_path, profile, monk
     assert all(a["time_s"] < b["time_s"] and a["energy_j"] > b["energy_j"] for a, b in zip(pts, pts[1:]))
     assert found[0][1][0]["energy_j"] < top["energy_j"] * 0.97  # at once: the 4% the lag takes away
     assert len(pts) <= 10
+    budget = top["time_s"] * 1.07  # --max-time: every written plan within it, lag included
+    out = tmp_path / "budget"
+    assert (
+        _kareus(monkeypatch, "--profile", profile, "--pp", 2, "--microbatches", 4, "--max-time", budget, "--out", out)
+        == 0
+    )
+    within = json.loads((out / "frontier.json").read_text())["methods"]["solve"]["points"]
+    assert len(within) >= 2 and all(p["time_s"] <= budget for p in within)
 
 
 def _mutations():
