@@ -169,7 +169,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         raise ConfigError(f"--points {args.points}: need at least 2 (the fastest and the lowest-energy plan).")
     if args.max_time is not None and not args.max_time > 0:
         raise ConfigError(f"--max-time {args.max_time} must be a positive number of seconds.")
-    clock_latency_s(args)
+    given_latency_s = clock_latency_s(args)  # checked here, before any work
     if args.timeline is not None:
         method, _, nn = args.timeline.rpartition("-")
         if method not in methods or not (len(nn) == 2 and nn.isascii() and nn.isdigit()) or int(nn) >= args.points:
@@ -219,8 +219,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any], list[Any]]:
         )
     from kareus_megatron.search.segments import ClockLatency
 
-    given_s = clock_latency_s(args)
-    latency = None if given_s is None else ClockLatency(given_s)
+    latency = None if given_latency_s is None else ClockLatency(given_latency_s)
     console = _progress_console()
     with Progress(
         TextColumn("{task.description:<28}"),
