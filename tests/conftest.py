@@ -23,6 +23,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # (--no-loadscope-reorder), they made test_durable_log's SIGINT case hang in 2 of 2 clean-clone runs before the signal
 # handler's deadlock was fixed, and after it the suite was slower: 649 s of tests against 620 s in default order (one
 # clean-clone `.ci/run` each, 2026-12-06): the heaviest runs then share the cores with each other, not with short tests.
+# Also not kept: the files that mostly wait (test_auto_run, test_mlm_auto, test_try_out_kills) in a third pytest process
+# beside the workers: 572 -> 552 s for the workers (its CPU slows them); test_auto_run's drift test re-planned twice.
 END_TO_END = (
     "tests/runtime/test_auto_run.py",
     "tests/megatron_lm/test_mlm_overlap.py",

@@ -200,6 +200,12 @@ def test_a_killed_try_out_run_keeps_every_finished_iteration(plan_dir: Path, tmp
     tail = "".join(run.lines[-30:])
     done = k if sig == signal.SIGKILL else printed - 1  # SIGKILL: what was flushed, iteration k a second ago
     assert run.complete_iterations() >= done, f"{run.complete_iterations()} complete, {done} finished\n{tail}"
+    log = read_run_log(run.log_dir)  # what was kept is whole: iterations 0, 1, ... with both stages' figures
+    complete = [r for r in log.iterations if r["iteration"] not in log.partial]
+    assert [r["iteration"] for r in complete] == list(range(len(complete))), log.partial
+    assert all(r["time_s"] > 0 and r["energy_j"] > 0 and len(r["stages"]) == 2 for r in complete)
+    if sig != signal.SIGKILL:  # SIGTERM/SIGINT: the resolved iterations were written on the way out
+        assert len(log.partial) <= 2, log.partial
     resets = run.resets_after(t_signal)
     assert set(resets) == {0, 1}, f"clock resets after the signal: {resets}\n{tail}"
     assert max(resets.values()) <= 1.0, f"clock resets after the signal (s): {resets}\n{tail}"

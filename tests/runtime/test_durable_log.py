@@ -1,9 +1,11 @@
 """The durable run log (runtime/measure/measurement.py, report/runlog.py): every rank writes its own file, so
 every completed iteration is on disk on every exit path, and the reader merges the rank files.
 
-The kill tests start 2 ranks of a real megatron-core schedule (tiny GPT, gloo, simulated GPU) as plain
-subprocesses (tests/runtime/durable_train.py), wait until the log shows K complete iterations, signal
-both ranks and check that at least K (SIGKILL: K less the last second's) are complete afterwards.
+The kill test starts 2 ranks of a real megatron-core schedule (tiny GPT, gloo, simulated GPU) as plain
+subprocesses (tests/runtime/durable_train.py), waits until the log shows K complete iterations, sends both ranks
+SIGINT and checks that at least K are complete afterwards and that each rank ended with KeyboardInterrupt. SIGTERM (as
+torchrun forwards it) and SIGKILL are sent to the try-out run by tests/examples/test_try_out_kills.py, which checks the
+same log.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ def _finish(procs: list[subprocess.Popen[str]], timeout_s: float = 20.0) -> list
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+# SIGINT straight to each rank (torchrun would forward SIGTERM): the session must not swallow the KeyboardInterrupt.
+# SIGTERM through torchrun and SIGKILL to every rank: tests/examples/test_try_out_kills.py, on the try-out run.
+@pytest.mark.parametrize("sig", [signal.SIGINT])
 def test_a_signalled_run_keeps_its_completed_iterations(tmp_path, sig):
     log_dir = tmp_path / "log"
     procs = _start(log_dir, 100_000, "uninstall")
