@@ -50,7 +50,7 @@ typecheck: $(VENV)/.test
 	$(BIN)/mypy
 
 # Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 43 s to 10 m 52 s
-# for 1,515 tests on clean clones of the 2-core machine, 10 m 33 s to 11 m 38 s with the installs (2026-12-06);
+# for 1,517 tests on clean clones of the 2-core machine, 10 m 33 s to 11 m 38 s with the installs (2026-12-06);
 # --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.

@@ -209,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = yaml.safe_load(args.model.read_text())
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    from kareus_megatron.runtime.frameworks import cpu_shim
+
+    cpu_shim.apply()  # megatron-core's CUDA-only calls -> CPU (nothing when CUDA is available); before megatron loads
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from kareus_megatron.runtime.frameworks import cpu_shim
-
-    cpu_shim.apply()  # megatron-core's CUDA-only calls -> CPU (nothing when CUDA is available)
     world, dp = dist.get_world_size(), args.dp or 1
     if args.dp is not None and world != args.tp * args.pp * args.cp * dp:
         if dist.get_rank() == 0:

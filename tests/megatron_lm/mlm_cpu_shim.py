@@ -8,12 +8,12 @@ line that needs it (NVIDIA/Megatron-LM at ``core_v0.16.1`` and ``core_v0.19.0``,
 
 - ``TORCHDYNAMO_DISABLE=1``: megatron/core/fusions/*.py wrap their eager fallbacks in ``torch.compile``
   (jit_fuser); on a CPU build dynamo would try inductor, which needs a C++/triton toolchain.
-- a stub ``triton`` module (kareus_megatron/runtime/frameworks/cpu_shim.py ``stub_missing_triton``, which megatron-core
-  0.19's schedules need on a CPU too): ``megatron/training/initialize.py`` (0.16.1 line 25, 0.19.0 line 26) imports
-  ``megatron/core/transformer/custom_layers/batch_invariant_kernels.py``, which imports triton
+- a stub ``triton`` module (kareus_megatron/runtime/frameworks/cpu_imports.py ``stub_missing_triton``, which
+  megatron-core 0.19's schedules need on a CPU too): ``megatron/training/initialize.py`` (0.16.1 line 25, 0.19.0 line
+  26) imports ``megatron/core/transformer/custom_layers/batch_invariant_kernels.py``, which imports triton
   unguarded (lines 15-16); CPU torch wheels do not ship triton. torch itself probes for triton
-  (``torch._inductor.utils``), so those modules are imported before the stub exists, so the probe
-  still says "no triton".
+  (``torch._inductor.utils``), so those modules are imported before the stub exists (here at once, ``now=True``),
+  so the probe still says "no triton".
 - ``typing.override`` from typing_extensions: 0.19.0's ``megatron/training/models/gpt.py`` line 5 imports
   it from ``typing`` (Python >= 3.12); the project runs 3.11.
 - ``torch.cuda`` runtime stand-ins: ``initialize.py`` calls ``torch.cuda.device_count()`` (0.16.1 line
@@ -261,7 +261,9 @@ def apply() -> None:
         return
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     backfill_typing_override()
-    stub_missing_triton()
+    # Megatron-LM's training package imports Triton unguarded, so torch's compiler stack loads anyway: at once, before
+    # fake_cuda_runtime's stand-ins (dynamo's trace rules refuse one function object under two torch.cuda names)
+    stub_missing_triton(now=True)
     fake_cuda_runtime()
     cpu_device_mode().__enter__()  # for the whole process: Megatron-LM runs in this thread
     patch_megatron_start_up()

@@ -13,8 +13,9 @@ with ``TransformerConfig(use_cpu_initialization=True)``, and with interleaved sc
 ``batch_p2p_comm=False``. torch and megatron-core are imported only when ``apply()`` runs; call it before
 anything imports megatron: megatron-core 0.19 imports Triton unguarded at import time
 (``megatron/core/transformer/moe/ops/paged_stash.py``, reached from the schedules), and the CPU build of
-torch comes without Triton, so ``apply()`` first puts an inert stand-in for ``triton`` in ``sys.modules``
-(``stub_missing_triton``; only where Triton is not installed). Its kernels are never launched on a CPU.
+torch comes without Triton, so ``apply()`` first installs the import hooks of ``cpu_imports.py``: an inert stand-in
+for ``triton`` (only where Triton is not installed; its kernels are never launched on a CPU), and megatron's fused
+functions run eagerly (no ``torch.compile``, whose import costs each rank about 1.3 s of CPU).
 
 Sources: NVIDIA/Megatron-LM at tag ``core_v0.16.1`` (the megatron-core 0.16.1 wheel), under
 ``megatron/core/``: ``pipeline_parallel/schedules.py`` (``total_num_tokens = torch.zeros([], ...,
@@ -29,6 +30,10 @@ from __future__ import annotations
 
 import types
 from typing import Any
+
+from kareus_megatron.runtime.frameworks.cpu_imports import install_cpu_import_hooks, stub_missing_triton
+
+__all__ = ["apply", "is_cuda_device", "stub_missing_triton"]
 
 _applied = False
 
@@ -58,58 +63,6 @@ def _cpu_torch(torch: Any) -> types.ModuleType:
     return _CpuTorch("torch")
 
 
-class _Inert:
-    """Anything Triton-shaped: decorators return their function, everything else another _Inert."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def __call__(self, *args: object, **kwargs: object) -> Any:
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]  # @triton.jit, @triton.autotune(...)(fn)
-        return _Inert()
-
-    def __getattr__(self, name: str) -> Any:
-        return _Inert()
-
-    def __getitem__(self, key: object) -> Any:
-        return _Inert()
-
-
-class _InertModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Inert()
-
-
-def stub_missing_triton(version: str = "3.4.0") -> bool:
-    """Put an inert ``triton`` (and ``triton.language``) into sys.modules when Triton is not installed.
-
-    torch probes for Triton once, when its compiler stack is first imported; that probe is run here
-    first, so torch keeps seeing no Triton and only code that imports it by name gets the stand-in.
-    Returns whether the stand-in was installed.
-    """
-    import importlib.util
-    import sys
-
-    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
-        return False
-    # torch's compiler stack probes for Triton at import: import it now, before the stand-in exists.
-    import torch._dynamo  # noqa: F401
-    import torch._inductor.output_code  # noqa: F401
-    import torch._inductor.runtime.triton_compat  # noqa: F401
-    import torch._inductor.utils  # noqa: F401
-
-    triton, language = _InertModule("triton"), _InertModule("triton.language")
-    triton.language = language  # type: ignore[attr-defined]
-    triton.__version__ = version  # type: ignore[attr-defined]  # megatron-core 0.19 compares it
-    triton.__path__ = []
-    language.__path__ = []
-    sys.modules["triton"], sys.modules["triton.language"] = triton, language
-    return True
-
-
 def apply() -> None:
     """Redirect megatron-core's CUDA-only calls to the CPU (idempotent; no-op when CUDA exists)."""
     global _applied
@@ -117,7 +70,7 @@ def apply() -> None:
 
     if _applied or torch.cuda.is_available():
         return
-    stub_missing_triton()
+    install_cpu_import_hooks()
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 

@@ -26,6 +26,7 @@ from kareus_megatron.plan.environment import MAX_CONNECTIONS_WHY, required_envir
 from kareus_megatron.plan.points import load_point_plan
 from kareus_megatron.plan.schema import Plan
 from kareus_megatron.runtime.closed_loop.auto import AUTO
+from kareus_megatron.runtime.frameworks.cpu_imports import install_cpu_import_hooks
 from kareus_megatron.runtime.frameworks.cuda_graphs import cuda_graph_flag_in_argv
 from kareus_megatron.runtime.measure.rank_files import LOG_MODES
 
@@ -295,6 +296,7 @@ def launch_script(prog: str, argv: Sequence[str], description: str, slot: Any = 
             if not os.path.isfile(target[0]):
                 raise ConfigError(f"training script {target[0]} does not exist; usage: {usage}")
             script_argv = target
+        install_cpu_import_hooks()  # CPU-only torch: before the session's patch imports megatron (cpu_imports.py)
         session = start_session(ns, slot)
 
         def run() -> None:
