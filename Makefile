@@ -49,8 +49,8 @@ ruff: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(BIN)/mypy
 
-# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 43 s to 10 m 52 s
-# for 1,517 tests on clean clones of the 2-core machine, 10 m 33 s to 11 m 38 s with the installs (2026-12-06);
+# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 43 s to 11 m 3 s
+# for 1,517 tests on clean clones of the 2-core machine, 10 m 33 s to 11 m 52 s with the installs (2026-12-06 and 07);
 # --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
