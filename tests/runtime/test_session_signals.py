@@ -25,6 +25,7 @@ from kareus_megatron.runtime.session import RuntimeSession
 
 s = RuntimeSession(plans.tiny_plan(pp=1, m=2, gpus_per_node=1), controller={controller!r}, log_path={log!r}).start()
 s.client.instruction_begins(0, 0, 1200, "forward")
+print("ready", flush=True)
 t0 = time.monotonic()
 try:
     with s.client.transport._out_lock:  # as the training thread does while it hands records over
@@ -47,6 +48,11 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
     return out
 
 
+# The trainer's start-up (torch, megatron-core, the controller: about 5 s of CPU) is not what is timed; in loaded suite
+# runs it got a sixth of a core and took more than 30 s.
+START_TIMEOUT_S = 180.0
+
+
 def _next(lines: queue.Queue, timeout_s: float = 30.0) -> list[str]:
     """The next line; [] if none comes within `timeout_s` s (a deadlocked handler prints nothing)."""
     try:
@@ -66,6 +72,7 @@ def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
         lines = _lines(proc)
+        assert _next(lines, START_TIMEOUT_S) == ["ready"], f"the trainer did not start within {START_TIMEOUT_S} s"
         first = _next(lines)
         assert first[:1] == ["interrupted"], f"no KeyboardInterrupt within 30 s: {first}"
         assert float(first[1]) < SETTLE_WAIT_S + 2.5  # the wait's cap, and room for a loaded host's stalls

@@ -1,13 +1,8 @@
-"""CPU scheduling of the clock path's helper threads and side process (Linux; elsewhere a no-op).
+"""CPU scheduling of the clock controller's side process (Linux; elsewhere a no-op), called before it starts threads.
 
-The trainers own the CPU. Helpers say how much they may take from them, for the calling thread (Linux
-scheduling attributes are per thread; threads started afterwards inherit them):
-
-- ``yield_to_training()``: SCHED_BATCH and nice +5. A woken helper does not preempt the trainer that
-  woke it, but still gets a fair share soon after (the NVML clock controller: its changes are due).
-- ``idle_time_only()``: SCHED_IDLE. The helper runs in the time the trainers leave (pipeline bubbles,
-  waits on communication) and only gets a sliver otherwise (the CPU side channel and the simulated
-  GPU's controller: on a CPU host the trainers are the "GPU", and nothing there is due sooner).
+Never for a thread of the trainer's own process: it shares the trainer's GIL, and a deprioritised thread preempted
+while holding the GIL stalls the training thread when the cores are busy (priority inversion; measured in
+docs/guides/megatron-core.md, "Without an NVIDIA GPU").
 """
 
 from __future__ import annotations
@@ -16,7 +11,8 @@ import os
 
 
 def yield_to_training() -> None:
-    """SCHED_BATCH, nice +5 for the calling thread (best effort)."""
+    """SCHED_BATCH, nice +5 for the calling thread (best effort): a woken controller does not preempt the trainer that
+    woke it, but gets a fair share soon after (the NVML controller: its changes are due)."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or not allowed: keep the default
@@ -28,7 +24,9 @@ def yield_to_training() -> None:
 
 
 def idle_time_only() -> None:
-    """SCHED_IDLE for the calling thread (best effort; falls back to ``yield_to_training``)."""
+    """SCHED_IDLE for the calling thread (best effort; falls back to ``yield_to_training``): it runs in the time the
+    trainers leave (the simulated GPU's controller: on a CPU host the trainers are the "GPU", nothing there is due
+    sooner)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):

@@ -5,8 +5,8 @@ On a CPU there is nothing to wait for: a message's time is when it is handed ove
 lock, no write; an instruction's end is only noted and rides along with the next record), and the sender
 thread writes what has gathered once per *coalescing window* (KAREUS_CLOCK_COALESCE_MS; default
 ``CPU_COALESCE_S``, 250 ms) in one non-blocking write to the controller's pipe (what the pipe cannot take
-yet stays queued). The sender and the reply reader run in the time the trainers leave
-(``sched.idle_time_only``). Every message carries its own time, and the simulated GPU accounts busy and
+yet stays queued). The sender and the reply reader keep the trainer's scheduling (sched.py: threads of the trainer
+share its GIL). Every message carries its own time, and the simulated GPU accounts busy and
 idle power by those times, so the window only delays when a clock change is made, by at most one
 window; it keeps the side channel to a few wake-ups a second, which matters when the trainers already
 use every core. Marks are *lazy*: the controller holds their answers until the client waits for one.
@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from time import monotonic
 from typing import Any
 
-from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.clock.transport import KIND_CODE, MarkTicket, Transport
 from kareus_megatron.runtime.clock.wire import CODE_BEGIN, CODE_MARK, NO_POWER, NO_TIME, encode_control, encode_records
 
@@ -49,8 +48,7 @@ class CpuTransport(Transport):
         super().connect_pipe(fd)
 
     def read_replies(self, lines: Iterable[bytes]) -> None:
-        """As Transport.read_replies, in idle time: replies are only waited for when the meter publishes."""
-        sched.idle_time_only()
+        """As Transport.read_replies (replies are only waited for when the meter publishes)."""
         super().read_replies(lines)
 
     # -- training thread ---------------------------------------------------------------------
@@ -115,9 +113,7 @@ class CpuTransport(Transport):
             self._push({"op": "answer"})
 
     def _run_helper(self) -> None:
-        """Sender thread: send the gathered records once per window, in the trainers' idle time; park
-        when nothing comes for a while."""
-        sched.idle_time_only()
+        """Sender thread: send the gathered records once per window; park when nothing comes for a while."""
         window = self.coalesce_s
         idle_since = monotonic()
         while not self._stopping:

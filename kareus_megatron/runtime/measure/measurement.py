@@ -64,7 +64,6 @@ from typing import Any, Protocol
 
 from kareus_megatron.errors import ConfigError
 from kareus_megatron.jsonl import JsonlAppender
-from kareus_megatron.runtime.clock import sched
 from kareus_megatron.runtime.measure.instruction_times import InstructionTimes, TimingEvents, instructions_from_env
 from kareus_megatron.runtime.measure.marks import count_growth, finite, resolve, wait_for
 from kareus_megatron.runtime.measure.rank_files import remove_if_empty
@@ -304,7 +303,6 @@ class IterationMeter:
     def _run(self, interval_s: float) -> None:
         # A CPU client's marks are answered lazily, when someone waits for them: waiting a little here
         # asks for the answers, so a completed iteration reaches the disk within about one period.
-        sched.yield_to_training()  # never preempt a trainer; still on disk within about a period
         while not self._stop.wait(interval_s):
             try:
                 self.drain(wait_s=ANSWER_WAIT_S)

@@ -1,5 +1,5 @@
-"""The controller's side process: clocks reset on signals and parent death, typed start errors,
-SCHED_IDLE helpers on a CPU host."""
+"""The controller's side process: clocks reset on signals and parent death, typed start errors, its
+scheduling on a CPU host (SCHED_IDLE) and that of the trainer's helper threads (the trainer's own)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 from clock_util import records, sim_env, wait_for
 
 from kareus_megatron.runtime.clock.client import ClockClient
+from kareus_megatron.runtime.measure.measurement import IterationMeter
+from kareus_megatron.runtime.measure.rank_files import open_rank_log
 
 _TRAINER = textwrap.dedent(
     """
@@ -104,17 +106,31 @@ def test_training_continues_when_controller_dies(tmp_path, monkeypatch):
     assert [r["event"] for r in records(tmp_path / "clocks.jsonl")][-2:] == ["reset", "close"]
 
 
+def _deprioritised(tid: int) -> bool:
+    """Whether thread `tid` runs with another scheduling class or nice value than the calling thread."""
+    return os.sched_getscheduler(tid) != os.sched_getscheduler(0) or os.getpriority(
+        os.PRIO_PROCESS, tid
+    ) != os.getpriority(os.PRIO_PROCESS, 0)
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
-def test_cpu_helpers_take_only_idle_time(tmp_path, monkeypatch):
-    """On a CPU host the sender thread and the simulated GPU's controller process run SCHED_IDLE."""
+def test_trainer_threads_keep_its_scheduling_and_the_simulated_controller_takes_idle_time(tmp_path, monkeypatch):
+    """The trainer's helper threads (sender, reply reader, run-log writer) share its GIL, so none is deprioritised
+    (sched.py: priority inversion); the simulated GPU's controller process, which shares nothing, runs SCHED_IDLE."""
     for k, v in sim_env(tmp_path).items():
         monkeypatch.setenv(k, v)
     client = ClockClient()
     client.start_process(0, gpu="a100-sxm4-40gb")
+    meter = IterationMeter(open_rank_log(tmp_path / "log", 0), mark=client.mark, flush_interval_s=0.02)
     try:
-        sender = next(t for t in threading.enumerate() if t.name == "kareus-clock-sender")
-        assert wait_for(lambda: os.sched_getscheduler(sender.native_id) == os.SCHED_IDLE, 5)
+        client.instruction_begins(0, 0, 1200, "forward")
+        assert client.mark().wait(10)  # sent by the sender thread, answered through the reader thread
+        names = ("kareus-clock-sender", "kareus-clock-reader", "kareus-log-writer")
+        helpers = [t for t in threading.enumerate() if t.name in names]
+        assert sorted(t.name for t in helpers) == sorted(names)
+        # each helper sets its scheduling, if at all, when it starts: none does within a second of running
+        assert not wait_for(lambda: any(_deprioritised(t.native_id) for t in helpers), 1.0)
         assert wait_for(lambda: os.sched_getscheduler(client.controller_pid) == os.SCHED_IDLE, 5)
-        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread is left alone
     finally:
+        meter.close()
         client.close()
