@@ -2,9 +2,10 @@
 
 Both act when a module is first imported, so install them (``install_cpu_import_hooks``) before anything imports
 megatron. On a CPU-only torch, megatron-core's import decorates its fused functions with ``torch.compile``
-(``megatron/core/jit.py``: ``jit_fuser``), which imports torch's compiler stack (dynamo, inductor: about 1.3 s of CPU
-per process) for kernels a CPU run does not compile; the hook calls megatron's own ``disable_jit_fuser()`` as
-``megatron.core.jit`` loads, so those functions run their eager code (what ``TORCHDYNAMO_DISABLE=1`` also gives).
+(``megatron/core/jit.py``: ``jit_fuser``), which imports torch's compiler stack, inductor's compiler included, for
+kernels a CPU run does not compile; the hook calls megatron's own ``disable_jit_fuser()`` as ``megatron.core.jit``
+loads, so those functions run their eager code (what ``TORCHDYNAMO_DISABLE=1`` also gives). (A training rank still
+imports dynamo when it builds its first torch optimizer: ``torch/optim/optimizer.py`` through ``torch/_compile.py``.)
 megatron-core 0.19 and Megatron-LM's training package import Triton where a missing one is an error
 (``UNGUARDED_IMPORTERS``); CPU torch wheels ship none. The stand-in is made at the first import from one of those
 modules: torch's compiler stack is imported first, with no Triton to find (so torch's import-time probes keep seeing
