@@ -159,7 +159,7 @@ def test_native_path_closes_the_session_when_train_ends(how, tmp_path, monkeypat
     mod = _fake_training(monkeypatch, train)
     save_plan(plans.tiny_plan(), tmp_path / "plan.json")
     session = megatron_lm_hook(_args(kareus_plan=str(tmp_path / "plan.json"), kareus_log=str(tmp_path / "run")))
-    calls = []
+    calls, real_close = [], session.close
     monkeypatch.setattr(session, "close", lambda: calls.append("close"))
     monkeypatch.setattr(session, "abort", lambda: calls.append("abort"))
     try:
@@ -173,6 +173,7 @@ def test_native_path_closes_the_session_when_train_ends(how, tmp_path, monkeypat
             err = capsys.readouterr().err.strip().splitlines()
             assert e.value.code == 2 and len(err) == 1 and "microbatches: plan 8, run 4" in err[0]
     finally:
+        real_close()  # its controller process and helper threads, which the stand-ins above left running
         kareus.uninstall()
 
 

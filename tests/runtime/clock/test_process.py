@@ -119,6 +119,7 @@ def test_trainer_threads_keep_its_scheduling_and_the_simulated_controller_takes_
     (sched.py: priority inversion); the simulated GPU's controller process, which shares nothing, runs SCHED_IDLE."""
     for k, v in sim_env(tmp_path).items():
         monkeypatch.setenv(k, v)
+    earlier = set(threading.enumerate())  # the worker's earlier tests may leave helpers of their own running
     client = ClockClient()
     client.start_process(0, gpu="a100-sxm4-40gb")
     meter = IterationMeter(open_rank_log(tmp_path / "log", 0), mark=client.mark, flush_interval_s=0.02)
@@ -126,7 +127,7 @@ def test_trainer_threads_keep_its_scheduling_and_the_simulated_controller_takes_
         client.instruction_begins(0, 0, 1200, "forward")
         assert client.mark().wait(10)  # sent by the sender thread, answered through the reader thread
         names = ("kareus-clock-sender", "kareus-clock-reader", "kareus-log-writer")
-        helpers = [t for t in threading.enumerate() if t.name in names]
+        helpers = [t for t in threading.enumerate() if t.name in names and t not in earlier]
         assert sorted(t.name for t in helpers) == sorted(names)
         # each helper sets its scheduling, if at all, when it starts: none does within a second of running
         assert not wait_for(lambda: any(_deprioritised(t.native_id) for t in helpers), 1.0)
