@@ -15,9 +15,11 @@ one for them, or a process that has not imported them (what an import loads), st
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -25,10 +27,29 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+EPHEMERAL_LOW = 32768  # Linux's default first ephemeral port, where /proc does not say
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT), drawn below the kernel's ephemeral range.
+
+    Rank 0 binds it seconds later (after importing torch). A port from ``bind(("127.0.0.1", 0))`` lies in the
+    ephemeral range, where any outbound connection made meanwhile on the machine (the other worker's gloo ranks, say)
+    may be given it: a 2-rank run then failed with EADDRINUSE (a full suite run, 2026-12-07). Below that range only
+    another explicit bind can take it, and the draw makes two tests' picks coincide about once in 10,000."""
+    low = EPHEMERAL_LOW
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 10_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # all drawn ports taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -8,10 +8,20 @@ test-fast`` leaves them out (``-m "not e2e"``)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+
+# Every process the suite starts (the xdist workers and what the tests launch, which inherit os.environ) imports
+# _site/sitecustomize.py: at exit it skips the final collections over torch's objects (its docstring has the figures).
+EXIT_QUICKLY = str(Path(__file__).resolve().parent / "_site")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if EXIT_QUICKLY not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, EXIT_QUICKLY])
     config.addinivalue_line(
         "markers", "gpu: needs a real NVIDIA GPU reachable through NVML; skipped when NVML does not initialise"
     )
