@@ -16,9 +16,9 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	touch $@
 
 # torch is installed first, pinned, so megatron-core's `torch>=2.6` cannot pull a CUDA build.
-# --no-compile, then one compileall over the environment on both cores: pip byte-compiles what it installs one file at a
-# time (torch alone: 18 s installed so, 6.5 s without, 4 s to compile in parallel); the .pyc files are the same. The
-# whole install: 48 -> 40 s. What does not compile is skipped, as pip skips it.
+# --no-compile: pip byte-compiles what it installs one file at a time (torch alone: 18 s installed so, 6.5 s without).
+# Nothing is compiled ahead: the suite's processes write the .pyc of what they import (tests/conftest.py lets them where
+# PYTHONDONTWRITEBYTECODE is set, as here and in CI); compiling the whole environment took 19 s of the install's 55 s.
 PIP_TEST := $(BIN)/pip install -q --no-compile
 $(VENV)/.test: $(BIN)/python pyproject.toml
 	@echo "installing the test environment into $(VENV): torch 2.13.0 (CPU), megatron-core 0.16.1 and 0.15.3, DeepSpeed \
@@ -29,7 +29,6 @@ $(VENV)/.test: $(BIN)/python pyproject.toml
 	# first on PYTHONPATH to run the runtime against it (tests/runtime/test_framework_versions.py).
 	$(PIP_TEST) --no-deps --target $(VENV)/alt/megatron-core-0.15.3 megatron-core==0.15.3
 	DS_BUILD_OPS=0 $(PIP_TEST) --no-deps --target $(VENV)/alt/deepspeed-0.18.9 deepspeed==0.18.9
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib $(VENV)/alt >/dev/null 2>&1 || true  # torch ships 3.12-only files
 	touch $(VENV)/.core $@
 
 install: $(VENV)/.core

@@ -19,6 +19,10 @@ EXIT_QUICKLY = str(Path(__file__).resolve().parent / "_site")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The processes started from here write the .pyc of what they import, where the machine sets
+    # PYTHONDONTWRITEBYTECODE (this one and CI): the environment is not compiled ahead (Makefile), so each module is
+    # compiled once, by the first process that imports it, not by every rank again.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if EXIT_QUICKLY not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, EXIT_QUICKLY])
