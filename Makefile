@@ -48,13 +48,13 @@ ruff: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(BIN)/mypy
 
-# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 43 s to 11 m 3 s
-# for 1,517 tests on clean clones of the 2-core machine, 10 m 33 s to 11 m 52 s with the installs (2026-12-06 and 07);
-# --durations=25 prints the slowest.
+# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 41 s for 1,519
+# tests on a clean clone of the 2-core machine, 10 m 11 s with the installs (2026-12-07; docs/contributing.md has the
+# history); --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
-# bytecode: PYTHONDONTWRITEBYTECODE=1 (this machine and CI) would make every process the suite starts (ranks,
-# controllers, CLI runs: hundreds) compile the package's and the tests' modules again; compiled once here instead.
+# bytecode: the package and the tests, compiled here (under a second) for the processes that keep
+# PYTHONDONTWRITEBYTECODE=1 (this machine and CI): pytest's own and the docs build; those the suite starts write theirs.
 PYTEST_WORKERS ?= 2
 BYTECODE := $(BIN)/python -m compileall -q -j 0 kareus_megatron tests launch examples benchmarks >/dev/null
 # mypy and the docs build (~17 s of one core from a clean clone) run beside the suite, whose two workers leave about a

@@ -8,9 +8,10 @@ user would. A missing snapshot fails the test (CI must have them), it does not s
 Once per session means once across pytest-xdist workers: the first worker to need a tree, a plan or the dataset
 helper makes it in a directory the workers share, under a file lock, and the others wait for it and reuse it
 (_made_once). The helper (about 8 s of CPU in g++) is built once for both releases, whose sources of it are the same.
-The byte-compiling is there because PYTHONDONTWRITEBYTECODE=1 (set on this machine and in CI) would otherwise make
-every rank of every run compile the megatron modules it imports again (0.4-0.8 s of CPU per rank; compiling all of
-megatron/ once takes 0.6-1.0 s per tree).
+The byte-compiling dates from when PYTHONDONTWRITEBYTECODE=1 (set on this machine and in CI) reached the ranks, and
+every rank of every run compiled the megatron modules it imports again (0.4-0.8 s of CPU per rank; compiling all of
+megatron/ once takes 0.6-1.0 s per tree). tests/conftest.py now unsets it for what the suite starts, so the first rank
+would write them too; compiled here, the two ranks of a tree's first run do not both compile them.
 """
 
 from __future__ import annotations
