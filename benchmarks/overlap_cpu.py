@@ -40,19 +40,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _layer(args: argparse.Namespace):
@@ -104,10 +98,10 @@ def _sp_capable_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
+    """One of the 2 ranks; `store`: the rendezvous file (no TCP port to race for on a busy machine)."""
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -245,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cp and --sp: the partitioned layer does not run CP with sequence parallelism")
     if args.cp and args.core_attention != "sdpa":
         ap.error("--cp needs --core-attention sdpa (the CP attention runs on SDPA)")
-    with mp.Manager() as mgr:
+    with mp.Manager() as mgr, tempfile.TemporaryDirectory() as tmp:
         out = mgr.dict()
-        mp.spawn(_worker, args=(_free_port(), args, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(os.path.join(tmp, "store"), args, out), nprocs=2, join=True)
         res = {tuple(k.split("|")): v for k, v in out.items()}
     if args.cp:
         return _print_cp(args, res)

@@ -50,8 +50,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -577,24 +577,18 @@ class ClockSampler:
         return int(np.median(self.samples))
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, rows: list, result: dict) -> None:
+def _spawned(rank: int, world: int, store: str, args: argparse.Namespace, rows: list, result: dict) -> None:
+    """One dry-run rank; `store`: the rendezvous file (no TCP port to race for on a busy machine)."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     got, attn, extra = measure(rank, world, args, rows)
     if rank == 0:
         result["rows"], result["attention_op"], result["extra"] = got, attn, extra
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -625,9 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         import torch.multiprocessing as mp
 
-        with mp.Manager() as mgr:
+        with mp.Manager() as mgr, tempfile.TemporaryDirectory() as tmp:
             result = mgr.dict()
-            mp.spawn(_spawned, args=(args.world, _free_port(), args, rows, result), nprocs=args.world, join=True)
+            store = os.path.join(tmp, "store")
+            mp.spawn(_spawned, args=(args.world, store, args, rows, result), nprocs=args.world, join=True)
             measured, attn, extra = list(result["rows"]), dict(result["attention_op"]), dict(result["extra"])
     else:
         import torch.distributed as dist
