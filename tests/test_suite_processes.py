@@ -1,5 +1,6 @@
 """The suite's own process setup: every process it starts exits without the final collections over torch's objects
-(tests/_site/sitecustomize.py, put on PYTHONPATH by tests/conftest.py), and MASTER_PORTs come from below the
+(tests/_site/sitecustomize.py, put on PYTHONPATH by tests/conftest.py) and writes the bytecode of what it imports,
+and MASTER_PORTs come from below the
 kernel's ephemeral range (tests/_dist.py free_port)."""
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from _dist import free_port
 HERE = Path(__file__).resolve().parent
 
 
-def test_a_started_process_imports_the_suites_sitecustomize():
-    probe = "import sitecustomize; print(sitecustomize.__file__)"
+def test_a_started_process_imports_the_suites_sitecustomize_and_writes_bytecode():
+    """Both as tests/conftest.py sets them; the second because the Makefile compiles nothing ahead, where the machine
+    sets PYTHONDONTWRITEBYTECODE (this one and CI)."""
+    probe = "import sitecustomize, sys; print(sitecustomize.__file__, sys.dont_write_bytecode)"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
-    assert Path(r.stdout.strip()) == HERE / "_site" / "sitecustomize.py"
+    path, no_bytecode = r.stdout.split()
+    assert Path(path) == HERE / "_site" / "sitecustomize.py"
+    assert no_bytecode == "False"
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range():
