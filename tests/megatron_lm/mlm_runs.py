@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,10 +187,53 @@ def mlm_command(
     ]
 
 
+# Megatron-LM's --mock-data indices, cached (Megatron-LM's own --data-cache-path) and shared by the session's runs:
+# MockGPTDataset has 100,000 documents of up to 4,096 tokens, so at --seq-length 32 each split's indices hold about
+# 2.1 million samples, built without a cache by every rank that reads data (2.1-2.3 s of CPU per rank, both ranks of a
+# PP=2 run; 2026-12-07). The files depend on the release and the run's samples, seed and sequence length (Megatron-LM
+# names them by the hash of that description), not on kareus.
+MOCK_CACHE_AFFIXES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy", "description.txt")
+
+
+def _mock_data_cache(args: list[str], cwd: Path) -> tuple[list[str], Callable[[], None]]:
+    """args with --data-cache-path cwd/mock-data-cache when they run a Megatron-LM tree (run_on_cpu.py TREE ...),
+    and what to call after a successful run.
+
+    The run's cache directory gets a link to each complete set of index files in its release's pool
+    (<shared>/mock-data-cache-<tag>, shared by the tree and its patched copy: the patch changes no dataset code).
+    After the run, the files its rank 0 wrote are linked into the pool, each by an atomic rename and the description
+    last, so a run that starts meanwhile links only whole sets. Megatron-LM writes nothing on a cache hit, so a
+    linked file is only read (memory-mapped); a set that is not linked is built and written in the run's own
+    directory (rank 0 first, the other ranks then load it)."""
+    if len(args) < 2 or args[0] != str(WRAPPER):
+        return args, lambda: None
+    made = Path(args[1]).parent  # conftest._made_once's directory, <shared>/<tag> or <shared>/<tag>-patched
+    pool = made.parent / f"mock-data-cache-{made.name.removesuffix('-patched')}"  # the patch leaves datasets alone
+    pool.mkdir(exist_ok=True)
+    mine = cwd / "mock-data-cache"
+    mine.mkdir(exist_ok=True)
+    stems = {f.name[: -len(MOCK_CACHE_AFFIXES[-1])] for f in pool.glob(f"*{MOCK_CACHE_AFFIXES[-1]}")}
+    for stem in stems:
+        for affix in MOCK_CACHE_AFFIXES:
+            (mine / f"{stem}{affix}").symlink_to(pool / f"{stem}{affix}")
+
+    def publish() -> None:
+        written = [f for f in mine.iterdir() if not f.is_symlink()]
+        for f in sorted(written, key=lambda f: f.name.endswith(MOCK_CACHE_AFFIXES[-1])):
+            tmp = pool / f".{f.name}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            os.link(f, tmp)  # the same file system (the session's basetemp): no copy
+            os.replace(tmp, pool / f.name)
+
+    return [*args, "--data-cache-path", str(mine)], publish
+
+
 def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2) -> subprocess.CompletedProcess:
-    """torchrun --standalone, `nproc` processes; each rank's output goes to cwd/torchrun-logs.
+    """torchrun --standalone, `nproc` processes; each rank's output goes to cwd/torchrun-logs. A Megatron-LM run
+    reads and adds to the session's --mock-data index cache (_mock_data_cache).
 
     On timeout torchrun gets SIGTERM first, so that it stops its workers (each in its own session)."""
+    args, publish = _mock_data_cache(args, cwd)
     cmd = [
         sys.executable,
         "-m",
@@ -215,6 +259,8 @@ def run_torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2
         raise AssertionError(
             f"torchrun ran past {RUN_TIMEOUT_S} s\n{rank_output(cwd, 0)}\n{rank_output(cwd, 1)}"
         ) from None
+    if p.returncode == 0:
+        publish()
     return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
 
 

@@ -221,6 +221,8 @@ def test_two_nanobatch_point_runs_without_spec(
     assert len(said) == 1 and "kareus's partitioned layer" in said[0] and "2 nanobatches" in said[0], said
     assert ("--transformer-impl transformer_engine: built on megatron-core's local modules" in said[0]) == te, said
     assert all("kareus: model built" not in _stdout(tmp_path, r) for r in range(1, config.world))
+    # the baseline's --mock-data indices (same release, samples and seed), from the session's cache (mlm_runs)
+    assert "Load the MockGPTDataset train indices" in _stdout(tmp_path, 0), "the mock-data index cache was missed"
     assert megatron_losses(tmp_path) == pytest.approx(expected, rel=2e-4), (megatron_losses(tmp_path), expected)
 
     ranks_per_stage = config.world // config.pp  # Megatron's rank order: TP and CP inside a pipeline stage
