@@ -40,8 +40,10 @@ def timeline_choice(args: argparse.Namespace, result: Any, doc: dict[str, Any], 
     return by_name[f"{method}-{chosen.index:02d}"]
 
 
-def write_outputs(out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any) -> None:
-    """Write every output into a temporary directory next to `out`, then swap it into place."""
+def write_outputs(
+    out: Path, doc: dict[str, Any], built: list[Any], result: Any, chosen: Any, figures: bool = True
+) -> None:
+    """Write every output into a temporary directory next to `out`, then swap it into place (figures: the PNGs)."""
     from kareus_megatron.cli.plan_summary import quantity
     from kareus_megatron.plan.io import replace_directory, save_plan, write_json_atomic
     from kareus_megatron.plotting.frontier import method_label, save_frontier_png
@@ -58,7 +60,8 @@ def write_outputs(out: Path, doc: dict[str, Any], built: list[Any], result: Any,
             f"{cfg['num_microbatches']} microbatches (model predictions)"
         )
         curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
-        save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
+        if figures:
+            save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
         opts = result.methods[chosen.method].options
         bars = []
         for ti in chosen.timeline:
@@ -77,6 +80,8 @@ def write_outputs(out: Path, doc: dict[str, Any], built: list[Any], result: Any,
                 )
             )
         write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
+        if not figures:
+            return
         from kareus_megatron.plotting.power import save_power_png
 
         save_power_png(tmp / "power.png", power_curves(result, built, chosen), title=title)

@@ -92,8 +92,9 @@ def print_summary(
     suggested: bool = True,
     objective: str = "iso-time",
     robust: bool = False,
+    figures: bool = True,
 ) -> None:
-    """Print the per-method frontier ends, the reductions, and where the outputs went."""
+    """Print the per-method frontier ends, the reductions, and where the outputs went (figures: the PNGs too)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -143,9 +144,10 @@ def print_summary(
         console.print(line, highlight=False, soft_wrap=True)
     for line in na_notes(doc):
         console.print(line, highlight=False, soft_wrap=True)
+    pngs = "frontier.png, power.png, timeline.png and " if figures else ""
     console.print(
-        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, frontier.png, power.png, timeline.png "
-        f"and timeline.trace.json ({chosen.name}) in {elapsed_s:.1f} s"
+        f"wrote {out}/frontier.json, {len(built)} plans in {out}/plans/, {pngs}timeline.trace.json ({chosen.name}) "
+        f"in {elapsed_s:.1f} s"
     )
     runner = "kareus_megatron.deepspeed" if cfg.get("framework") == FRAMEWORK_DEEPSPEED else "kareus_megatron.launch"
     console.print(

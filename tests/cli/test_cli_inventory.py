@@ -121,6 +121,7 @@ EXPECTED = {
         "--methods",
         "--microbatches",
         "--model",
+        "--no-figures",
         "--no-memory-check",
         "--nodes",
         "--objective",

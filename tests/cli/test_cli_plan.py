@@ -107,6 +107,21 @@ def test_rerun_replaces_the_previous_output(default_run, capsys, monkeypatch):
     assert not [p for p in work.iterdir() if p.name.startswith(".again")]
 
 
+def test_no_figures_writes_the_same_plans_and_no_png(default_run, capsys, monkeypatch):
+    """--no-figures (the closed loop's plans): frontier.json, the plans and the trace as without it, no PNG, and the
+    summary line names only what was written."""
+    _, work = default_run
+    monkeypatch.chdir(work)
+    runs = {}
+    for name, flags in (("with", []), ("without", ["--no-figures"])):
+        assert cli_main.main(["plan", "--out", name, *QUICK, *NO_BANDS, *flags]) == 0
+        runs[name] = snapshot(work / name), capsys.readouterr().out
+    (with_files, with_said), (files, said) = runs["with"], runs["without"]
+    assert sorted(with_files) == sorted([*files, "frontier.png", "power.png", "timeline.png"])
+    assert all(files[k] == with_files[k] for k in files)  # frontier.json, every plan and the trace, byte for byte
+    assert "frontier.png" in with_said and ".png" not in said and "timeline.trace.json" in said
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

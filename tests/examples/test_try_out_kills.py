@@ -56,7 +56,8 @@ def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "--points",
                 "3",
                 "--band-samples",
-                "0",  # the runs read a plan's clocks or cap, no band
+                "0",  # the runs read a plan's clocks or cap, no band and no figure
+                "--no-figures",
                 "--out",
                 str(out),
             ]
@@ -238,7 +239,8 @@ def test_a_killed_powercap_run_restores_every_power_limit(
                 "--points",
                 "3",
                 "--band-samples",
-                "0",  # the runs read a plan's clocks or cap, no band
+                "0",  # the runs read a plan's clocks or cap, no band and no figure
+                "--no-figures",
                 "--out",
                 str(plan),
             ]

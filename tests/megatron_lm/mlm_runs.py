@@ -107,9 +107,13 @@ CONFIGS = {
 
 
 def plan_command(config: Config, out: Path, microbatches: int = MICROBATCHES) -> list[str]:
-    """`kareus plan` arguments (without the program name) for `config`."""
+    """`kareus plan` arguments (without the program name) for `config`: no prediction bands and no figures, which the
+    runs do not read (the points are the same; a plan took 3.8 s with them and 1.2 s without, 2026-12-07)."""
     return [
         "plan",
+        "--band-samples",
+        "0",
+        "--no-figures",
         "--model",
         str(MODEL_YAML),
         "--gpu",

@@ -43,8 +43,10 @@ JOB = [
     "--recompute",
     "none",
 ]
-# `kareus plan` of 4 points without prediction bands: no test here reads one, and the 32 draws were most of its time
+# `kareus plan` of 4 points without prediction bands or figures: no test here reads one, and the 32 draws were most of
+# its time
 PLAN = [sys.executable, "-m", "kareus_megatron.cli.main", "plan", "--points", "4", "--band-samples", "0"]
+PLAN += ["--no-figures"]
 
 
 def _pt(i: int, t: float, e: float) -> FrontierPoint:

@@ -69,6 +69,9 @@ DRIFT = {"static_power_w": 70.0}  # a "thermal" rise of the static power, from i
 
 
 def _kareus(*args: str) -> None:
+    """`kareus ARGS`; a plan without prediction bands or figures, as the closed loop's own (auto_worker.py)."""
+    if args[0] == "plan":
+        args = ("plan", "--band-samples", "0", "--no-figures", *args[1:])
     subprocess.run(
         [sys.executable, "-m", "kareus_megatron.cli.main", *args],
         check=True,
@@ -196,6 +199,8 @@ def test_auto_reaches_the_truth_plan_then_replans_once_on_drift(tmp_path: Path, 
     assert [s["plan_version"] for s in _events(log, "switch")] == [1, 2]
     assert "re-planning" in stderr
 
+    (planned,) = [d for d in Path(cal["plan"]).parents if (d / "frontier.json").is_file()][:1]
+    assert not list(planned.glob("*.png")), "the loop's plans draw no figure (--no-figures)"
     auto_plan = load_plan(cal["plan"])  # plan 1, against the plan made offline with the (pre-drift) truth
     best, mega, truth = _truth_plan(tmp_path, TRUTH)
     mine, ideal, ref = evaluate_plan(auto_plan, truth), evaluate_plan(best, truth), evaluate_plan(mega, truth)
