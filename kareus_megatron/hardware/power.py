@@ -22,6 +22,8 @@ from numpy.typing import ArrayLike
 from kareus_megatron.hardware.gpus import GPUSpec
 
 _KNEE_WIDTH_MHZ = 25.0
+_NEWTON_MAX_STEPS = 60  # a bound only: from any clock to 1e-9 MHz takes under 10 (tests/hardware/test_gpus.py)
+_TINY_W_PER_MHZ = 1e-300  # a slope of 0 (no clock-dependent power) steps to the lowest clock
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -64,9 +66,13 @@ def sustained_clock_mhz(
     below the lowest supported clock (the driver's power capping stops there; a load that still draws more than a
     low power limit at that clock runs over it, as NVML documents for limits below what the load needs).
 
-    Bisection on the elements over the limit only, with what does not depend on the clock (activities, the
-    voltage ramp's scale) computed once: the same operations as raw_power_w in the same order, so the same
-    result to the last bit, at a fraction of the cost (it is the planner's hottest loop)."""
+    Newton's method on the elements over the limit only, from the locked clock down: raw power is increasing and
+    convex in the clock (clock × voltage², the voltage convex and increasing), so each step lands at or above the
+    root and the iterates fall to it, quadratically near it, stopping at the lowest clock. An element stops once a
+    step no longer changes it; the loop ends when none changes, so each element's result depends on its own inputs
+    only (a scalar call gives what a vector call gives it). It is the planner's hottest loop: 40 rounds of
+    bisection took 30% of the default `kareus plan` (2026-12-07); this takes about 6 and agrees with that bisection
+    within its resolution (1e-9 MHz)."""
     f = np.asarray(sm_clock_mhz, dtype=float)
     ca = np.asarray(compute_activity, dtype=float)
     ma = np.asarray(memory_activity, dtype=float)
@@ -89,13 +95,18 @@ def sustained_clock_mhz(
     knee = min(float(spec.voltage_knee_mhz), fmax - 1.0)
     w = _KNEE_WIDTH_MHZ
     ramp_scale = _softplus(np.asarray((fmax - knee) / w))
-    hi = out[over]
-    lo = np.minimum(hi, sub(spec.min_sm_clock_mhz))  # the floor; never tested: returned when nothing fits
-    for _ in range(40):  # bisection: raw power is increasing in the clock; 40 halvings < 1e-9 MHz
-        mid = 0.5 * (lo + hi)
-        v = floor + (1.0 - floor) * (_softplus((mid - knee) / w) / ramp_scale)
-        ok = static + (mid / spec.max_sm_clock_mhz) * v * v * load + memory <= limit
-        lo = np.where(ok, mid, lo)
-        hi = np.where(ok, hi, mid)
-    out[over] = lo
+    m = out[over]
+    lowest = np.minimum(m, sub(spec.min_sm_clock_mhz))  # returned where even it draws more than the limit
+    for _ in range(_NEWTON_MAX_STEPS):
+        x = (m - knee) / w
+        soft = _softplus(x)
+        v = floor + (1.0 - floor) * (soft / ramp_scale)
+        dv = (1.0 - floor) * (np.exp(x - soft) / (ramp_scale * w))  # the logistic function: softplus's slope
+        excess = static + (m / fmax) * v * v * load + memory - limit
+        slope = np.maximum((load / fmax) * (v * v + 2.0 * m * v * dv), _TINY_W_PER_MHZ)
+        step = np.maximum(np.minimum(m, m - excess / slope), lowest)  # never up, never below the lowest clock
+        if np.array_equal(step, m):
+            break
+        m = step
+    out[over] = m
     return out
