@@ -59,9 +59,6 @@ def write_outputs(
             f"CP={cfg['cp']} PP={cfg['pp']}, MBS={cfg['micro_batch_size']}, seq {cfg['seq_length']},\n"
             f"{cfg['num_microbatches']} microbatches (model predictions)"
         )
-        curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
-        if figures:
-            save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
         opts = result.methods[chosen.method].options
         bars = []
         for ti in chosen.timeline:
@@ -82,6 +79,8 @@ def write_outputs(
         write_json_atomic(tmp / "timeline.trace.json", trace_events(bars, name=chosen.name))
         if not figures:
             return
+        curves = {m: (mf.time_s.tolist(), mf.energy_j.tolist()) for m, mf in result.methods.items()}
+        save_frontier_png(tmp / "frontier.png", doc, curves=curves, title=title)
         from kareus_megatron.plotting.power import save_power_png
 
         save_power_png(tmp / "power.png", power_curves(result, built, chosen), title=title)

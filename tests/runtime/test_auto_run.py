@@ -199,7 +199,7 @@ def test_auto_reaches_the_truth_plan_then_replans_once_on_drift(tmp_path: Path, 
     assert [s["plan_version"] for s in _events(log, "switch")] == [1, 2]
     assert "re-planning" in stderr
 
-    (planned,) = [d for d in Path(cal["plan"]).parents if (d / "frontier.json").is_file()][:1]
+    planned = next(d for d in Path(cal["plan"]).parents if (d / "frontier.json").is_file())
     assert not list(planned.glob("*.png")), "the loop's plans draw no figure (--no-figures)"
     auto_plan = load_plan(cal["plan"])  # plan 1, against the plan made offline with the (pre-drift) truth
     best, mega, truth = _truth_plan(tmp_path, TRUTH)
