@@ -9,6 +9,7 @@ test-fast`` leaves them out (``-m "not e2e"``)."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # PYTHONDONTWRITEBYTECODE (this one and CI): the environment is not compiled ahead (Makefile), so each module is
     # compiled once, by the first process that imports it, not by every rank again.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    # An ignored SIGINT survives exec: a suite started as a script's background job (`make test &`, nohup in a
+    # script) would start every trainer ignoring it, and the tests that interrupt one (test_session_signals.py,
+    # test_durable_log.py) would see it go on. The suite starts its processes with SIGINT as a terminal leaves it.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if EXIT_QUICKLY not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, EXIT_QUICKLY])

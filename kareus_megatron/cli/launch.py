@@ -196,13 +196,15 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
     )
-    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
-    previous = signal.signal(signal.SIGINT, _on_interrupt) if in_main_thread else None
+    # signal handlers live on the main thread only; an ignored SIGINT (a script's background job) stays ignored, as
+    # it does for the commands started, which inherit the ignore
+    handle = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, _on_interrupt) if handle else None
     try:
         return launch_jobs(launch)  # KeyboardInterrupt: the boundary in cli/main.py, one line and exit 130
     except subprocess.CalledProcessError as e:
         sys.stderr.write(f"kareus launch: error: command failed with exit status {e.returncode}: {shlex.join(e.cmd)}\n")
         return 1
     finally:
-        if in_main_thread:
+        if handle:
             signal.signal(signal.SIGINT, previous)

@@ -1,7 +1,9 @@
 """SIGTERM/SIGINT in a training process with a session: reset clocks, write what is measured, then chain.
 
 ``SignalHandling`` is the part of ``RuntimeSession`` (session.py) that owns the signal handlers: installed on the
-main thread once the meter runs, restored when the meter closes.
+main thread once the meter runs, restored when the meter closes. A signal the process was started to ignore (SIG_IGN
+inherited, as a background job of a script gets SIGINT) gets no handler: it stays ignored and the clocks stay as
+planned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class SignalHandling:
         if self.meter is None or threading.current_thread() is not threading.main_thread():
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # started to ignore it (`nohup`, `cmd &` in a script): it stays ignored, clocks untouched
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
@@ -48,14 +52,12 @@ class SignalHandling:
         the interrupted code unwinds, releases the lock and the work thread finishes (SIGINT), or the process
         ends and the side controller resets the clocks when its pipe closes (SIGTERM)."""
         previous = self._old_handlers.get(signum, signal.SIG_DFL)
-        ends = not callable(previous) and previous != signal.SIG_IGN
+        ends = not callable(previous)
         work = threading.Thread(target=self._settle, args=(ends,), name="kareus-signal", daemon=True)
         work.start()
         work.join(SETTLE_WAIT_S)
         if callable(previous):
             previous(signum, frame)  # SIGINT's default raises KeyboardInterrupt
-            return
-        if previous == signal.SIG_IGN:
             return
         signal.signal(signum, signal.SIG_DFL)  # the default action: end the process as the signal does
         os.kill(os.getpid(), signum)

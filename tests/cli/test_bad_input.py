@@ -370,7 +370,9 @@ def test_a_closed_stdout_pipe_is_silent_and_succeeds():
     os.close(w)
 
 
-def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, plan_dir):
+def _launch_a_stand_in_torchrun(tmp_path, plan_dir, *wrap: str) -> tuple[subprocess.Popen, Path]:
+    """`kareus launch run` (behind `wrap`, a command that execs it) whose torchrun is a shell loop recording the SIGINT
+    it gets in the returned marker file, once that loop has started; kareus leads its own session."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     marker = tmp_path / "child-got-sigint"
@@ -380,24 +382,20 @@ def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, p
     )
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    p = _kareus(
-        "launch",
-        "run",
-        "--plan-dir",
-        str(plan_dir),
-        "--log-dir",
-        str(tmp_path / "runs"),
-        "--script",
-        "train.py",
-        stdout=subprocess.DEVNULL,
-        env=env,
-        cwd=tmp_path,
-        start_new_session=True,
+    args = ("launch", "run", "--plan-dir", str(plan_dir), "--log-dir", str(tmp_path / "runs"), "--script", "train.py")
+    cmd = [*wrap, sys.executable, "-m", "kareus_megatron.cli.main", *args]
+    p = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, stdout=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True
     )
     deadline = time.monotonic() + 60
     while not (tmp_path / "started").exists():
         assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.stderr else ""
         time.sleep(0.05)
+    return p, marker
+
+
+def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, plan_dir):
+    p, marker = _launch_a_stand_in_torchrun(tmp_path, plan_dir)
     os.kill(p.pid, signal.SIGINT)  # to kareus alone, not to its process group
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -406,3 +404,17 @@ def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, p
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the child never got SIGINT"
+
+
+def test_a_launch_started_ignoring_sigint_keeps_ignoring_it(tmp_path, plan_dir):
+    """`kareus launch ... &` in a script starts ignoring SIGINT, as do the commands it starts: a SIGINT to kareus then
+    neither stops it nor reaches the job (handled, it would stop both: the test above)."""
+    p, marker = _launch_a_stand_in_torchrun(tmp_path, plan_dir, "sh", "-c", 'trap "" INT; exec "$@"', "sh")
+    try:
+        os.kill(p.pid, signal.SIGINT)
+        time.sleep(1.0)  # handled, kareus leaves and the child records it well within this (the test above)
+        assert p.poll() is None, p.stderr.read() if p.stderr else ""
+        assert not marker.exists()
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)

@@ -219,7 +219,9 @@ def _mock_data_cache(args: list[str], cwd: Path) -> tuple[list[str], Callable[[]
     stems = {f.name[: -len(MOCK_CACHE_AFFIXES[-1])] for f in pool.glob(f"*{MOCK_CACHE_AFFIXES[-1]}")}
     for stem in stems:
         for affix in MOCK_CACHE_AFFIXES:
-            (mine / f"{stem}{affix}").symlink_to(pool / f"{stem}{affix}")
+            link = mine / f"{stem}{affix}"
+            if not link.is_symlink() and not link.exists():  # a second run in the same cwd keeps what it has
+                link.symlink_to(pool / f"{stem}{affix}")
 
     def publish() -> None:
         written = [f for f in mine.iterdir() if not f.is_symlink()]

@@ -132,13 +132,11 @@ def test_a_signalled_run_keeps_its_completed_iterations(tmp_path, sig):
     if sig != signal.SIGKILL and not stuck:  # on SIGTERM/SIGINT the resolved iterations were written then
         assert len(log.partial) <= 2, log.partial
     if sig == signal.SIGINT:  # not swallowed: each rank ended with KeyboardInterrupt
-        if stuck and not any("KeyboardInterrupt" in err for _, err in results):
-            # Seen in loaded suite runs (5 of 8 in one stop). One cause found and fixed: the handler waited for a
-            # lock the interrupted thread held (tests/runtime/test_session_signals.py). Seen again on 2026-12-07 (1 of
-            # 2 suite runs, after the helper threads' scheduling fix): one rank still in its forward 20 s after the
-            # SIGINT, the frames where it waited cut from the message. Kept as xfail until suite runs show no other
-            # cause; the message now gives each thread's innermost frames (SIGUSR1).
-            pytest.xfail(f"SIGINT: the ranks did not end within 20 s: {stuck}")
+        # Ranks still training 20 s after the SIGINT were seen in suite runs started as a script's background job,
+        # which ignores SIGINT: the ranks inherited the ignore (tests/conftest.py now restores SIGINT for the suite's
+        # processes; a session leaves an ignored SIGINT ignored, test_session_signals.py). Before that, the handler
+        # waited for a lock the interrupted thread held (fixed, test_session_signals.py).
+        assert not stuck, f"SIGINT: the ranks did not end within 20 s: {stuck}"
         assert all("KeyboardInterrupt" in err for _, err in results), results
 
 

@@ -82,3 +82,37 @@ def test_sigint_under_a_held_send_lock_interrupts_at_once_and_resets_clocks(tmp_
     finally:
         proc.kill()
         proc.wait(10)
+
+
+IGNORING = """
+import os, signal, sys, time
+sys.path.insert(0, {here!r})
+import plans
+from kareus_megatron.runtime.session import RuntimeSession
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job (`torchrun ... &`) starts
+s = RuntimeSession(plans.tiny_plan(pp=1, m=2, gpus_per_node=1), controller="thread", log_path={log!r}).start()
+s.client.instruction_begins(0, 0, 1200, "forward")
+print("ready", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(1.0)  # the handled case's reset reaches the device log within the 0.2 s its wait allows
+print("alive", flush=True)
+time.sleep(60)
+"""
+
+
+def test_an_ignored_sigint_stays_ignored_and_leaves_the_clocks(tmp_path, simulated_env):
+    """A trainer started ignoring SIGINT keeps ignoring it under a session: no handler over SIG_IGN, no interrupt,
+    no clock reset (the case above, handled, resets them)."""
+    env, sim_log = simulated_env
+    code = IGNORING.format(here=str(HERE), log=str(tmp_path / "run"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = _lines(proc)
+        assert _next(lines, START_TIMEOUT_S) == ["ready", "True"], "the session replaced an ignored SIGINT's SIG_IGN"
+        assert _next(lines) == ["alive"]
+        events = _events(sim_log)
+        assert "set" in events and "reset" not in events, events
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -102,8 +102,9 @@ def serve(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: Any) -> None:
         controller.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(signum) != signal.SIG_IGN:  # inherited from a trainer started ignoring it: so does this
+            signal.signal(signum, on_signal)
     reply(controller.probe())
 
     def read_stdin() -> None:

@@ -40,8 +40,10 @@ def _pid_alive(pid):
         return False
 
 
-def _start_trainer(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, env=sim_env(tmp_path), text=True)
+def _start_trainer(tmp_path, ignoring_sigint=False):
+    """A trainer whose controller has set a clock; `ignoring_sigint`: started ignoring SIGINT (a script's `cmd &`)."""
+    code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n" if ignoring_sigint else "") + _TRAINER
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=sim_env(tmp_path), text=True)
     ctl_pid = int(proc.stdout.readline())
     log = tmp_path / "clocks.jsonl"
     assert wait_for(lambda: any(r["event"] == "set" for r in records(log)), 10)
@@ -70,6 +72,20 @@ def test_controller_resets_on_signal(tmp_path, sig):
         os.kill(ctl_pid, sig)
         assert wait_for(lambda: [r for r in records(log) if r["event"] == "reset" and r["t"] > t_sig], 3)
         assert wait_for(lambda: not _pid_alive(ctl_pid), 3)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_controller_of_a_trainer_ignoring_sigint_ignores_it_too(tmp_path):
+    """The side process inherits the trainer's ignored SIGINT and keeps it: no reset, no exit (handled: above)."""
+    proc, ctl_pid, log = _start_trainer(tmp_path, ignoring_sigint=True)
+    try:
+        t_sig = time.monotonic()
+        os.kill(ctl_pid, signal.SIGINT)
+        time.sleep(1.0)  # handled, the reset comes well within this (test_controller_resets_on_signal)
+        assert _pid_alive(ctl_pid)
+        assert not [r for r in records(log) if r["event"] == "reset" and r["t"] > t_sig]
     finally:
         proc.kill()
         proc.wait()
