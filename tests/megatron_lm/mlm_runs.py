@@ -191,11 +191,8 @@ def mlm_command(
     ]
 
 
-# Megatron-LM's --mock-data indices, cached (Megatron-LM's own --data-cache-path) and shared by the session's runs:
-# MockGPTDataset has 100,000 documents of up to 4,096 tokens, so at --seq-length 32 each split's indices hold about
-# 2.1 million samples, built without a cache by every rank that reads data (2.1-2.3 s of CPU per rank, both ranks of a
-# PP=2 run; 2026-12-07). The files depend on the release and the run's samples, seed and sequence length (Megatron-LM
-# names them by the hash of that description), not on kareus.
+# Megatron-LM's --mock-data index files (why they are cached: README.md). They depend on the release and the run's
+# samples, seed and sequence length (Megatron-LM names them by the hash of that description), not on kareus.
 MOCK_CACHE_AFFIXES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy", "description.txt")
 
 
@@ -220,7 +217,7 @@ def _mock_data_cache(args: list[str], cwd: Path) -> tuple[list[str], Callable[[]
     for stem in stems:
         for affix in MOCK_CACHE_AFFIXES:
             link = mine / f"{stem}{affix}"
-            if not link.is_symlink() and not link.exists():  # a second run in the same cwd keeps what it has
+            if not os.path.lexists(link):  # a second run in the same cwd keeps what it has
                 link.symlink_to(pool / f"{stem}{affix}")
 
     def publish() -> None:
