@@ -381,7 +381,8 @@ def _launch_a_stand_in_torchrun(tmp_path, plan_dir, *wrap: str) -> tuple[subproc
         f"#!/bin/sh\ntrap 'touch {marker}; exit 130' INT\ntouch {tmp_path}/started\nwhile true; do sleep 0.05; done\n"
     )
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    # TMPDIR: the launch's error directory (jobs/torchrun.py), left behind by a SIGKILL, lands under tmp_path
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path)}
     args = ("launch", "run", "--plan-dir", str(plan_dir), "--log-dir", str(tmp_path / "runs"), "--script", "train.py")
     cmd = [*wrap, sys.executable, "-m", "kareus_megatron.cli.main", *args]
     p = subprocess.Popen(

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import plans
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,17 +19,23 @@ from kareus_megatron.report.runlog import read_run_log
 from kareus_megatron.report.summary import summarize
 from kareus_megatron.runtime.frameworks.entry import resolve_plan
 
-_DIR = Path(tempfile.mkdtemp(prefix="kareus-points-"))
-save_plan(plans.tiny_plan(), _DIR / "plans" / "kareus-00.json")
-write_json_atomic(
-    _DIR / "frontier.json",
-    {
-        "format": "kareus-frontier/1",
-        "config": {},
-        "reductions": {},
-        "methods": {"kareus": {"points": [{"time_s": 1.0, "energy_j": 2.0, "plan": "plans/kareus-00.json"}]}},
-    },
-)
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan directory with one Kareus point (plans/kareus-00.json) in its frontier; under pytest's temporary
+    directories, which pytest prunes (a module-level mkdtemp left one in /tmp per run)."""
+    d = tmp_path_factory.mktemp("points")
+    save_plan(plans.tiny_plan(), d / "plans" / "kareus-00.json")
+    write_json_atomic(
+        d / "frontier.json",
+        {
+            "format": "kareus-frontier/1",
+            "config": {},
+            "reductions": {},
+            "methods": {"kareus": {"points": [{"time_s": 1.0, "energy_j": 2.0, "plan": "plans/kareus-00.json"}]}},
+        },
+    )
+    return d
 
 
 @settings(max_examples=80, deadline=None)
@@ -51,9 +58,9 @@ write_json_atomic(
         ),
     )
 )
-def test_point_choice_resolves_or_fails_cleanly(point):
+def test_point_choice_resolves_or_fails_cleanly(plan_dir, point):
     try:
-        plan, source = resolve_plan(str(_DIR), point)
+        plan, source = resolve_plan(str(plan_dir), point)
     except KareusError as e:
         assert "\n" not in str(e) and "--kareus-point" in str(e)
         return
