@@ -148,6 +148,7 @@ def _on_interrupt(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the job and carry out the launch; 0 on success, 1 when a started command fails."""
+    from kareus_megatron.jobs.children import sigterm_passed_on
     from kareus_megatron.jobs.commands import JobSpec
     from kareus_megatron.jobs.orchestrate import Launch, launch_jobs
 
@@ -201,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     handle = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN
     previous = signal.signal(signal.SIGINT, _on_interrupt) if handle else None
     try:
-        return launch_jobs(launch)  # KeyboardInterrupt: the boundary in cli/main.py, one line and exit 130
+        with sigterm_passed_on():  # SIGTERM to kareus alone (`kill PID`): to the command running, then exit 143
+            return launch_jobs(launch)  # KeyboardInterrupt: the boundary in cli/main.py, one line and exit 130
     except subprocess.CalledProcessError as e:
         sys.stderr.write(f"kareus launch: error: command failed with exit status {e.returncode}: {shlex.join(e.cmd)}\n")
         return 1

@@ -4,7 +4,8 @@ Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` an
 Every command runs inside one error boundary (run_command): a KareusError (bad input, unusable
 environment), an OSError or a UnicodeDecodeError is printed as one line and exits with status 2; a
 closed stdout pipe exits silently with status 0 (the reader had what it wanted); Ctrl-C prints one line and
-exits with status 130. --debug (before or after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
+exits with status 130, a SIGTERM that stopped the command a subcommand ran (jobs/children.py) with 143. --debug
+(before or after the subcommand) or KAREUS_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kareus_megatron import __version__
 from kareus_megatron.cli import torchrun
 from kareus_megatron.cli.parsing import OneLineParser
 from kareus_megatron.environment import kareus_settings
-from kareus_megatron.errors import KareusError, describe_os_error, print_error
+from kareus_megatron.errors import KareusError, Terminated, describe_os_error, print_error
 
 # Subcommand name -> module under kareus_megatron.cli. Modules are imported only when listed here.
 COMMANDS: dict[str, str] = {
@@ -97,7 +98,7 @@ def run_command(args: argparse.Namespace, prog: str, debug: bool) -> int:
 
     KareusError, OSError (naming the path) and UnicodeDecodeError: one line on stderr, exit 2.
     BrokenPipeError (stdout closed early, e.g. `| head`): silent, exit 0, as the reader chose to stop.
-    Ctrl-C: one line, exit 130.
+    Ctrl-C: one line, exit 130. A SIGTERM passed on to the command it ran (jobs/children.py): one line, exit 143.
     With `debug` every one of them is re-raised with its traceback.
     """
     stdout_was = _fd_identity(1)
@@ -121,6 +122,11 @@ def run_command(args: argparse.Namespace, prog: str, debug: bool) -> int:
             raise
         sys.stderr.write(f"{prog}: interrupted\n")
         return 130
+    except Terminated:
+        if debug:
+            raise
+        sys.stderr.write(f"{prog}: terminated\n")
+        return 143
     except KareusError as e:
         if debug:
             raise

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kareus_megatron.errors import ConfigError, KareusError
+from kareus_megatron.jobs import children
 from kareus_megatron.jobs.commands import JobSpec, RunCommand, manifest, run_command
 from kareus_megatron.jobs.torchrun import run_summarised
 from kareus_megatron.plan.io import load_plan, write_json_atomic
@@ -102,7 +103,7 @@ def kareus_cli() -> list[str]:
 
 def execute(argv: list[str], env: dict[str, str] | None = None) -> None:
     """Run a command with `env` added; subprocess.CalledProcessError when it fails."""
-    rc = subprocess.run(argv, env={**os.environ, **(env or {})}).returncode
+    rc = children.run(argv, env)
     if rc:
         raise subprocess.CalledProcessError(rc, argv)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from kareus_megatron.errors import ERROR_DIR_ENV, KareusError
+from kareus_megatron.jobs import children
 
 
 class RankError(KareusError):
@@ -47,7 +47,7 @@ def run_summarised(argv: list[str], env: dict[str, str] | None = None) -> int:
     """Run `argv` (a torchrun command) with `env` added; its exit status, or RankError (one line) when it failed
     after a kareus error on a rank."""
     with tempfile.TemporaryDirectory(prefix="kareus-errors-") as d:
-        rc = subprocess.run(argv, env={**os.environ, **(env or {}), ERROR_DIR_ENV: d}).returncode
+        rc = children.run(argv, {**(env or {}), ERROR_DIR_ENV: d})
         first = first_rank_error(d) if rc else None
     if first is not None:
         rank, line = first

@@ -6,6 +6,7 @@ need a real process. A class that a command cannot be given (env reads no file) 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -372,13 +373,15 @@ def test_a_closed_stdout_pipe_is_silent_and_succeeds():
 
 def _launch_a_stand_in_torchrun(tmp_path, plan_dir, *wrap: str) -> tuple[subprocess.Popen, Path]:
     """`kareus launch run` (behind `wrap`, a command that execs it) whose torchrun is a shell loop recording the SIGINT
-    it gets in the returned marker file, once that loop has started; kareus leads its own session."""
+    it gets in the returned marker file (a SIGTERM in child-got-sigterm beside it), once that loop has started; kareus
+    leads its own session."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     marker = tmp_path / "child-got-sigint"
-    fake = bin_dir / "torchrun"  # the command `kareus launch run` starts: records the SIGINT it gets
+    fake = bin_dir / "torchrun"  # the command `kareus launch run` starts: records the SIGINT or SIGTERM it gets
     fake.write_text(
-        f"#!/bin/sh\ntrap 'touch {marker}; exit 130' INT\ntouch {tmp_path}/started\nwhile true; do sleep 0.05; done\n"
+        f"#!/bin/sh\ntrap 'touch {marker}; exit 130' INT\ntrap 'touch {tmp_path}/child-got-sigterm; exit 143' TERM\n"
+        f"touch {tmp_path}/started\nwhile true; do sleep 0.05; done\n"
     )
     fake.chmod(0o755)
     # TMPDIR: the launch's error directory (jobs/torchrun.py), left behind by a SIGKILL, lands under tmp_path
@@ -405,6 +408,21 @@ def test_ctrl_c_on_launch_is_one_line_exit_130_and_reaches_the_child(tmp_path, p
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the child never got SIGINT"
+
+
+def test_sigterm_on_launch_reaches_the_child_then_one_line_exit_143(tmp_path, plan_dir):
+    """`kill PID` on kareus alone: the job it started gets the SIGTERM (it went on training before), and kareus ends
+    after it with one line and 128 + SIGTERM."""
+    p, _ = _launch_a_stand_in_torchrun(tmp_path, plan_dir)
+    try:
+        os.kill(p.pid, signal.SIGTERM)  # to kareus alone, not to its process group
+        _, err = p.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # an orphaned child, had it been left running
+    assert (tmp_path / "child-got-sigterm").exists(), "the child never got SIGTERM"
+    assert p.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "kareus launch: terminated", err
 
 
 def test_a_launch_started_ignoring_sigint_keeps_ignoring_it(tmp_path, plan_dir):
