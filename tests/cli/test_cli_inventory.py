@@ -279,3 +279,24 @@ def test_version_is_the_installed_metadata(capsys):
     except SystemExit as e:
         assert e.code == 0
     assert capsys.readouterr().out.strip() == f"kareus {version('kareus-megatron')}"
+
+
+def test_method_flags_name_every_method_from_the_vocabulary():
+    """Every --methods/--method flag names each planned method (vocab.METHODS), and no stale count: its help once said
+    'default all four' with five planned (issue 25)."""
+    import re
+
+    from kareus_megatron.vocab import METHODS
+
+    flags = [
+        (name, a)
+        for name, sp in _subparsers().items()
+        for a in sp._actions
+        if {"--methods", "--method"} & set(a.option_strings)
+    ]
+    assert {name for name, _ in flags} >= {"plan", "launch comparison", "launch run"}, flags
+    for name, a in flags:
+        text = f"{a.help} {' '.join(a.choices or ())}"
+        assert all(re.search(rf"\b{m}\b", text) for m in METHODS), (name, text)
+        assert not re.search(r"\b(two|three|four|five|six)\b", a.help or ""), (name, a.help)
+        assert all(int(n) == len(METHODS) for n in re.findall(r"\ball (\d+)", a.help or "")), (name, a.help)

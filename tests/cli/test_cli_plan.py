@@ -270,10 +270,21 @@ def test_max_swing_bound_holds_and_kareus_stays_cheaper_than_megatron(default_ru
     assert all(p["ramp_w_per_s"] <= limit * (1 + 1e-9) for m in rdoc["methods"].values() for p in m["points"])
 
 
-def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
-    """A small model's plans read in ms and J, not '(kJ) 0.00' in every row (issue 25)."""
+def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys, monkeypatch):
+    """A small model's plans read in ms and J, not '(kJ) 0.00' in every row nor '0.0 kJ per iteration' in the
+    timeline's title (issue 25)."""
     from kareus_megatron.cli.plan_summary import quantity as _quantity
+    from kareus_megatron.plotting import timeline
     from kareus_megatron.plotting.units import energy_unit, time_unit
+
+    titles = []
+    drawn = timeline.save_timeline_png
+
+    def save_timeline_png(path, bars, **kw):  # the figure as `kareus plan` draws it, its title kept
+        titles.append(kw.get("title"))
+        return drawn(path, bars, **kw)
+
+    monkeypatch.setattr(timeline, "save_timeline_png", save_timeline_png)
 
     small = [
         "--model",
@@ -304,6 +315,8 @@ def test_small_model_tables_and_titles_use_readable_units(tmp_path, capsys):
     assert any("(ms)" in r and "(J)" in r for r in rows)
     megatron = next(r for r in rows if r and r[0] == "megatron")
     assert all(float(cell) >= 1.0 for cell in megatron[2:6])  # 5.222 ms, 2.26 J: no 0.00 cells
+    assert len(titles) == 1 and " ms, " in titles[0] and " J per iteration" in titles[0], titles
+    assert "kJ" not in titles[0] and "0.0 " not in titles[0], titles
     assert _quantity(0.005222, time_unit) == "5.222 ms" and _quantity(2.2, energy_unit) == "2.2 J"
     assert _quantity(7.108, time_unit) == "7.108 s" and _quantity(1.3134e6, energy_unit) == "1.313 MJ"
 
