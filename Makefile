@@ -48,9 +48,8 @@ ruff: $(VENV)/.test
 typecheck: $(VENV)/.test
 	$(BIN)/mypy
 
-# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once): 9 m 14 s and 11 m 3 s
-# for 1,520 tests on two clean clones of the 2-core machine, 9 m 49 s and 11 m 43 s with the installs (2026-12-07;
-# docs/contributing.md has the history); --durations=25 prints the slowest.
+# Two workers, --dist loadfile (a file's tests on one worker: its module fixtures are built once); the times and what was
+# tried to shorten them: docs/contributing.md; --durations=25 prints the slowest.
 # --hypothesis-seed=0: reproducible (plain `pytest tests` explores new examples); --timeout: a hung test fails with its
 # stacks. One worker: `make test PYTEST_WORKERS=0`.
 # bytecode: the package and the tests, compiled here (under a second) for the processes that keep
