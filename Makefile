@@ -120,10 +120,13 @@ try-runtime: $(VENV)/.test
 	if [ '$(ITERATIONS)' -le $(REPORT_WARMUP) ]; then echo "try-runtime: ITERATIONS=$(ITERATIONS) leaves nothing to report: \
 	the report skips the first $(REPORT_WARMUP) iterations (warm-up); use ITERATIONS=$$(( $(REPORT_WARMUP) + 1 )) or more" >&2; exit 2; fi
 	@case '$(TIME_SCALE)' in ''|*[!0-9.]*|*.*.*|.) echo "try-runtime: TIME_SCALE=$(TIME_SCALE) must be a positive number" >&2; exit 2;; esac
+	@case '$(OUT)' in ''|*' '*) echo "try-runtime: OUT='$(OUT)' must be a directory name without spaces" >&2; exit 2;; esac
 	@o='$(abspath $(OUT))'; case "$(CURDIR)/" in "$$o"/*) echo "try-runtime: OUT=$(OUT) holds this repository; pick another directory" >&2; exit 2;; esac; \
+	if [ -L "$$o" ] || { [ -e "$$o" ] && [ ! -d "$$o" ]; }; then \
+	  echo "try-runtime: OUT=$(OUT) is a file or a link, not a try-out's directory; pick a new directory" >&2; exit 2; fi; \
 	if [ -d "$$o" ] && ls -A "$$o" | grep -qvE '^(plan|run.*|truth\.json)$$'; then \
 	  echo "try-runtime: $(OUT) holds files other than a try-out's (plan, run*, truth.json); pick another OUT" >&2; exit 2; fi
-	rm -rf $(OUT)
+	rm -rf '$(OUT)'
 	$(BIN)/kareus plan --model $(TRY_MODEL) --gpu a40 $(TRY_JOB) --nodes 1 --gpus-per-node 2 \
 	    --precision fp32 --recompute none --methods '$(METHOD)' $(PLAN_ARGS) --out $(OUT)/plan
 	@test -f '$(TRY_PLAN)' || { echo "try-runtime: no plan $(METHOD)-$(POINT) in $(OUT)/plan/plans; use METHOD=kareus, nanobatch_perseus, perseus or megatron and POINT=00 (the fastest) .. 09" >&2; exit 2; }

@@ -209,6 +209,23 @@ def test_try_runtime_refuses_a_directory_that_is_not_a_try_out(tmp_path: Path) -
     assert keep.read_text() == "mine"
 
 
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_try_runtime_refuses_an_out_that_is_a_file_or_a_link(tmp_path: Path, kind: str) -> None:
+    """`OUT=README.md` once removed the file and put a try-out in its place (its check looked at directories only)."""
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    out = keep
+    if kind == "link":
+        out = tmp_path / "link"
+        out.symlink_to(tmp_path)
+    r = _make(f"OUT={out}", timeout_s=30)
+    lines = [ln for ln in r.stderr.splitlines() if not re.match(r"make(\[\d+\])?: \*\*\*", ln)]
+    assert r.returncode == 2 and lines == [
+        f"try-runtime: OUT={out} is a file or a link, not a try-out's directory; pick a new directory"
+    ], r.stderr
+    assert keep.read_text() == "mine" and out.is_symlink() == (kind == "link")
+
+
 def test_cpu_shim_imports_without_torch() -> None:
     """The shim is a runtime module; importing it must not load torch (only apply() does)."""
     code = (
