@@ -17,7 +17,7 @@ import sys
 
 from kareus_megatron import __version__
 from kareus_megatron.cli import torchrun
-from kareus_megatron.cli.parsing import OneLineParser
+from kareus_megatron.cli.parsing import OneLineParser, innermost_parser, unrecognized
 from kareus_megatron.environment import kareus_settings
 from kareus_megatron.errors import KareusError, Terminated, describe_os_error, print_error
 
@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(ns, "kareus torchrun", bool(kareus_settings().debug))
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # reported by the subcommand that got them, with the flag a typo meant
+            sub = innermost_parser(parser, argv)
+            sub.error(unrecognized(sub, extras))
     except KeyboardInterrupt:
         sys.stderr.write("kareus: interrupted\n")
         return 130

@@ -300,3 +300,26 @@ def test_method_flags_name_every_method_from_the_vocabulary():
         assert all(re.search(rf"\b{m}\b", text) for m in METHODS), (name, text)
         assert not re.search(r"\b(two|three|four|five|six)\b", a.help or ""), (name, a.help)
         assert all(int(n) == len(METHODS) for n in re.findall(r"\ball (\d+)", a.help or "")), (name, a.help)
+
+
+def test_a_flag_is_taken_only_in_full_and_a_typo_names_the_flag_meant(capsys):
+    """argparse's prefix matching read `--gpus h100` as --gpus-per-node (its error named the wrong flag) and `--method`
+    as --methods; flags are now taken as spelled, and the subcommand's one line names the closest one (issue 25's
+    newcomer check)."""
+    for argv, meant in (
+        (["plan", "--gpus", "h100"], "--gpu"),
+        (["plan", "--method", "kareus"], "--methods"),
+        (["predict", "--microbatch", "8"], "--microbatches"),
+        (["launch", "run", "--plan-dir", "x", "--nodess", "2"], "--nodes"),
+    ):
+        try:
+            main(argv)
+        except SystemExit as e:
+            assert e.code == 2, argv
+        else:
+            raise AssertionError(f"{argv} was accepted")
+        err = capsys.readouterr().err.strip().splitlines()
+        prog = "kareus " + " ".join(a for a in argv if a in ("plan", "predict", "launch", "run"))
+        assert err == [
+            f"{prog}: error: unrecognized arguments: {' '.join(argv[-2:])} ({argv[-2]}: did you mean {meant}?)"
+        ]
