@@ -170,14 +170,17 @@ def _write(out: Path, report: dict[str, Any]) -> None:
 
 def _summary(out: Path, report: dict[str, Any]) -> None:
     ident, acc = report["identity"], report["accuracy"]
+    simulated = "simulated " if report.get("backend") == "simulated" else ""
     print(
-        f"kareus validate ({report['mode']}{', dry run' if report['dry_run'] else ''}) on GPU {ident['index']} "
-        f"{ident['name']} (preset {report['gpu']}), {report['elapsed_s']:.1f} s"
+        f"kareus validate ({report['mode']}{', dry run' if report['dry_run'] else ''}) on {simulated}GPU "
+        f"{ident['index']} {ident['name']} (preset {report['gpu']}), {report['elapsed_s']:.1f} s"
     )
+    match = {True: "yes", False: "NO"}.get(ident["uuid_match"], "n/a (CUDA not initialised)")
+    period_s = report["energy_counter"]["update_period_s"]
+    period = f"{period_s * 1e3:.1f} ms" if period_s >= 1e-3 else f"{period_s * 1e6:.0f} µs"
     print(
-        f"  UUID matches CUDA: {ident['uuid_match']}; clocks {report['clocks']['min_mhz']}.."
-        f"{report['clocks']['max_mhz']} MHz ({report['clocks']['count']}); energy counter updates every "
-        f"{report['energy_counter']['update_period_s'] * 1e3:.1f} ms"
+        f"  UUID matches CUDA: {match}; clocks {report['clocks']['min_mhz']}.."
+        f"{report['clocks']['max_mhz']} MHz ({report['clocks']['count']}); energy counter updates every {period}"
     )
     if "lock_reset" in report:
         lr = report["lock_reset"]

@@ -7,6 +7,7 @@ set, no reset) is checked on what the device saw, not on what the kit says it di
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -84,6 +85,10 @@ def test_full_dry_run_writes_report_plot_and_calibration(tmp_path, sim_log, caps
     printed = capsys.readouterr().out
     assert "wrote" in printed and "runtime checks" in printed
     assert "plans assume 15 ms (kareus plan --clock-latency-ms)" in printed
+    # a dry run is simulated and says so; no Python None nor a 0.0 ms counter period (a newcomer's first hour)
+    assert printed.startswith("kareus validate (full, dry run) on simulated GPU 0 "), printed
+    assert "UUID matches CUDA: n/a (CUDA not initialised)" in printed and "None" not in printed
+    assert re.search(r"energy counter updates every (\d+ µs|\d+\.\d ms)\n", printed) and " 0.0 ms" not in printed
 
 
 def test_read_only_dry_run_changes_nothing_on_the_gpu(tmp_path, sim_log):
