@@ -433,6 +433,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from kareus_megatron.hardware.device import open_cuda_gpu, open_gpu
+    from kareus_megatron.hardware.device.stop_signals import stops_cleanly
     from kareus_megatron.runtime.overlap import Knobs, LayerSettings, set_engine, setup_overlap
     from kareus_megatron.vocab import CP_PARTITION_SLOTS
 
@@ -451,87 +452,93 @@ def measure(rank: int, world: int, args: argparse.Namespace, rows: list[dict[str
     layer.to(device)
     gpu = args.gpu or ("a100-sxm4-40gb" if cpu else None)  # NVML: the GPU that is cuda:current (by UUID)
     dev = open_gpu(0, backend="simulated", gpu=gpu) if cpu else open_cuda_gpu(torch.cuda.current_device(), gpu=gpu)
-    if args.clock_mhz:
-        dev.set_sm_clock_mhz(args.clock_mhz)
-    s_local = args.seq // args.cp // (args.tp if args.sp else 1)  # this rank's part of the sequence
-    g = torch.Generator(device="cpu").manual_seed(7)
-    x = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype).requires_grad_()
-    dy = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype)
-    mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1).view(1, 1, args.seq, args.seq)
-    if args.cp > 1:  # megatron's CP layout: this rank's 2 of the 2·CP chunks (mask rows; RoPE table, dim 0)
-        cut = get_batch_on_this_cp_rank(
-            {"attention_mask": mask, "rope": None if rope is None else rope.transpose(0, 1)}
-        )
-        mask = cut["attention_mask"]
-        rope = None if rope is None else cut["rope"].transpose(0, 1).contiguous()
-    is_cp = {r["partition"]: r["partition"] in CP_PARTITION_SLOTS for r in rows if r["partition"]}
-    tp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and not is_cp[r["partition"]]})
-    cp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and is_cp[r["partition"]]})
-    engine = setup_overlap(comm_sms=tuple(tp_sms), cp_comm_sms=tuple(cp_sms))  # one communicator per count (NCCL)
-    base = {name: Knobs(None, slots[0]) for name, slots in args.engine_slots.items()}  # the layout's defaults
-    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    with stops_cleanly():  # SIGTERM/SIGHUP too: the finally resets a clock this run locked (an NVML lock outlives it)
+        try:
+            if args.clock_mhz:
+                dev.set_sm_clock_mhz(args.clock_mhz)
+            s_local = args.seq // args.cp // (args.tp if args.sp else 1)  # this rank's part of the sequence
+            g = torch.Generator(device="cpu").manual_seed(7)
+            x = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype).requires_grad_()
+            dy = torch.randn(s_local, args.mbs, model.hidden_size, generator=g).to(device, dtype)
+            mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1).view(
+                1, 1, args.seq, args.seq
+            )
+            if args.cp > 1:  # megatron's CP layout: this rank's 2 of the 2·CP chunks (mask rows; RoPE table, dim 0)
+                cut = get_batch_on_this_cp_rank(
+                    {"attention_mask": mask, "rope": None if rope is None else rope.transpose(0, 1)}
+                )
+                mask = cut["attention_mask"]
+                rope = None if rope is None else cut["rope"].transpose(0, 1).contiguous()
+            is_cp = {r["partition"]: r["partition"] in CP_PARTITION_SLOTS for r in rows if r["partition"]}
+            tp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and not is_cp[r["partition"]]})
+            cp_sms = sorted({r["comm_sms"] for r in rows if r["comm_sms"] and is_cp[r["partition"]]})
+            # one communicator per count (NCCL)
+            engine = setup_overlap(comm_sms=tuple(tp_sms), cp_comm_sms=tuple(cp_sms))
+            base = {name: Knobs(None, slots[0]) for name, slots in args.engine_slots.items()}  # the layout's defaults
+            sync = (lambda: None) if cpu else torch.cuda.synchronize
 
-    def window(fn) -> tuple[float, float, int, int]:
-        fn()  # warm-up (and NCCL communicator creation)
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        single = max(time.perf_counter() - t0, 1e-6)
-        reps = max(2 if cpu else 10, int(np.ceil(args.min_window_s / single)))
-        dist.barrier()
-        sync()
-        with ClockSampler(dev) as clock:  # the SM clock the GPU runs the window at (locked or not)
-            e0, t0 = dev.energy_j(), time.perf_counter()
-            for _ in range(reps):
+            def window(fn) -> tuple[float, float, int, int]:
+                fn()  # warm-up (and NCCL communicator creation)
+                sync()
+                t0 = time.perf_counter()
                 fn()
-            sync()
-            t1, e1 = time.perf_counter(), dev.energy_j()
-        return (t1 - t0) / reps, (e1 - e0) / reps, reps, clock.median_mhz()
+                sync()
+                single = max(time.perf_counter() - t0, 1e-6)
+                reps = max(2 if cpu else 10, int(np.ceil(args.min_window_s / single)))
+                dist.barrier()
+                sync()
+                with ClockSampler(dev) as clock:  # the SM clock the GPU runs the window at (locked or not)
+                    e0, t0 = dev.energy_j(), time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    sync()
+                    t1, e1 = time.perf_counter(), dev.energy_j()
+                return (t1 - t0) / reps, (e1 - e0) / reps, reps, clock.median_mhz()
 
-    def every_rank(ok: bool) -> bool:
-        flag = torch.tensor([1.0 if ok else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+            def every_rank(ok: bool) -> bool:
+                flag = torch.tensor([1.0 if ok else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                return bool(flag.item() > 0)
 
-    def fwd() -> None:
-        y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
-        del y
+            def fwd() -> None:
+                y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+                del y
 
-    def fwd_bwd() -> None:
-        y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
-        y.backward(dy)
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
+            def fwd_bwd() -> None:
+                y, _ = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+                y.backward(dy)
+                x.grad = None
+                layer.zero_grad(set_to_none=True)
 
-    out = []
-    for r in rows:
-        knobs = {**base, r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else base
-        engine.state.set(LayerSettings(nanobatches=r["nanobatches"], knobs=knobs))
-        tf, ef, nf, mhz = window(fwd)
-        if r["phase"] == "forward":
-            t, e, n = tf, ef, nf
-        else:
-            for attempt in range(BACKWARD_ATTEMPTS):  # backward = (forward+backward) - forward: on a
-                if attempt:  # noisy machine the difference can come out <= 0
-                    tf, ef, nf, _ = window(fwd)
-                tb, eb, n, mhz = window(fwd_bwd)
-                t, e = tb - tf, eb - ef
-                if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
-                    break
-        groups = engine.comm.cp_sm_groups if is_cp.get(r["partition"]) else engine.comm.sm_groups
-        out.append(
-            {
-                **r,
-                "measured_time_s": t,
-                "measured_energy_j": e,
-                "reps": n,
-                "clock_mhz": mhz,
-                "sm_limit_requested": r["comm_sms"] in groups,
-            }
-        )  # issued on an SM-limited communicator
-    set_engine(None)
-    dev.close()
+            out = []
+            for r in rows:
+                knobs = {**base, r["partition"]: Knobs(r["comm_sms"], r["slot"])} if r["partition"] else base
+                engine.state.set(LayerSettings(nanobatches=r["nanobatches"], knobs=knobs))
+                tf, ef, nf, mhz = window(fwd)
+                if r["phase"] == "forward":
+                    t, e, n = tf, ef, nf
+                else:
+                    for attempt in range(BACKWARD_ATTEMPTS):  # backward = (forward+backward) - forward: on a
+                        if attempt:  # noisy machine the difference can come out <= 0
+                            tf, ef, nf, _ = window(fwd)
+                        tb, eb, n, mhz = window(fwd_bwd)
+                        t, e = tb - tf, eb - ef
+                        if every_rank(t > 0 and e > 0):  # all ranks retry together (window() has collectives)
+                            break
+                groups = engine.comm.cp_sm_groups if is_cp.get(r["partition"]) else engine.comm.sm_groups
+                out.append(
+                    {
+                        **r,
+                        "measured_time_s": t,
+                        "measured_energy_j": e,
+                        "reps": n,
+                        "clock_mhz": mhz,
+                        "sm_limit_requested": r["comm_sms"] in groups,
+                    }
+                )  # issued on an SM-limited communicator
+            set_engine(None)
+        finally:
+            dev.close()
     attn = (
         {}
         if args.cp > 1

@@ -63,9 +63,9 @@ class UnsupportedVersionError(KareusError):
     """A framework version (megatron-core, DeepSpeed) that the runtime patch does not support."""
 
 
-class Terminated(Exception):
-    """A SIGTERM stopped the command a `kareus` process ran (jobs/children.py); not bad input: the CLI prints one line
-    and exits 143 (128 + SIGTERM)."""
+class Terminated(BaseException):
+    """A SIGTERM stopped a `kareus` command (jobs/children.py, cli/signals.py); not bad input: the CLI prints one
+    line and exits 143 (128 + SIGTERM). A BaseException, as KeyboardInterrupt is: no `except Exception` swallows it."""
 
 
 ERROR_DIR_ENV = "KAREUS_ERROR_DIR"  # set by jobs/torchrun.py for the ranks it starts

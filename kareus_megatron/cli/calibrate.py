@@ -205,6 +205,7 @@ def _from_run(args: argparse.Namespace):
 
     from kareus_megatron.cost.microbench import calibrate_run
     from kareus_megatron.hardware.device import dry_run_backend, open_cuda_gpu, simulation_of
+    from kareus_megatron.hardware.device.stop_signals import stops_cleanly
 
     try:  # --device is the CUDA index the kernels run on; NVML finds that GPU by its UUID (cuda_map.py)
         dev = open_cuda_gpu(args.device, backend=dry_run_backend() if args.dry_run else "nvml")
@@ -223,7 +224,7 @@ def _from_run(args: argparse.Namespace):
     )
     task = bar.add_task("energy counter", total=None)
     try:
-        with bar:
+        with stops_cleanly(), bar:  # SIGTERM/SIGHUP: the finally resets the clocks
             cal, _ = calibrate_run(
                 dev,
                 dry_run=args.dry_run,

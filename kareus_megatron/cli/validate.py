@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     """Check the flags, run the kit, write the report files; 0 on success."""
     from kareus_megatron.cost.gpu_validate import validate_gpu
     from kareus_megatron.hardware.device import dry_run_backend, simulation_of
+    from kareus_megatron.hardware.device.stop_signals import stops_cleanly
     from kareus_megatron.hardware.validate import close_after_validation, open_for_validation
 
     if not 0 <= args.device < 1024:
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise type(e)(f"kareus validate needs an NVIDIA GPU with NVML (or --dry-run): {e}") from e
     read_only = dev.read_only  # --no-clock-control, or KAREUS_GPU_READ_ONLY (which always wins)
     try:
-        with _progress() as (advance, plan):
+        with stops_cleanly(), _progress() as (advance, plan):  # SIGTERM/SIGHUP: the finally resets the clocks
             report = validate_gpu(
                 dev,
                 read_only=read_only,

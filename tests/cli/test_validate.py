@@ -7,7 +7,12 @@ set, no reset) is checked on what the device saw, not on what the kit says it di
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -138,3 +143,36 @@ def test_bad_flags_are_one_line(argv, capsys, tmp_path, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and ("--seconds" in err[0] or "--dry-run" in err[0]), err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("argv", "signum"),
+    [
+        (["validate", "--dry-run"], signal.SIGTERM),
+        (["calibrate", "--run", "--dry-run", "--seconds", "0.2"], signal.SIGTERM),
+        (["validate", "--dry-run"], signal.SIGHUP),
+    ],
+    ids=["validate-term", "calibrate-term", "validate-hup"],
+)
+def test_a_kit_stopped_by_a_signal_resets_the_clocks_it_locked(tmp_path, argv, signum):
+    """`timeout`, a job's time limit (SIGTERM) or a closed terminal (SIGHUP) ended the kit at once, and an NVML clock
+    lock outlives its process: the GPU stayed locked. Now the kit resets what it locked, then one line and 143."""
+    log = tmp_path / "sim.jsonl"
+    env = {**os.environ, "KAREUS_SIMULATED_LOG": str(log)}
+    env.pop("KAREUS_GPU_READ_ONLY", None)
+    cmd = [sys.executable, "-m", "kareus_megatron.cli.main", *argv]
+    if argv[0] == "validate":
+        cmd += ["--out", str(tmp_path / "v")]
+    else:
+        cmd += ["-o", str(tmp_path / "c.json")]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "set" not in _events(log):  # a clock is locked
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1]
+        time.sleep(0.02)
+    p.send_signal(signum)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    assert err.strip().splitlines()[-1] == f"kareus {argv[0]}: terminated", err
+    ev = [e for e in _events(log) if e in ("set", "reset")]
+    assert ev[-1] == "reset", ev  # the last clock call: the lock undone
