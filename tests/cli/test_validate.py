@@ -165,7 +165,16 @@ def test_a_kit_stopped_by_a_signal_resets_the_clocks_it_locked(tmp_path, argv, s
         cmd += ["--out", str(tmp_path / "v")]
     else:
         cmd += ["-o", str(tmp_path / "c.json")]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # the signal as a terminal leaves it: under nohup (a suite started so) SIGHUP is ignored, and stays so in kareus
+        preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     while "set" not in _events(log):  # a clock is locked
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1]
