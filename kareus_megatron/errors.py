@@ -64,8 +64,9 @@ class UnsupportedVersionError(KareusError):
 
 
 class Terminated(BaseException):
-    """A SIGTERM stopped a `kareus` command (jobs/children.py, cli/signals.py); not bad input: the CLI prints one
-    line and exits 143 (128 + SIGTERM). A BaseException, as KeyboardInterrupt is: no `except Exception` swallows it."""
+    """A SIGTERM (or SIGHUP) stopped a `kareus` command (jobs/children.py, hardware/device/stop_signals.py); not bad
+    input: the CLI prints one line and exits 143. A BaseException, as KeyboardInterrupt is: no `except Exception`
+    swallows it."""
 
 
 ERROR_DIR_ENV = "KAREUS_ERROR_DIR"  # set by jobs/torchrun.py for the ranks it starts
